@@ -1,0 +1,32 @@
+# Two commands do everything on a fresh machine:
+#   make demo   - install into .venv and run the end-to-end demo on 4 MPI ranks
+#   make test   - install into .venv and run the whole test suite (serial + MPI on 1-4 ranks)
+# The MPI is the PyPI `mpich` wheel (embedded, nothing to install system-wide).
+
+PYTHON3 ?= python3
+VENV    ?= .venv
+RANKS   ?= 4
+# The CPU build of torch: a bare `torch` requirement pulls a multi-GB CUDA build.
+TORCH   ?= torch==2.13.0
+EXTRAS  ?= mpich,test
+PY      := $(VENV)/bin/python
+
+.PHONY: install demo test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON3) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	MPIEXEC_TIMEOUT=600 timeout 660 $(VENV)/bin/mpiexec -n $(RANKS) $(PY) -m credit_mpi.demo
+
+test: install
+	PYTHON=$(PY) tools/run-tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,308 @@
+"""Tensor sharding and gathering utilities for domain parallelism.
+
+Provides functions to split tensors along a spatial dimension across
+domain-parallel ranks, and to gather them back for metrics/output.
+
+CREDIT's ``credit.domain_parallel.sharding`` API on MPI. Additions to the
+reference, all keyword-only with defaults that keep its behaviour:
+
+* ``uneven=True`` splits like :func:`numpy.array_split` (the first
+  ``size % n`` ranks get one extra row); :func:`gather_tensor` reassembles
+  uneven shards by itself.
+* ``check=True`` agrees on the arrays' metadata across the domain group
+  before anything moves, so a mistake on one rank is the same exception on
+  every rank instead of a hang or garbage. The check is one small
+  ``allgather`` of (kind, shape, dtype, device) per call: tens of
+  microseconds on one node, independent of the array size. ``check=False``
+  skips it for code that has already checked; ``gather_tensor`` then still
+  exchanges one integer per rank (the band sizes).
+
+Every function is collective over the manager's domain group (unless the
+domain size is 1 or there is no manager, in which case the input comes back
+unchanged and nothing is communicated). Arrays are numpy arrays or torch
+tensors; results have the kind, dtype and device of the input.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from . import buffers
+from .manager import DomainParallelManager, get_domain_parallel_manager
+from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
+from .validation import allgather_or_raise
+
+__all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
+
+
+def shard_tensor(
+    x: Any,
+    dim: int = -2,
+    manager: Optional[DomainParallelManager] = None,
+    *,
+    uneven: bool = False,
+    check: bool = True,
+) -> Any:
+    """Shard a tensor along the given dimension across domain-parallel ranks.
+
+    Splits the tensor into equal chunks and returns only this rank's chunk.
+    Every rank of the domain group passes the same global tensor.
+
+    Args:
+        x: Input tensor (numpy array or torch tensor).
+        dim: Dimension to shard along (default: -2 for H in BCHW or BCTHW).
+        manager: DomainParallelManager instance (uses global singleton if None).
+        uneven: Allow a size that the domain size does not divide
+            (``numpy.array_split`` layout).
+        check: Agree across the domain group that every rank passed the same
+            shape, dtype and kind (one small allgather).
+
+    Returns:
+        Local shard of the tensor (contiguous; it shares memory with ``x``
+        when the band is contiguous already, as in the reference).
+
+    Raises:
+        ValueError: ``dim`` out of range, or the size is not divisible and
+            ``uneven`` is false (on every rank when ``check``).
+        TypeError: unsupported array type.
+    """
+    manager = _resolve(manager)
+    if manager is None or manager.domain_parallel_size <= 1:
+        return x
+    n, rank = manager.domain_parallel_size, manager.domain_rank
+
+    def plan() -> tuple:
+        info = buffers.describe(x)
+        axis = normalize_dim(dim, len(info.shape))
+        return info, axis, band_sizes(info.shape[axis], n, uneven)
+
+    info, axis, sizes = _agreed(manager, plan, "shard_tensor") if check else plan()
+    return buffers.narrow(x, axis, sum(sizes[:rank]), sizes[rank])
+
+
+def gather_tensor(
+    x: Any,
+    dim: int = -2,
+    manager: Optional[DomainParallelManager] = None,
+    *,
+    check: bool = True,
+) -> Any:
+    """Gather sharded tensor from all domain-parallel ranks.
+
+    All-gathers the tensor along the sharding dimension. Each rank's shard
+    lands straight in its place in one output buffer (an ``Allgather(v)``
+    with MPI derived datatypes): no list of shards and no concatenate, so the
+    only memory beyond the output is a contiguous copy of a non-contiguous
+    input. Shards may have different sizes along ``dim`` (uneven splits).
+
+    Args:
+        x: Local shard tensor.
+        dim: Dimension that was sharded (default: -2).
+        manager: DomainParallelManager instance (uses global singleton if None).
+        check: Agree first that the shards fit together (same kind, dtype,
+            ndim and every dimension but ``dim``); a mismatch raises the same
+            exception on every rank, naming each rank's shape. Costs one small
+            allgather; with ``False`` only the band sizes are exchanged.
+
+    Returns:
+        Full (gathered) tensor, identical on every rank of the domain group.
+    """
+    manager = _resolve(manager)
+    if manager is None or manager.domain_parallel_size <= 1:
+        return x
+    comm = manager.domain_group
+
+    def plan() -> tuple:
+        info = buffers.describe(x)
+        return info, normalize_dim(dim, len(info.shape))
+
+    if check:
+        shards = allgather_or_raise(comm, plan)
+        _check_shards_fit(shards, comm)
+        info, axis = shards[comm.Get_rank()]
+        sizes = [s.shape[axis] for s, _ in shards]
+    else:
+        info, axis = plan()
+        sizes = _allgather_int(comm, info.shape[axis])
+
+    shape = list(info.shape)
+    shape[axis] = sum(sizes)
+    out = buffers.empty(x, shape)
+    if math.prod(shape) == 0:
+        return out
+    outer = math.prod(shape[:axis])
+    row_bytes = math.prod(shape[axis + 1 :]) * info.itemsize
+    send_type, recv_type = row_datatypes(outer, sizes[comm.Get_rank()], shape[axis], row_bytes)
+    try:
+        with buffers.send_buffer(buffers.contiguous(x)) as send, buffers.recv_buffer(out) as recv:
+            mine = sizes[comm.Get_rank()]
+            if len(set(sizes)) == 1:
+                comm.Allgather([send, mine, send_type], [recv, mine, recv_type])
+            else:
+                comm.Allgatherv([send, mine, send_type], [recv, (sizes, band_offsets(sizes)), recv_type])
+    finally:
+        send_type.Free()
+        recv_type.Free()
+    return out
+
+
+def shard_batch(
+    batch: Mapping[str, Any],
+    spatial_dims_5d: int = -2,
+    spatial_dims_4d: int = -2,
+    manager: Optional[DomainParallelManager] = None,
+    *,
+    uneven: bool = False,
+    check: bool = True,
+) -> dict:
+    """Shard all spatial tensors in a training batch dictionary.
+
+    Handles both 5D (B, C, T, H, W) and 4D (B, C, H, W) tensors.
+    Non-tensor entries and 1D/2D/3D tensors are left unchanged.
+
+    Args:
+        batch: Dictionary of batch data (from dataloader).
+        spatial_dims_5d: Dimension to shard in 5D tensors (default: -2 for H).
+        spatial_dims_4d: Dimension to shard in 4D tensors (default: -2 for H).
+        manager: DomainParallelManager instance (uses global singleton if None).
+        uneven: As in :func:`shard_tensor`.
+        check: As in :func:`shard_tensor`; one allgather for the whole batch.
+
+    Returns:
+        New dict with sharded tensors.
+    """
+    manager = _resolve(manager)
+    if manager is None or manager.domain_parallel_size <= 1:
+        return batch
+    n, rank = manager.domain_parallel_size, manager.domain_rank
+    dims = {5: spatial_dims_5d, 4: spatial_dims_4d}
+
+    def plan() -> dict:
+        bands = {}
+        for key, value in batch.items():
+            if buffers.is_array(value) and value.ndim in dims:
+                try:
+                    info = buffers.describe(value)
+                    axis = normalize_dim(dims[value.ndim], value.ndim)
+                    bands[key] = (info, axis, band_sizes(info.shape[axis], n, uneven))
+                except (TypeError, ValueError) as exc:
+                    raise type(exc)(f"batch[{key!r}]: {exc}") from None
+        return bands
+
+    bands = _agreed(manager, plan, "shard_batch") if check else plan()
+    sharded = dict(batch)
+    for key, (_, axis, sizes) in bands.items():
+        sharded[key] = buffers.narrow(batch[key], axis, sum(sizes[:rank]), sizes[rank])
+    return sharded
+
+
+def scatter_tensor(
+    x: Any,
+    dim: int = -2,
+    manager: Optional[DomainParallelManager] = None,
+    *,
+    root: int = 0,
+    uneven: bool = False,
+) -> Any:
+    """Scatter a tensor held by one rank of the domain group into bands.
+
+    Like :func:`shard_tensor`, but only ``root`` (a domain rank) needs the
+    global tensor; the other ranks pass ``None`` (their argument is ignored)
+    and receive their band with one ``Scatterv``, without ever holding the
+    global field. Not in the reference.
+
+    Returns:
+        This rank's band, of the root's kind and dtype (numpy on ranks other
+        than the root when the root holds numpy; the root's device type).
+    """
+    manager = _resolve(manager)
+    if manager is None or manager.domain_parallel_size <= 1:
+        return x
+    comm, n, rank = manager.domain_group, manager.domain_parallel_size, manager.domain_rank
+    if not (isinstance(root, int) and 0 <= root < n):
+        raise ValueError(f"root must be a domain rank in 0..{n - 1}, got {root!r}")
+
+    def plan() -> Optional[tuple]:
+        if rank != root:
+            return None
+        info = buffers.describe(x)
+        axis = normalize_dim(dim, len(info.shape))
+        return info, axis, band_sizes(info.shape[axis], n, uneven)
+
+    info, axis, sizes = allgather_or_raise(comm, plan)[root]
+    shape = list(info.shape)
+    shape[axis] = sizes[rank]
+    out = buffers.empty(x, shape) if rank == root else buffers.empty_described(info, shape)
+    outer = math.prod(shape[:axis])
+    row_bytes = math.prod(shape[axis + 1 :]) * info.itemsize
+    if outer * row_bytes * info.shape[axis] == 0:
+        return out
+    recv_type, send_type = row_datatypes(outer, sizes[rank], info.shape[axis], row_bytes)
+    try:
+        with buffers.recv_buffer(out) as recv:
+            if rank == root:
+                with buffers.send_buffer(buffers.contiguous(x)) as send:
+                    comm.Scatterv([send, (sizes, band_offsets(sizes)), send_type], [recv, sizes[rank], recv_type], root)
+            else:
+                comm.Scatterv(None, [recv, sizes[rank], recv_type], root)
+    finally:
+        send_type.Free()
+        recv_type.Free()
+    return out
+
+
+def _resolve(manager: Optional[DomainParallelManager]) -> Optional[DomainParallelManager]:
+    return get_domain_parallel_manager() if manager is None else manager
+
+
+def _agreed(manager: DomainParallelManager, plan, what: str):
+    """Run ``plan`` on every rank; every rank must have produced the same plan."""
+    plans = allgather_or_raise(manager.domain_group, plan)
+    if any(_signature(p) != _signature(plans[0]) for p in plans):
+        detail = "; ".join(f"rank {r}: {_summary(p)}" for r, p in enumerate(plans))
+        raise ValueError(f"{what}: ranks of the domain group passed different arrays ({detail})")
+    return plans[manager.domain_rank]
+
+
+def _signature(plan):
+    """What must agree across ranks: everything but the device index."""
+    if isinstance(plan, dict):
+        return {key: _signature(value) for key, value in plan.items()}
+    info, *rest = plan
+    return (info.kind, info.shape, info.dtype, info.device_type, *rest)
+
+
+def _summary(plan) -> str:
+    if isinstance(plan, dict):
+        return "{" + ", ".join(f"{k!r}: {_summary(v)}" for k, v in plan.items()) + "}"
+    info, axis = plan[0], plan[1]
+    return f"{info.kind} {info.dtype} {info.shape} dim {axis}"
+
+
+def _check_shards_fit(shards: list, comm: MPI.Comm) -> None:
+    first, axis = shards[0]
+    kinds_ok = all(info.same_kind(first) for info, _ in shards)
+    dims_ok = all(a == axis and len(info.shape) == len(first.shape) for info, a in shards)
+    rest_ok = dims_ok and all(
+        info.shape[:axis] + info.shape[axis + 1 :] == first.shape[:axis] + first.shape[axis + 1 :]
+        for info, _ in shards
+    )
+    if kinds_ok and rest_ok:
+        return
+    detail = ", ".join(f"rank {r}: {info.kind} {info.dtype} {info.shape} on {info.device}" for r, (info, _) in enumerate(shards))
+    if not kinds_ok:
+        raise TypeError(f"gather_tensor: shards differ in array kind, dtype or device type across {comm.Get_name()} ({detail})")
+    raise ValueError(
+        f"gather_tensor: shards do not fit together along dim {axis} across {comm.Get_name()} "
+        f"(every dimension but the gathered one must match): {detail}"
+    )
+
+
+def _allgather_int(comm: MPI.Comm, value: int) -> list[int]:
+    values = np.empty(comm.Get_size(), dtype=np.int64)
+    comm.Allgather(np.array([value], dtype=np.int64), values)
+    return values.tolist()

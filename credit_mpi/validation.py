@@ -1,0 +1,80 @@
+"""Errors that every rank agrees on.
+
+A mistake that one rank sees (a wrong shape, dtype, device or argument) must
+not leave the other ranks waiting in a collective. The pattern used across
+credit_mpi: each rank does its local checks, then one small ``allgather``
+shares either its metadata or its error; if any rank failed, every rank
+raises the same exception, naming the ranks that failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from mpi4py import MPI
+
+__all__ = ["DomainParallelError", "allgather_or_raise", "raise_on_all"]
+
+
+class DomainParallelError(RuntimeError):
+    """A problem that involves several ranks (ranks disagree, a freed manager).
+
+    Raised identically on every rank of the communicator involved.
+    """
+
+
+# Exception types that travel between ranks as themselves; anything else
+# becomes a DomainParallelError on the ranks that did not raise it.
+_PORTABLE = (ValueError, TypeError, DomainParallelError)
+
+
+def allgather_or_raise(comm: MPI.Comm, compute: Callable[[], Any]) -> list[Any]:
+    """Run ``compute()`` on every rank and allgather the results.
+
+    Collective over ``comm``. If ``compute`` raises on any rank, every rank
+    raises the same exception (the common type when all failing ranks agree
+    on one of ``ValueError``/``TypeError``/``DomainParallelError``, else
+    ``DomainParallelError``), with a message naming each failing rank.
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]``.
+    """
+    local_error = None
+    try:
+        item = (True, compute())
+    except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+        local_error = exc
+        item = (False, (type(exc) if isinstance(exc, _PORTABLE) else None, str(exc)))
+    items = comm.allgather(item)
+    failures = {rank: info for rank, (ok, info) in enumerate(items) if not ok}
+    if failures:
+        raise _agreed_error(failures, comm.Get_name()) from local_error
+    return [value for _, value in items]
+
+
+def raise_on_all(comm: MPI.Comm, error: Exception | None) -> None:
+    """Collective: raise on every rank if ``error`` is not None on any rank."""
+
+    def compute() -> None:
+        if error is not None:
+            raise error
+
+    allgather_or_raise(comm, compute)
+
+
+def _agreed_error(failures: dict[int, tuple[type | None, str]], where: str) -> Exception:
+    types = {cls for cls, _ in failures.values()}
+    cls = types.pop() if len(types) == 1 and None not in types else DomainParallelError
+    messages = {msg for _, msg in failures.values()}
+    ranks = sorted(failures)
+    if len(messages) == 1:
+        text = f"{messages.pop()} [on rank(s) {_ranks(ranks)} of {where}]"
+    else:
+        text = f"ranks of {where} disagree: " + "; ".join(
+            f"rank {r}: {failures[r][1]}" for r in ranks
+        )
+    return cls(text)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
