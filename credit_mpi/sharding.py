@@ -223,17 +223,24 @@ def scatter_tensor(
     if manager is None or manager.domain_parallel_size <= 1:
         return x
     comm, n, rank = manager.domain_group, manager.domain_parallel_size, manager.domain_rank
-    if not (isinstance(root, int) and 0 <= root < n):
-        raise ValueError(f"root must be a domain rank in 0..{n - 1}, got {root!r}")
 
-    def plan() -> Optional[tuple]:
+    def plan() -> tuple:
+        # The root is checked inside the collective agreement: a bad or
+        # different root on one rank must not leave the others in Scatterv.
+        if isinstance(root, bool) or not (isinstance(root, int) and 0 <= root < n):
+            raise ValueError(f"root must be a domain rank in 0..{n - 1}, got {root!r}")
         if rank != root:
-            return None
+            return root, None
         info = buffers.describe(x)
         axis = normalize_dim(dim, len(info.shape))
-        return info, axis, band_sizes(info.shape[axis], n, uneven)
+        return root, (info, axis, band_sizes(info.shape[axis], n, uneven))
 
-    info, axis, sizes = allgather_or_raise(comm, plan)[root]
+    plans = allgather_or_raise(comm, plan)
+    roots = [r for r, _ in plans]
+    if len(set(roots)) != 1:
+        detail = ", ".join(f"rank {r}: root={v}" for r, v in enumerate(roots))
+        raise ValueError(f"scatter_tensor: ranks of the domain group passed different roots ({detail})")
+    info, axis, sizes = plans[root][1]
     shape = list(info.shape)
     shape[axis] = sizes[rank]
     out = buffers.empty(x, shape) if rank == root else buffers.empty_described(info, shape)
