@@ -263,7 +263,10 @@ def scatter_tensor(
 
 
 def _resolve(manager: Optional[DomainParallelManager]) -> Optional[DomainParallelManager]:
-    return get_domain_parallel_manager() if manager is None else manager
+    manager = get_domain_parallel_manager() if manager is None else manager
+    if manager is not None and manager.freed:
+        manager.domain_group  # raises DomainParallelError, also when the domain size is 1
+    return manager
 
 
 def _agreed(manager: DomainParallelManager, plan, what: str):
