@@ -4,6 +4,7 @@ CREDIT's ``credit.domain_parallel`` API (manager + sharding) on MPI through
 mpi4py. Importing this package imports neither torch nor CuPy.
 """
 
+from .abort import abort_on_exception
 from .manager import (
     DomainParallelManager,
     destroy_domain_parallel,
@@ -25,5 +26,6 @@ __all__ = [
     "gather_tensor",
     "shard_batch",
     "scatter_tensor",
+    "abort_on_exception",
     "__version__",
 ]

@@ -1,0 +1,131 @@
+"""Fail fast: an uncaught exception on any rank ends the whole MPI job.
+
+Without this, a rank that dies of an exception leaves every other rank
+waiting in its next collective until the batch system kills the job, which
+burns the whole allocation. :func:`abort_on_exception` replaces
+``sys.excepthook`` (and ``threading.excepthook``) with a hook that prints the
+traceback, tagged with the rank, and then calls ``MPI.COMM_WORLD.Abort``,
+which ends every process of the job with a non-zero status.
+
+It is opt-in: importing credit_mpi changes nothing. Use it at the top of a
+batch script::
+
+    import credit_mpi
+    credit_mpi.abort_on_exception()
+
+A rank that leaves through ``sys.exit(status)`` with a non-zero status also
+aborts the job (with that status) instead of waiting forever in
+``MPI_Finalize`` while the others wait in a collective: the helper wraps
+``sys.exit`` and uses mpi4py's own mechanism for it, the one behind
+``python -m mpi4py script.py`` (which gives the same guarantees from the
+command line; this helper is for programs whose launch line you do not
+control).
+
+Only *uncaught* exceptions abort. Exceptions that credit_mpi raises on every
+rank (see :mod:`credit_mpi.validation`) can still be caught and handled as
+usual, and interactive sessions and test runners that catch exceptions
+themselves are unaffected.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from typing import Any, Callable, Optional
+
+from mpi4py import MPI
+
+__all__ = ["abort_on_exception", "abort_on_exception_enabled"]
+
+# The hooks that were in place before we installed ours (None: not installed).
+_saved: Optional[tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]] = None
+_errorcode = 1
+
+
+def abort_on_exception(enable: bool = True, *, errorcode: int = 1) -> None:
+    """Make any uncaught exception on this rank abort the whole MPI job.
+
+    Call it on every rank (it is local: no communication). With it on, an
+    exception that reaches the top level of the main thread or of any
+    ``threading.Thread`` prints its traceback to stderr, prefixed with this
+    rank's number in ``MPI.COMM_WORLD``, and then calls
+    ``MPI.COMM_WORLD.Abort(errorcode)``: every process of the job ends
+    promptly with a non-zero status instead of hanging in a collective.
+
+    Idempotent: calling it again only updates ``errorcode``; the hooks are
+    installed once. ``abort_on_exception(False)`` restores the hooks that
+    were in place before the first call.
+
+    ``sys.exit`` with a non-zero (or non-integer) status aborts the job at
+    Python exit with that status. Not covered: ``raise SystemExit(...)``
+    written out by hand (use ``python -m mpi4py``). A rank that is killed or
+    crashes needs no help: the MPI launcher ends the job then.
+
+    Args:
+        enable: ``True`` to install the hooks, ``False`` to remove them.
+        errorcode: The status passed to ``Abort`` (must be a non-zero int).
+
+    Raises:
+        ValueError: ``errorcode`` is not a non-zero integer.
+    """
+    global _saved, _errorcode
+    if not enable:
+        if _saved is not None:
+            sys.excepthook, threading.excepthook, sys.exit = _saved
+            _saved = None
+        return
+    if isinstance(errorcode, bool) or not isinstance(errorcode, int) or errorcode == 0:
+        raise ValueError(f"errorcode must be a non-zero integer, got {errorcode!r}")
+    _errorcode = errorcode
+    if _saved is None:
+        _saved = (sys.excepthook, threading.excepthook, sys.exit)
+        sys.excepthook = _excepthook
+        threading.excepthook = _threading_excepthook
+        sys.exit = _exit
+
+
+def abort_on_exception_enabled() -> bool:
+    """True while :func:`abort_on_exception` is in effect."""
+    return _saved is not None
+
+
+def _abort(exc_type, exc_value, exc_tb, where: str) -> None:
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        # Nothing to abort: let Python report the error the usual way.
+        assert _saved is not None
+        _saved[0](exc_type, exc_value, exc_tb)
+        return
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    try:
+        text = "".join(traceback.format_exception(exc_type, exc_value, exc_tb))
+        sys.stderr.write(
+            f"[credit_mpi rank {rank}/{size}] uncaught exception{where}; "
+            f"aborting all {size} rank(s) of MPI.COMM_WORLD with status {_errorcode}\n{text}"
+        )
+        sys.stderr.flush()
+        sys.stdout.flush()
+    finally:
+        world.Abort(_errorcode)
+
+
+def _excepthook(exc_type, exc_value, exc_tb) -> None:
+    _abort(exc_type, exc_value, exc_tb, "")
+
+
+def _exit(status: Any = None) -> None:
+    """``sys.exit`` that makes a non-zero status abort the job at Python exit."""
+    if threading.current_thread() is threading.main_thread() and MPI.Is_initialized() and not MPI.Is_finalized():
+        from mpi4py.run import set_abort_status
+
+        set_abort_status(SystemExit(status))
+    assert _saved is not None
+    _saved[2](status)
+
+
+def _threading_excepthook(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:  # threading ignores SystemExit; so do we
+        return
+    name = getattr(args.thread, "name", "?")
+    _abort(args.exc_type, args.exc_value, args.exc_traceback, f" in thread {name!r}")
