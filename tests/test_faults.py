@@ -1,0 +1,89 @@
+"""Fault tests: a rank that fails mid-sequence ends the whole job, promptly.
+
+Serial tests that launch their own MPI jobs (tests/fault_job.py) under
+``mpiexec`` as subprocesses, each bounded by a timeout from the test: the
+job must end with a non-zero status within the bound when
+``credit_mpi.abort_on_exception()`` is on, instead of hanging in the next
+collective. The launcher is ``$MPIEXEC`` (with ``$MPIEXEC_FLAGS``) when set,
+else the ``mpiexec`` next to the running Python (the MPI that mpi4py uses).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "tests" / "fault_job.py"
+RANKS = 3
+# Generous for a loaded 2-core CI machine; a job that aborts takes 1-3 s.
+BOUND_S = 90
+
+
+def launcher() -> list[str]:
+    mpiexec = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+    if not (Path(mpiexec).is_file() and os.access(mpiexec, os.X_OK)):
+        pytest.skip(f"no MPI launcher: {mpiexec} (set MPIEXEC)")
+    return [mpiexec, *shlex.split(os.environ.get("MPIEXEC_FLAGS", ""))]
+
+
+def run_job(mode: str, *args: str, ranks: int = RANKS) -> tuple[int, str, float]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["MPIEXEC_TIMEOUT"] = str(BOUND_S)  # MPICH's hydra ends the job itself too
+    cmd = [*launcher(), "-n", str(ranks), sys.executable, str(JOB), mode, *args]
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        out, _ = proc.communicate()
+        pytest.fail(f"{mode}: the job still ran after {BOUND_S} s (hang)\n{out[-4000:]}")
+    return proc.returncode, out, time.monotonic() - start
+
+
+FAILURES = [
+    # (mode, extra args, text the output must show)
+    ("raise", ["--rank", "1", "--step", "4"], "injected failure on rank 1"),
+    ("raise", ["--rank", "0", "--step", "0"], "injected failure on rank 0"),
+    ("raise", ["--rank", "2", "--step", "9"], "injected failure on rank 2"),
+    ("raise-all", ["--step", "3"], "injected failure"),
+    ("thread", ["--rank", "1"], "ZeroDivisionError"),
+    ("library-error", ["--rank", "2"], "cannot shard a dimension"),
+    ("sys-exit", ["--rank", "1"], ""),
+    ("os-exit", ["--rank", "1"], ""),
+    ("kill", ["--rank", "2"], ""),
+]
+
+
+@pytest.mark.parametrize("mode,args,shows", FAILURES, ids=[f"{m}-{'-'.join(a)}" for m, a, _ in FAILURES])
+def test_failing_rank_ends_the_job(mode, args, shows):
+    rc, out, took = run_job(mode, *args)
+    assert rc != 0, f"{mode}: the job ended with status 0 after {took:.1f} s\n{out[-4000:]}"
+    assert shows in out, out[-4000:]
+    assert "done" not in out, out[-4000:]
+
+
+@pytest.mark.parametrize("mode", ["none", "caught"])
+def test_helper_leaves_good_jobs_alone(mode):
+    """A clean run, and one whose agreed error is caught, end normally on every rank."""
+    rc, out, _ = run_job(mode)
+    assert rc == 0, out[-4000:]
+    # (the launcher may interleave the ranks' lines, so look for each one)
+    assert all(f"rank {r}: done" in out for r in range(RANKS)), out[-4000:]
+    assert ("caught the agreed error" in out) == (mode == "caught"), out[-4000:]
+
+
+def test_on_two_ranks_too():
+    rc, out, _ = run_job("raise", "--rank", "1", "--step", "2", ranks=2)
+    assert rc != 0 and "injected failure on rank 1" in out, out[-4000:]
