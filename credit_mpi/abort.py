@@ -32,14 +32,15 @@ from __future__ import annotations
 import sys
 import threading
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from mpi4py import MPI
 
 __all__ = ["abort_on_exception", "abort_on_exception_enabled"]
 
 # The hooks that were in place before we installed ours (None: not installed).
-_saved: Optional[tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]] = None
+_saved: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
 _errorcode = 1
 
 
