@@ -26,7 +26,19 @@ from mpi4py import MPI
 import credit_mpi
 from credit_mpi import DomainParallelManager
 
-DTYPES = ["bool", "int8", "uint8", "int16", "float16", "int32", "float32", "uint64", "float64", "complex64", "complex128"]
+DTYPES = [
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "float16",
+    "int32",
+    "float32",
+    "uint64",
+    "float64",
+    "complex64",
+    "complex128",
+]
 
 COLLECTIVE = settings(
     derandomize=True,
@@ -36,6 +48,7 @@ COLLECTIVE = settings(
     suppress_health_check=list(HealthCheck),
     print_blob=False,
 )
+
 
 def examples(n: int) -> int:
     """``n`` scaled by $CREDIT_MPI_PROPERTY_SCALE (default 1; CI's other MPIs run fewer)."""
@@ -50,7 +63,10 @@ DRAWN: collections.Counter = collections.Counter()
 def _report() -> None:
     if os.environ.get("CREDIT_MPI_REPORT") and DRAWN and MPI.COMM_WORLD.Get_rank() == 0:
         total = sum(DRAWN.values())
-        print(f"\n[test_properties] {MPI.COMM_WORLD.Get_size()} rank(s): {total} cases {dict(DRAWN)}", flush=True)
+        print(
+            f"\n[test_properties] {MPI.COMM_WORLD.Get_size()} rank(s): {total} cases {dict(DRAWN)}",
+            flush=True,
+        )
 
 
 _MANAGERS: dict[int, DomainParallelManager] = {}
@@ -85,10 +101,25 @@ def same_bits(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
-def agree(ok: bool, what: str) -> None:
-    """Fail on every rank if any rank saw a mismatch."""
-    bad = MPI.COMM_WORLD.allgather(not ok)
-    assert not any(bad), f"{what}: mismatch on rank(s) {[r for r, b in enumerate(bad) if b]}"
+def agree(check, what: str) -> None:
+    """Judge ``check()`` on every rank; fail on every rank if any rank saw a mismatch.
+
+    ``check`` runs inside a try, so an error in the local comparison on one
+    rank is that rank's failure, not a rank that leaves the others waiting.
+    """
+    try:
+        ok, why = bool(check()), "mismatch"
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        ok, why = False, f"{type(exc).__name__}: {exc}"
+    verdicts = MPI.COMM_WORLD.allgather(None if ok else why)
+    failed = {r: v for r, v in enumerate(verdicts) if v is not None}
+    assert not failed, f"{what}: {failed}"
+
+
+def same_case(*drawn) -> None:
+    """Every rank must have drawn the same case (else they would not be in step)."""
+    first = MPI.COMM_WORLD.bcast(drawn, root=0)
+    agree(lambda: drawn == first, f"ranks drew different cases; rank 0 drew {first}")
 
 
 @st.composite
@@ -125,14 +156,15 @@ def make_input(seed, shape, dtype, view) -> np.ndarray:
 def test_shard_then_gather_is_the_identity(case):
     seed, shape, dim, dtype, d, uneven, view = case
     DRAWN["shard+gather"] += 1
+    same_case(case)
     manager = manager_for(d)
     x = make_input(seed, shape, dtype, view)
     axis = dim % len(shape)
     part = credit_mpi.shard_tensor(x, dim, manager, uneven=uneven)
     expect = np.array_split(x, d, axis=axis)[manager.domain_rank]
-    agree(same_bits(part, expect), f"shard {case}")
+    agree(lambda: same_bits(part, expect), f"shard {case}")
     whole = credit_mpi.gather_tensor(part, dim, manager)
-    agree(same_bits(whole, x), f"gather {case}")
+    agree(lambda: same_bits(whole, x), f"gather {case}")
 
 
 @pytest.mark.mpi(min_size=1)
@@ -141,6 +173,7 @@ def test_shard_then_gather_is_the_identity(case):
 def test_scatter_matches_array_split(case, root_pick):
     seed, shape, dim, dtype, d, uneven, view = case
     DRAWN["scatter"] += 1
+    same_case(case, root_pick)
     manager = manager_for(d)
     root = root_pick % d
     x = make_input(seed, shape, dtype, view)
@@ -149,8 +182,9 @@ def test_scatter_matches_array_split(case, root_pick):
     if d == 1:
         part = x  # the identity (the input comes back unchanged)
     expect = np.array_split(x, d, axis=dim % len(shape))[manager.domain_rank]
-    agree(same_bits(part, expect), f"scatter {case} root {root}")
-    agree(same_bits(credit_mpi.gather_tensor(part, dim, manager), x), f"scatter+gather {case}")
+    agree(lambda: same_bits(part, expect), f"scatter {case} root {root}")
+    whole = credit_mpi.gather_tensor(part, dim, manager)
+    agree(lambda: same_bits(whole, x), f"scatter+gather {case}")
 
 
 @pytest.mark.mpi(min_size=1)
@@ -165,36 +199,57 @@ def test_scatter_matches_array_split(case, root_pick):
 )
 def test_shard_batch_matches_array_split(seed, d_pick, rows, dims, dtype, uneven):
     DRAWN["shard_batch"] += 1
+    same_case(seed, d_pick, rows, dims, dtype, uneven)
     sizes = domain_sizes(MPI.COMM_WORLD.Get_size())
     d = sizes[d_pick % len(sizes)]
     manager = manager_for(d)
     h = d * rows + (d_pick % d if uneven else 0)
     batch = {
-        "x5": random_array(seed, (2, 3, 2, h, h + 1), dtype),
+        "x5": random_array(seed, (2, 3, 2, h, h), dtype),
         "x4": random_array(seed + 1, (2, 3, h, h), dtype),
         "static": random_array(seed + 2, (h, 4), dtype),  # 2-D: left alone
         "meta": {"step": seed},
     }
     out = credit_mpi.shard_batch(batch, dims[0], dims[1], manager, uneven=uneven)
     r = manager.domain_rank
-    ok = (
-        same_bits(out["x5"], np.array_split(batch["x5"], d, axis=dims[0] % 5)[r])
-        and same_bits(out["x4"], np.array_split(batch["x4"], d, axis=dims[1] % 4)[r])
-        and out["static"] is batch["static"]
-        and out["meta"] is batch["meta"]
+    agree(
+        lambda: (
+            same_bits(out["x5"], np.array_split(batch["x5"], d, axis=dims[0] % 5)[r])
+            and same_bits(
+                out["x4"], np.array_split(batch["x4"], d, axis=dims[1] % 4)[r]
+            )
+            and out["static"] is batch["static"]
+            and out["meta"] is batch["meta"]
+        ),
+        f"shard_batch seed {seed} d {d} rows {rows} dims {dims} {dtype}",
     )
-    agree(ok, f"shard_batch seed {seed} d {d} rows {rows} dims {dims} {dtype}")
 
 
-TORCH_BITS = {"bfloat16": "uint16", "float16": "uint16", "float32": "uint32", "int64": "int64", "bool": "bool"}
+TORCH_BITS = {
+    "bfloat16": "uint16",
+    "float16": "uint16",
+    "float32": "uint32",
+    "int64": "int64",
+    "bool": "bool",
+}
 
 
 def torch_input(torch, seed, shape, torch_dtype, view):
     """Random bit patterns as a torch tensor of ``torch_dtype``, maybe a non-contiguous view."""
-    build = {"transposed": shape[::-1], "strided": tuple(2 * s for s in shape)}.get(view, shape)
-    t = torch.from_numpy(random_array(seed, build, TORCH_BITS[torch_dtype]).astype(TORCH_BITS[torch_dtype]))
+    build = {"transposed": shape[::-1], "strided": tuple(2 * s for s in shape)}.get(
+        view, shape
+    )
+    t = torch.from_numpy(
+        random_array(seed, build, TORCH_BITS[torch_dtype]).astype(
+            TORCH_BITS[torch_dtype]
+        )
+    )
     if torch_dtype != "bool":
-        t = t.view(getattr(torch, torch_dtype)) if TORCH_BITS[torch_dtype] != torch_dtype else t
+        t = (
+            t.view(getattr(torch, torch_dtype))
+            if TORCH_BITS[torch_dtype] != torch_dtype
+            else t
+        )
     if view == "transposed":
         return t.permute(*reversed(range(t.ndim)))
     if view == "strided":
@@ -215,10 +270,23 @@ def test_torch_round_trip(case, torch_dtype):
     torch = pytest.importorskip("torch")
     seed, shape, dim, _, d, uneven, view = case
     DRAWN["torch"] += 1
+    same_case(case, torch_dtype)
     manager = manager_for(d)
     x = torch_input(torch, seed, shape, torch_dtype, view)
     part = credit_mpi.shard_tensor(x, dim, manager, uneven=uneven)
     expect = torch.tensor_split(x, d, dim=dim)[manager.domain_rank]
-    agree(isinstance(part, torch.Tensor) and torch_bits(torch, part) == torch_bits(torch, expect), f"torch shard {case} {torch_dtype}")
+    agree(
+        lambda: (
+            isinstance(part, torch.Tensor)
+            and torch_bits(torch, part) == torch_bits(torch, expect)
+        ),
+        f"torch shard {case} {torch_dtype}",
+    )
     whole = credit_mpi.gather_tensor(part, dim, manager)
-    agree(isinstance(whole, torch.Tensor) and torch_bits(torch, whole) == torch_bits(torch, x), f"torch gather {case} {torch_dtype}")
+    agree(
+        lambda: (
+            isinstance(whole, torch.Tensor)
+            and torch_bits(torch, whole) == torch_bits(torch, x)
+        ),
+        f"torch gather {case} {torch_dtype}",
+    )
