@@ -268,3 +268,24 @@ def test_import_does_not_pull_torch_or_cupy():
     code = "import sys, credit_mpi; print('torch' in sys.modules, 'cupy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gather_into_out(world, make_manager, rng):
+    n = world.Get_size()
+    m = make_manager()
+    x = rng.standard_normal((2, 2 * n + 1, 3))
+    band = shard_tensor(x, 1, m, uneven=True)
+    out = np.empty_like(x)
+    assert gather_tensor(band, 1, m, out=out) is out and bits_equal(out, x)
+    out[:] = 0
+    assert gather_tensor(band, 1, m, out=out, check=False) is out and bits_equal(out, x)
+    t = torch.from_numpy(x)
+    tout = torch.empty_like(t)
+    assert gather_tensor(shard_tensor(t, 1, m, uneven=True), 1, m, out=tout) is tout and torch.equal(tout, t)
+    with pytest.raises(ValueError, match=r"out must be a C-contiguous numpy float64 array of shape \(2, %d, 3\)" % (2 * n + 1)):
+        gather_tensor(band, 1, m, out=np.empty((2, 2 * n, 3)))
+    with pytest.raises(ValueError, match="or None on every rank"):
+        gather_tensor(band, 1, m, out=out if m.domain_rank == 0 else None)
+    with pytest.raises(ValueError, match="non-contiguous"):
+        gather_tensor(band, 1, m, out=np.empty((3, 2 * n + 1, 2)).transpose(2, 1, 0))
