@@ -146,9 +146,19 @@ def raw_allgather(comm: MPI.Comm, x: Any) -> Callable[[], Any]:
     return lambda: comm.Allgather(send, recv)
 
 
-def credit_gather(x: Any, manager: DomainParallelManager, dim: int = -2, *, check: bool = True) -> Callable[[], Any]:
-    """:func:`credit_mpi.gather_tensor` of ``x`` along ``dim``."""
-    return lambda: gather_tensor(x, dim=dim, manager=manager, check=check)
+def credit_gather(
+    x: Any, manager: DomainParallelManager, dim: int = -2, *, check: bool = True, reuse: bool = False
+) -> Callable[[], Any]:
+    """:func:`credit_mpi.gather_tensor` of ``x`` along ``dim``.
+
+    With ``reuse``, every call gathers into one output allocated up front
+    (``out=``), as :func:`raw_allgather` does: no fresh allocation (and first
+    touch of its pages) per call.
+    """
+    if not reuse:
+        return lambda: gather_tensor(x, dim=dim, manager=manager, check=check)
+    out = gather_tensor(x, dim=dim, manager=manager, check=check)
+    return lambda: gather_tensor(x, dim=dim, manager=manager, check=check, out=out)
 
 
 def gloo_group(comm: MPI.Comm):
