@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     for key, (label, target, ok) in targets.items():
         if key in ratios:
             print(f"  {label:<42} {ratios[key]:7.3f}  target {target:<8} {'ok' if ok(ratios[key]) else 'MISSED'}")
+    print(f"  extra memory: {extra} bytes (gather_tensor), {ref_extra} bytes (reference method), output {out} bytes")
     if not have_torch:
         print("  torch is not installed: the torch and reference (gloo) rows are left out", file=sys.stderr)
     return 0
