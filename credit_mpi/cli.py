@@ -179,12 +179,35 @@ def _gpu_facts(local_rank: int) -> dict:
 
 
 def _binding(local_rank: int, count: int) -> Optional[int]:
-    """The device this rank would use: credit_mpi.gpu's rule when present, else local rank mod count."""
-    try:
-        from . import gpu  # noqa: F401  # TODO(cli): use gpu's local-rank -> device function once it lands
-    except ImportError:
-        pass
+    """The device this rank gets under credit_mpi.gpu.bind_device's rule: local rank mod GPUs on the node.
+
+    (With ``CUDA_VISIBLE_DEVICES`` narrowed to one GPU per rank, that is 0.)
+    Computed here rather than calling ``bind_device``, which would also make
+    it the current device.
+    """
     return local_rank % count if count else None
+
+
+def format_cuda_report(report: dict) -> list[str]:
+    """Lines for ``credit-mpi info`` from :func:`credit_mpi.gpu.cuda_awareness_report`'s dict."""
+    lines = [f"verdict: {'CUDA-aware' if report.get('cuda_aware') else 'not CUDA-aware'} (all ranks agree)"
+             if report.get("agreed", True) else
+             f"verdict: {'CUDA-aware' if report.get('cuda_aware') else 'not CUDA-aware'} (ranks DISAGREE)"]
+    lines.append(f"reason : {report.get('reason', '?')}")
+    if not report.get("agreed", True):
+        for r, item in enumerate(report.get("ranks", [])):
+            lines.append(f"  rank {r}: {'yes' if item.get('cuda_aware') else 'no'} - {item.get('reason', '?')}")
+    local = report.get("local") or {}
+    lib = local.get("library") or {}
+    if lib.get("symbol"):
+        lines.append(f"rank 0 : {lib['symbol']}() = {lib.get('value')} in {lib.get('library')}")
+    if local.get("memory_alloc_kinds"):
+        lines.append(f"rank 0 : mpi_memory_alloc_kinds = {local['memory_alloc_kinds']}")
+    for name, value in (local.get("env") or {}).items():
+        lines.append(f"rank 0 : {name}={value}")
+    if local.get("override") is not None:
+        lines.append(f"rank 0 : override in effect: {local['override']}")
+    return lines
 
 
 def _cuda_awareness(comm: MPI.Comm) -> list[str]:
@@ -194,15 +217,8 @@ def _cuda_awareness(comm: MPI.Comm) -> list[str]:
     except ImportError:
         cuda_awareness_report = None
     if cuda_awareness_report is not None:
-        report = cuda_awareness_report(comm)  # collective
-        return [str(report)] if not isinstance(report, (list, tuple)) else [str(r) for r in report]
+        return format_cuda_report(cuda_awareness_report(comm))  # collective
     lines = ["verdict: unknown (this build has no credit_mpi.gpu, which makes the verdict)"]
-    query = getattr(MPI, "Query_cuda_support", None)
-    if query is not None:
-        try:
-            lines.append(f"MPIX_Query_cuda_support(): {bool(query())}")
-        except Exception as exc:  # noqa: BLE001
-            lines.append(f"MPIX_Query_cuda_support(): unavailable ({exc})")
     for var in ("MPICH_GPU_SUPPORT_ENABLED", "OMPI_MCA_opal_cuda_support", "UCX_TLS"):
         if var in os.environ:
             lines.append(f"{var}={os.environ[var]}")

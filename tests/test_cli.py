@@ -174,3 +174,21 @@ def test_measurements_agree_with_credit_gather(make_manager):
     finally:
         if not was and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_format_cuda_report_says_verdict_reason_and_disagreement():
+    agreed = {
+        "cuda_aware": True, "reason": "CUDA-aware: MPIX_Query_cuda_support() reports CUDA support", "agreed": True,
+        "ranks": [{"cuda_aware": True, "reason": "x"}],
+        "local": {"override": None, "library": {"value": 1, "symbol": "MPIX_Query_cuda_support", "library": "libmpi.so"},
+                  "memory_alloc_kinds": None, "env": {"MPICH_GPU_SUPPORT_ENABLED": "1"}, "mpi": "MPICH"},
+    }
+    lines = cli.format_cuda_report(agreed)
+    assert lines[0] == "verdict: CUDA-aware (all ranks agree)"
+    assert any("MPIX_Query_cuda_support() = 1 in libmpi.so" in x for x in lines)
+    assert any("MPICH_GPU_SUPPORT_ENABLED=1" in x for x in lines)
+    split = dict(agreed, cuda_aware=False, agreed=False, reason="ranks disagree",
+                 ranks=[{"cuda_aware": True, "reason": "a"}, {"cuda_aware": False, "reason": "b"}])
+    lines = cli.format_cuda_report(split)
+    assert lines[0] == "verdict: not CUDA-aware (ranks DISAGREE)"
+    assert "  rank 1: no - b" in lines
