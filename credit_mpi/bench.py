@@ -25,6 +25,8 @@ inside the functions that need it.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import socket
 import statistics
@@ -296,8 +298,7 @@ def reference_extra_memory(x: np.ndarray, comm: MPI.Comm, dim: int = -2) -> tupl
 
 def halo_exchange_fn(x: Any, halo_width: int, manager: DomainParallelManager, dim: int = -2, boundary: str = "zero") -> Optional[Callable[[], Any]]:
     """``credit_mpi.halo_exchange`` of ``x``, or ``None`` when this build has no halo exchange."""
-    try:
-        from .halo import halo_exchange
-    except ImportError:
+    if importlib.util.find_spec(f"{__package__}.halo") is None:
         return None
+    halo_exchange = importlib.import_module(f"{__package__}.halo").halo_exchange
     return lambda: halo_exchange(x, halo_width, dim=dim, manager=manager, boundary=boundary)

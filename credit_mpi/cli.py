@@ -17,6 +17,8 @@ tests can run it in-process on any communicator.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -212,12 +214,9 @@ def format_cuda_report(report: dict) -> list[str]:
 
 def _cuda_awareness(comm: MPI.Comm) -> list[str]:
     """The verdict and reasons from credit_mpi.gpu when this build has it, else the raw facts only."""
-    try:
-        from .gpu import cuda_awareness_report
-    except ImportError:
-        cuda_awareness_report = None
-    if cuda_awareness_report is not None:
-        return format_cuda_report(cuda_awareness_report(comm))  # collective
+    if importlib.util.find_spec(f"{__package__}.gpu") is not None:
+        gpu = importlib.import_module(f"{__package__}.gpu")
+        return format_cuda_report(gpu.cuda_awareness_report(comm))  # collective
     lines = ["verdict: unknown (this build has no credit_mpi.gpu, which makes the verdict)"]
     for var in ("MPICH_GPU_SUPPORT_ENABLED", "OMPI_MCA_opal_cuda_support", "UCX_TLS"):
         if var in os.environ:
@@ -346,10 +345,10 @@ def run_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> list[dict]:
                     if not any(r["op"] == "halo-missing" for r in rows):
                         rows.append({"op": "halo-missing"})
                     continue
-                moved = 2 * c * w * 4
-                row = {"op": "halo", "size": f"{c}x{h}x{w}", "bytes": moved}
-                row["credit"] = bench.time_collective(dom, fn, "credit_mpi", moved, **rep)
-                row["raw"] = bench.time_collective(dom, _raw_halo(dom, x), "raw Sendrecv", moved, **rep)
+                padded = x.nbytes + 2 * c * w * 4  # the result: the band and its two halo rows
+                row = {"op": "halo", "size": f"{c}x{h}x{w}", "bytes": padded}
+                row["credit"] = bench.time_collective(dom, fn, "credit_mpi", padded, **rep)
+                row["raw"] = bench.time_collective(dom, _raw_halo(dom, x), "copy + Sendrecv", padded, **rep)
                 rows.append(row)
     if any(r["op"] == "halo-missing" for r in rows):
         say("note: this build has no credit_mpi.halo; halo rows are left out")
@@ -357,16 +356,27 @@ def run_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> list[dict]:
 
 
 def _raw_halo(comm: MPI.Comm, x: np.ndarray) -> Callable[[], Any]:
-    """Raw mpi4py floor of a 1-row halo exchange along dim -2: two Sendrecv of contiguous rows."""
+    """Raw floor of a 1-row, zero-boundary halo exchange along dim -2 with the same result.
+
+    A new array two rows longer, the band copied in, two ``Sendrecv`` of one
+    contiguous row each, the received rows (or zeros at the edges) copied into place.
+    """
     rank, size = comm.Get_rank(), comm.Get_size()
     up = rank - 1 if rank > 0 else MPI.PROC_NULL
     down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
-    first, last = np.ascontiguousarray(x[..., 0, :]), np.ascontiguousarray(x[..., -1, :])
-    from_up, from_down = np.empty_like(first), np.empty_like(last)
+    shape = list(x.shape)
+    shape[-2] += 2
 
     def run():
+        out = np.empty(shape, dtype=x.dtype)
+        out[..., 1:-1, :] = x
+        first, last = np.ascontiguousarray(x[..., 0, :]), np.ascontiguousarray(x[..., -1, :])
+        from_up, from_down = np.zeros_like(first), np.zeros_like(last)
         comm.Sendrecv(last, down, 0, from_up, up, 0)
         comm.Sendrecv(first, up, 1, from_down, down, 1)
+        out[..., 0, :] = from_up
+        out[..., -1, :] = from_down
+        return out
 
     return run
 
@@ -431,7 +441,7 @@ def cmd_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
         for line in _table(rows):
             say(line)
         say("raw: gather = mpi4py Allgather of the same bytes (contiguous, reused buffer); "
-            "shard_batch = numpy slice copy of the band; halo = two Sendrecv of one row. "
+            "shard_batch = numpy slice copy of the band; halo = a padded copy of the band + two Sendrecv of one row (zero at the edges). "
             "gloo = torch.distributed all_gather into a list + torch.cat (the reference's method)")
     if args.plot:
         try:

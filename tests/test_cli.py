@@ -192,3 +192,13 @@ def test_format_cuda_report_says_verdict_reason_and_disagreement():
     lines = cli.format_cuda_report(split)
     assert lines[0] == "verdict: not CUDA-aware (ranks DISAGREE)"
     assert "  rank 1: no - b" in lines
+
+
+@pytest.mark.mpi(min_size=1)
+def test_raw_halo_floor_matches_halo_exchange(make_manager):
+    """The bench's raw halo baseline computes what credit_mpi.halo_exchange (zero boundary) computes."""
+    halo = pytest.importorskip("credit_mpi.halo")
+    manager = make_manager()
+    x = bench.local_field((2, 3 * manager.domain_world_size + 1, 5), -2, manager.domain_group, seed=4)
+    expected = halo.halo_exchange(x, 1, dim=-2, manager=manager, boundary="zero")
+    np.testing.assert_array_equal(cli._raw_halo(manager.domain_group, x)(), expected)
