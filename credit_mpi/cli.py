@@ -129,6 +129,25 @@ def _rank0_printer(comm: MPI.Comm) -> Say:
     return say
 
 
+def _launcher_size() -> Optional[int]:
+    """The rank count the launcher announced in the environment, if any."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "PALS_SIZE"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def _mismatch_hint(comm: MPI.Comm) -> str:
+    launched = _launcher_size()
+    if comm.Get_size() == 1 and launched is not None and launched > 1:
+        return (
+            f"; the launcher started {launched} processes but MPI sees 1 rank in each: mpi4py is built "
+            f"against a different MPI than this mpiexec/srun belongs to ({MPI.Get_library_version().splitlines()[0].strip()})"
+        )
+    return ""
+
+
 def _check_domain_size(comm: MPI.Comm, d: Optional[int]) -> int:
     size = comm.Get_size()
     d = size if d is None else d
@@ -137,13 +156,18 @@ def _check_domain_size(comm: MPI.Comm, d: Optional[int]) -> int:
         raise ValueError(
             f"domain size {d} does not divide the {size} rank(s) of this job; "
             f"valid domain sizes: {', '.join(map(str, divisors))} (or change the number of ranks)"
+            + _mismatch_hint(comm)
         )
     return d
 
 
 def _single_rank_note(comm: MPI.Comm, say: Say, example: str) -> None:
     if comm.Get_size() == 1:
-        say(f"note: this is a single MPI rank (started without mpiexec/srun?); try `{example}`")
+        hint = _mismatch_hint(comm)
+        if hint:
+            say("warning: a single MPI rank" + hint)
+        else:
+            say(f"note: this is a single MPI rank (started without mpiexec/srun?); try `{example}`")
 
 
 # --------------------------------------------------------------------------- info

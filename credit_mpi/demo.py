@@ -121,6 +121,10 @@ def run(args: argparse.Namespace, comm: Optional[MPI.Comm] = None, say: Optional
         dom = manager.domain_group
         if size == 1:
             say("single rank: nothing is split or moved (start it with e.g. `mpiexec -n 4 credit-mpi demo`)")
+            from .cli import _mismatch_hint
+
+            if _mismatch_hint(comm):
+                say("warning: a single MPI rank" + _mismatch_hint(comm))
         say(f"{size} rank(s); domain groups (ranks sharing one sample): {manager.domain_groups()}", flush=True)
         field = synthetic_field(1, args.channels, args.lat, args.lon, seed=manager.dp_rank)
         sizes = band_sizes(args.lat, d, uneven=True)

@@ -202,3 +202,18 @@ def test_raw_halo_floor_matches_halo_exchange(make_manager):
     x = bench.local_field((2, 3 * manager.domain_world_size + 1, 5), -2, manager.domain_group, seed=4)
     expected = halo.halo_exchange(x, 1, dim=-2, manager=manager, boundary="zero")
     np.testing.assert_array_equal(cli._raw_halo(manager.domain_group, x)(), expected)
+
+
+def test_single_rank_under_a_foreign_launcher_is_explained(monkeypatch):
+    monkeypatch.setenv("PMI_SIZE", "4")
+    with pytest.raises(ValueError, match="launcher started 4 processes but MPI sees 1 rank"):
+        cli._check_domain_size(MPI.COMM_SELF, 2)
+    lines = []
+    cli._single_rank_note(MPI.COMM_SELF, lambda *a, **k: lines.append(" ".join(a)), "x")
+    assert "different MPI" in lines[0]
+    monkeypatch.delenv("PMI_SIZE")
+    for var in ("OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "PALS_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    lines.clear()
+    cli._single_rank_note(MPI.COMM_SELF, lambda *a, **k: lines.append(" ".join(a)), "mpiexec -n 4 x")
+    assert "single MPI rank (started without mpiexec/srun?)" in lines[0]
