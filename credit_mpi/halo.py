@@ -52,9 +52,9 @@ from .partition import (
     HALO_BOUNDARIES,
     check_halo_width,
     halo_edge_rows,
+    cached_row_type,
     halo_neighbors,
     normalize_dim,
-    row_datatypes,
 )
 from .validation import allgather_or_raise
 
@@ -120,6 +120,7 @@ class _Plan:
     row_bytes: int  # bytes of one row of one outer slice
     lon_axis: int  # last dimension (earth only)
     lon: int
+    shape: tuple  # this rank's band
 
 
 def _plan(x, halo_width, dim, manager, boundary, check) -> _Plan:
@@ -159,13 +160,14 @@ def _plan(x, halo_width, dim, manager, boundary, check) -> _Plan:
         row_bytes=math.prod(shape[axis + 1 :]) * info.itemsize,
         lon_axis=len(shape) - 1,
         lon=shape[-1],
+        shape=shape,
     )
 
 
 def _forward(x: Any, p: _Plan) -> Any:
     """The padded band (plain arrays, no autograd)."""
     w, rows, axis = p.width, p.rows, p.axis
-    shape = list(buffers.describe(x).shape)
+    shape = list(p.shape)
     shape[axis] = rows + 2 * w
     out = buffers.empty(x, shape)
     buffers.copy_rows(out, axis, w, x)
@@ -173,22 +175,18 @@ def _forward(x: Any, p: _Plan) -> Any:
         return out
     if p.outer * p.row_bytes:
         rb = p.row_bytes
-        row, _ = row_datatypes(p.outer, rows + 2 * w, rows + 2 * w, rb)
-        try:
-            with buffers.recv_buffer(out) as buf:
-                # my first w rows go up, the next rank's first w rows land below my band
-                p.comm.Sendrecv(
-                    [buf[w * rb :], w, row], _rank(p.prev), _UP,
-                    [buf[(w + rows) * rb :], w, row], _rank(p.next), _UP,
-                )
-                # my last w rows go down, the previous rank's last w rows land above
-                p.comm.Sendrecv(
-                    [buf[rows * rb :], w, row], _rank(p.next), _DOWN,
-                    [buf, w, row], _rank(p.prev), _DOWN,
-                )
-        finally:
-            row.Free()
-            _.Free()
+        row = cached_row_type(p.outer, rows + 2 * w, rb)
+        with buffers.recv_buffer(out) as buf:
+            # my first w rows go up, the next rank's first w rows land below my band
+            p.comm.Sendrecv(
+                [buf[w * rb :], w, row], _rank(p.prev), _UP,
+                [buf[(w + rows) * rb :], w, row], _rank(p.next), _UP,
+            )
+            # my last w rows go down, the previous rank's last w rows land above
+            p.comm.Sendrecv(
+                [buf[rows * rb :], w, row], _rank(p.next), _DOWN,
+                [buf, w, row], _rank(p.prev), _DOWN,
+            )
     for side, neighbour, at in (("before", p.prev, 0), ("after", p.next, w + rows)):
         if neighbour is None:
             _fill_edge(out, x, p, side, at)
@@ -218,25 +216,21 @@ def _adjoint(grad: Any, p: _Plan) -> Any:
     gx = buffers.clone(buffers.narrow(grad, axis, w, rows))
     if w == 0:
         return gx
-    shape = list(buffers.describe(grad).shape)
+    shape = list(p.shape)
     shape[axis] = w
     from_next = buffers.empty(grad, shape)
     from_prev = buffers.empty(grad, shape)
     if p.outer * p.row_bytes:
         rb = p.row_bytes
-        padded, halo = row_datatypes(p.outer, rows + 2 * w, w, rb)
-        try:
-            with buffers.send_buffer(grad) as g:
-                with buffers.recv_buffer(from_next) as r:
-                    p.comm.Sendrecv([g, w, padded], _rank(p.prev), _UP, [r, w, halo], _rank(p.next), _UP)
-                with buffers.recv_buffer(from_prev) as r:
-                    p.comm.Sendrecv(
-                        [g[(w + rows) * rb :], w, padded], _rank(p.next), _DOWN,
-                        [r, w, halo], _rank(p.prev), _DOWN,
-                    )
-        finally:
-            padded.Free()
-            halo.Free()
+        padded, halo = cached_row_type(p.outer, rows + 2 * w, rb), cached_row_type(p.outer, w, rb)
+        with buffers.send_buffer(grad) as g:
+            with buffers.recv_buffer(from_next) as r:
+                p.comm.Sendrecv([g, w, padded], _rank(p.prev), _UP, [r, w, halo], _rank(p.next), _UP)
+            with buffers.recv_buffer(from_prev) as r:
+                p.comm.Sendrecv(
+                    [g[(w + rows) * rb :], w, padded], _rank(p.next), _DOWN,
+                    [r, w, halo], _rank(p.prev), _DOWN,
+                )
     if p.next is not None:
         buffers.add_rows(gx, axis, rows - w, from_next)
     if p.prev is not None:
