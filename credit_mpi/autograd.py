@@ -27,8 +27,6 @@ Semantics follow torch DTensor's redistribution between ``Replicate()`` and
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import torch
 
 from . import halo as _halo
@@ -37,10 +35,10 @@ from .manager import DomainParallelManager
 from .partition import normalize_dim
 
 __all__ = [
-    "shard_tensor_autograd",
+    "HaloExchange",
     "gather_tensor_autograd",
     "halo_exchange_autograd",
-    "HaloExchange",
+    "shard_tensor_autograd",
 ]
 
 
@@ -100,7 +98,7 @@ def halo_exchange_autograd(
     x: torch.Tensor,
     halo_width: int,
     dim: int = -2,
-    manager: Optional[DomainParallelManager] = None,
+    manager: DomainParallelManager | None = None,
     *,
     boundary: str = "zero",
     check: bool = True,
@@ -124,7 +122,7 @@ class HaloExchange(torch.nn.Module):
         halo_width: int,
         dim: int = -2,
         boundary: str = "zero",
-        manager: Optional[DomainParallelManager] = None,
+        manager: DomainParallelManager | None = None,
     ) -> None:
         super().__init__()
         _halo._check_width(halo_width)

@@ -15,7 +15,7 @@ per dtype and one ``Allreduce`` per group and dtype.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import numpy as np
 from mpi4py import MPI
@@ -31,7 +31,7 @@ _WIDEN = {"torch.float16", "torch.bfloat16"}
 
 def reduce_gradients(
     parameters: Iterable,
-    manager: Optional[DomainParallelManager] = None,
+    manager: DomainParallelManager | None = None,
     *,
     check: bool = True,
 ) -> None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from mpi4py import MPI
 
@@ -50,15 +50,15 @@ from . import buffers
 from .manager import DomainParallelManager, get_domain_parallel_manager
 from .partition import (
     HALO_BOUNDARIES,
+    cached_row_type,
     check_halo_width,
     halo_edge_rows,
-    cached_row_type,
     halo_neighbors,
     normalize_dim,
 )
 from .validation import allgather_or_raise
 
-__all__ = ["halo_exchange", "HALO_BOUNDARIES"]
+__all__ = ["HALO_BOUNDARIES", "halo_exchange"]
 
 _UP, _DOWN = 17, 18  # message tags: rows travelling to the previous / next rank
 
@@ -67,7 +67,7 @@ def halo_exchange(
     x: Any,
     halo_width: int,
     dim: int = -2,
-    manager: Optional[DomainParallelManager] = None,
+    manager: DomainParallelManager | None = None,
     *,
     boundary: str = "zero",
     check: bool = True,
@@ -114,8 +114,8 @@ class _Plan:
     width: int
     boundary: str
     rows: int  # this rank's band along axis
-    prev: Optional[int]
-    next: Optional[int]
+    prev: int | None
+    next: int | None
     outer: int  # product of the dimensions before axis
     row_bytes: int  # bytes of one row of one outer slice
     lon_axis: int  # last dimension (earth only)
@@ -245,13 +245,13 @@ def _adjoint(grad: Any, p: _Plan) -> Any:
     return gx
 
 
-def _rank(r: Optional[int]) -> int:
+def _rank(r: int | None) -> int:
     return MPI.PROC_NULL if r is None else r
 
 
 def _check_width(width: Any) -> int:
     if isinstance(width, bool):
-        raise ValueError(f"halo_width must be a non-negative integer, got {width!r}")
+        raise ValueError(f"halo_width must be a non-negative integer, got {width!r}")  # noqa: TRY004
     try:
         value = operator.index(width)
     except TypeError:

@@ -7,12 +7,9 @@ import sys
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
-import credit_mpi
-from credit_mpi import halo_exchange
-
 from halo_reference import band, free_comms, pad_numpy, pad_torch, prefix_comms
+
+from credit_mpi import halo_exchange
 
 BOUNDARIES = ["zero", "periodic", "reflect", "earth"]
 
@@ -24,7 +21,7 @@ BOUNDARIES = ["zero", "periodic", "reflect", "earth"]
 @pytest.mark.parametrize("width", [0, 1, 3])
 def test_single_process_matches_pad(rng, boundary, width):
     g = rng.standard_normal((2, 3, 7, 6))
-    for axis in (0, 1, 2) if boundary != "earth" else (0, 1, 2):
+    for axis in (0, 1, 2):
         if boundary == "reflect" and width >= g.shape[axis]:
             continue
         if width > g.shape[axis] and boundary != "zero":
