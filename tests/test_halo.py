@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from halo_reference import band, free_comms, pad_numpy, pad_torch, prefix_comms
+from .halo_reference import band, free_comms, pad_numpy, pad_torch, prefix_comms
 
 from credit_mpi import halo_exchange
 

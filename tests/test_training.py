@@ -13,7 +13,7 @@ import copy
 
 import numpy as np
 import pytest
-from halo_reference import free_comms, pad_torch, prefix_comms
+from .halo_reference import free_comms, pad_torch, prefix_comms
 
 import credit_mpi
 from credit_mpi import gather_tensor, reduce_gradients, shard_tensor
