@@ -166,3 +166,65 @@ def send_buffer(x: Any) -> Iterator[np.ndarray]:
 def recv_buffer(out: Any) -> Iterator[np.ndarray]:
     """A buffer mpi4py can receive into (``MPI.BYTE``); its bytes end up in ``out``."""
     yield _bytes(out)
+
+
+# -- row helpers for halo exchange and autograd (numpy and torch) ----------
+
+
+def _band(x: Any, dim: int, start: int, length: int) -> Any:
+    """A view of rows ``start:start+length`` along ``dim`` (no copy)."""
+    if isinstance(x, np.ndarray):
+        return x[(slice(None),) * dim + (slice(start, start + length),)]
+    return x.narrow(dim, start, length)
+
+
+def copy_rows(dst: Any, dim: int, start: int, src: Any) -> None:
+    """Write ``src`` into rows ``start:start+len(src)`` of ``dst`` along ``dim``."""
+    if isinstance(dst, np.ndarray):
+        _band(dst, dim, start, src.shape[dim])[...] = src
+    else:
+        _band(dst, dim, start, src.shape[dim]).copy_(src)
+
+
+def add_rows(dst: Any, dim: int, start: int, src: Any) -> None:
+    """Add ``src`` to rows ``start:start+len(src)`` of ``dst`` along ``dim`` (in place)."""
+    if isinstance(dst, np.ndarray):
+        _band(dst, dim, start, src.shape[dim])[...] += src
+    else:
+        _band(dst, dim, start, src.shape[dim]).add_(src)
+
+
+def fill_rows(x: Any, dim: int, start: int, length: int, value: float = 0) -> None:
+    """Set rows ``start:start+length`` of ``x`` along ``dim`` to ``value``."""
+    if isinstance(x, np.ndarray):
+        _band(x, dim, start, length)[...] = value
+    else:
+        _band(x, dim, start, length).fill_(value)
+
+
+def flipped_rows(x: Any, dim: int, start: int, length: int) -> Any:
+    """Rows ``start:start+length`` of ``x`` in reverse order along ``dim`` (a new array)."""
+    band = _band(x, dim, start, length)
+    if isinstance(x, np.ndarray):
+        return np.flip(band, axis=dim).copy()
+    return band.flip(dim)
+
+
+def roll(x: Any, shift: int, dim: int) -> Any:
+    """``x`` rolled by ``shift`` along ``dim`` (``numpy.roll`` / ``torch.roll``)."""
+    if isinstance(x, np.ndarray):
+        return np.roll(x, shift, axis=dim)
+    return x.roll(shift, dim)
+
+
+def clone(x: Any) -> Any:
+    """A contiguous copy of ``x`` that shares no memory with it (detached for torch)."""
+    if isinstance(x, np.ndarray):
+        return np.array(x, order="C", copy=True)
+    return x.detach().clone(memory_format=_torch().contiguous_format)
+
+
+def requires_grad(x: Any) -> bool:
+    """True when ``x`` is a torch tensor that autograd is recording (grad mode on)."""
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()

@@ -73,6 +73,10 @@ def shard_tensor(
     manager = _resolve(manager)
     if manager is None or manager.domain_parallel_size <= 1:
         return x
+    if buffers.requires_grad(x):  # differentiable path (torch autograd); it calls back in here
+        from .autograd import shard_tensor_autograd
+
+        return shard_tensor_autograd(x, dim, manager, uneven=uneven, check=check)
     n, rank = manager.domain_parallel_size, manager.domain_rank
 
     def plan() -> tuple:
@@ -121,6 +125,10 @@ def gather_tensor(
     manager = _resolve(manager)
     if manager is None or manager.domain_parallel_size <= 1:
         return x
+    if buffers.requires_grad(x):  # differentiable path (torch autograd); it calls back in here
+        from .autograd import gather_tensor_autograd
+
+        return gather_tensor_autograd(x, dim, manager, check=check)
     comm = manager.domain_group
 
     def plan() -> tuple:
