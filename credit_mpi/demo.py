@@ -58,13 +58,12 @@ def conv3x3(padded: np.ndarray, weights: np.ndarray) -> np.ndarray:
     is (C, 3, 3). The same arithmetic in the same order on a band as on the
     whole field, so results agree to float rounding.
     """
-    h = padded.shape[-2] - 2
-    out = np.zeros(padded.shape[:-2] + (h, padded.shape[-1]), dtype=padded.dtype)
+    h, w = padded.shape[-2] - 2, padded.shape[-1]
+    wrapped = np.concatenate([padded[..., -1:], padded, padded[..., :1]], axis=-1)  # periodic longitude
+    out = np.zeros(padded.shape[:-2] + (h, w), dtype=padded.dtype)
     for i in range(3):
-        rows = padded[..., i : i + h, :]
         for j in range(3):
-            w = weights[:, i, j][None, :, None, None]
-            out += w * np.roll(rows, 1 - j, axis=-1)
+            out += weights[:, i, j][None, :, None, None] * wrapped[..., i : i + h, j : j + w]
     return out
 
 

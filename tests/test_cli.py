@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 
 import numpy as np
@@ -121,6 +122,8 @@ def test_tiny_demo_passes_its_checks(capsys):
         assert "[1/3] shard" in out.out and "[3/3] gather" in out.out
         assert "check gather (bit for bit): ok" in out.out
         assert "all checks passed on every rank" in out.out
+        if importlib.util.find_spec("credit_mpi.halo") is not None:
+            assert "check halo + convolution: ok" in out.out and "max |error| vs one process" in out.out
 
 
 @pytest.mark.mpi(min_size=1)
@@ -134,6 +137,8 @@ def test_tiny_bench_json(capsys):
         assert result["ranks"] == world.Get_size()
         ops = {r["op"] for r in result["rows"]}
         assert {"gather", "shard_batch"} <= ops
+        if importlib.util.find_spec("credit_mpi.halo") is not None:
+            assert "halo" in ops
         gather = next(r for r in result["rows"] if r["op"] == "gather")
         assert gather["bytes"] == 2 * h * 8 * 4 and gather["credit"]["median_s"] > 0
 
