@@ -132,19 +132,34 @@ def local_field(shape: Sequence[int], dim: int, comm: MPI.Comm, *, kind: str = "
     return x
 
 
-def raw_allgather(comm: MPI.Comm, x: Any) -> Callable[[], Any]:
+def raw_allgather(comm: MPI.Comm, x: Any, *, fresh: bool = False) -> Callable[[], Any]:
     """Raw mpi4py ``Allgather`` of ``x``'s bytes into one buffer of ``size`` times as many.
 
     The same bytes as gathering ``x`` with :func:`credit_mpi.gather_tensor`,
     but contiguous blocks (dim 0) with the buffer's own MPI datatype:
-    nothing to describe, check or lay out.
+    nothing to describe, check or lay out. The receive buffer is allocated
+    once (the floor), or with ``fresh`` on every call, as a gather that
+    returns a new array must (its pages are then first touched by MPI).
     """
     if isinstance(x, np.ndarray):
         send = np.ascontiguousarray(x)
-        recv = np.empty((comm.Get_size(), *send.shape), dtype=send.dtype)
+
+        def alloc():
+            return np.empty((comm.Get_size(), *send.shape), dtype=send.dtype)
     else:
         send = x.contiguous()
-        recv = x.new_empty((comm.Get_size(), *send.shape))
+
+        def alloc():
+            return send.new_empty((comm.Get_size(), *send.shape))
+
+    if fresh:
+        def run():
+            recv = alloc()
+            comm.Allgather(send, recv)
+            return recv
+
+        return run
+    recv = alloc()
     return lambda: comm.Allgather(send, recv)
 
 
