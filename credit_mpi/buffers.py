@@ -340,8 +340,9 @@ class _CupyOps:
 
     @staticmethod
     def host_buffer(nbytes: int, pinned: bool) -> tuple[Any, np.ndarray]:
+        # As cupyx.empty_pinned does: a writable numpy array over page-locked memory.
         memory = _cupy().cuda.alloc_pinned_memory(nbytes)
-        return memory, np.frombuffer(memory, dtype=np.uint8, count=nbytes)
+        return memory, np.ndarray((nbytes,), dtype=np.uint8, buffer=memory)
 
     @staticmethod
     def to_host(src: Any, owner: Any, view: np.ndarray) -> None:
