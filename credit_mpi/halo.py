@@ -176,7 +176,7 @@ def _forward(x: Any, p: _Plan) -> Any:
     if p.outer * p.row_bytes:
         rb = p.row_bytes
         row = cached_row_type(p.outer, rows + 2 * w, rb)
-        with buffers.recv_buffer(out) as buf:
+        with buffers.recv_buffer(out, p.comm, inout=True) as buf:
             # my first w rows go up, the next rank's first w rows land below my band
             p.comm.Sendrecv(
                 [buf[w * rb :], w, row], _rank(p.prev), _UP,
@@ -223,10 +223,10 @@ def _adjoint(grad: Any, p: _Plan) -> Any:
     if p.outer * p.row_bytes:
         rb = p.row_bytes
         padded, halo = cached_row_type(p.outer, rows + 2 * w, rb), cached_row_type(p.outer, w, rb)
-        with buffers.send_buffer(grad) as g:
-            with buffers.recv_buffer(from_next) as r:
+        with buffers.send_buffer(grad, p.comm) as g:
+            with buffers.recv_buffer(from_next, p.comm) as r:
                 p.comm.Sendrecv([g, w, padded], _rank(p.prev), _UP, [r, w, halo], _rank(p.next), _UP)
-            with buffers.recv_buffer(from_prev) as r:
+            with buffers.recv_buffer(from_prev, p.comm) as r:
                 p.comm.Sendrecv(
                     [g[(w + rows) * rb :], w, padded], _rank(p.next), _DOWN,
                     [r, w, halo], _rank(p.prev), _DOWN,
