@@ -50,6 +50,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import gpu
+from .validation import comm_label
 
 __all__ = [
     "ArrayInfo",
@@ -452,7 +453,7 @@ def _warn_staging(comm: MPI.Comm) -> None:
     _WARNED_STAGING = True
     reason = gpu.cuda_awareness_report(comm)["reason"]
     warnings.warn(
-        f"credit_mpi: device buffers are staged through host memory on {comm.Get_name()} ({reason}); "
+        f"credit_mpi: device buffers are staged through host memory on {comm_label(comm)} ({reason}); "
         f"set {gpu.ENV_OVERRIDE}=1 if this MPI is CUDA-aware",
         RuntimeWarning,
         stacklevel=6,  # the caller of shard/gather (through the context manager)

@@ -44,7 +44,7 @@ from typing import Any, Optional, Sequence
 
 from mpi4py import MPI
 
-from .validation import allgather_or_raise
+from .validation import allgather_or_raise, comm_label
 
 __all__ = [
     "ENV_OVERRIDE",
@@ -283,7 +283,7 @@ def cuda_awareness_report(comm: Optional[MPI.Comm] = None, *, refresh: bool = Fa
         "local": mine[2],
     }
     comm.Set_attr(key, report)
-    logger.debug("CUDA-aware MPI on %s: %s (%s)", comm.Get_name(), verdict, reason)
+    logger.debug("CUDA-aware MPI on %s: %s (%s)", comm_label(comm), verdict, reason)
     return report
 
 

@@ -56,7 +56,7 @@ from .partition import (
     halo_neighbors,
     normalize_dim,
 )
-from .validation import allgather_or_raise
+from .validation import allgather_or_raise, comm_label
 
 __all__ = ["HALO_BOUNDARIES", "halo_exchange"]
 
@@ -296,8 +296,8 @@ def _check_bands_fit(everyone: list, comm: MPI.Comm) -> None:
         for r, (info, a, w, b) in enumerate(everyone)
     )
     if not kinds_ok:
-        raise TypeError(f"halo_exchange: bands differ in array kind, dtype or device across {comm.Get_name()} ({detail})")
+        raise TypeError(f"halo_exchange: bands differ in array kind, dtype or device across {comm_label(comm)} ({detail})")
     raise ValueError(
-        f"halo_exchange: the bands of {comm.Get_name()} do not fit together (same dim, halo_width and boundary, "
+        f"halo_exchange: the bands of {comm_label(comm)} do not fit together (same dim, halo_width and boundary, "
         f"every dimension but dim equal, and for 'earth' the whole longitude on every rank): {detail}"
     )

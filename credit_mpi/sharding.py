@@ -35,7 +35,7 @@ from mpi4py import MPI
 from . import buffers
 from .manager import DomainParallelManager, get_domain_parallel_manager
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
-from .validation import allgather_or_raise
+from .validation import allgather_or_raise, comm_label
 
 __all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
 
@@ -357,9 +357,9 @@ def _check_shards_fit(shards: list, comm: MPI.Comm) -> None:
         return
     detail = ", ".join(f"rank {r}: {info.kind} {info.dtype} {info.shape} on {info.device}" for r, (info, _) in enumerate(shards))
     if not kinds_ok:
-        raise TypeError(f"gather_tensor: shards differ in array kind, dtype or device type across {comm.Get_name()} ({detail})")
+        raise TypeError(f"gather_tensor: shards differ in array kind, dtype or device type across {comm_label(comm)} ({detail})")
     raise ValueError(
-        f"gather_tensor: shards do not fit together along dim {axis} across {comm.Get_name()} "
+        f"gather_tensor: shards do not fit together along dim {axis} across {comm_label(comm)} "
         f"(every dimension but the gathered one must match): {detail}"
     )
 
