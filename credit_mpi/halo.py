@@ -56,7 +56,7 @@ from .partition import (
     halo_neighbors,
     normalize_dim,
 )
-from .validation import allgather_or_raise
+from .validation import allgather_or_raise, comm_label
 
 __all__ = ["HALO_BOUNDARIES", "halo_exchange"]
 
@@ -176,7 +176,7 @@ def _forward(x: Any, p: _Plan) -> Any:
     if p.outer * p.row_bytes:
         rb = p.row_bytes
         row = cached_row_type(p.outer, rows + 2 * w, rb)
-        with buffers.recv_buffer(out) as buf:
+        with buffers.recv_buffer(out, p.comm, inout=True) as buf:
             # my first w rows go up, the next rank's first w rows land below my band
             p.comm.Sendrecv(
                 [buf[w * rb :], w, row], _rank(p.prev), _UP,
@@ -223,10 +223,10 @@ def _adjoint(grad: Any, p: _Plan) -> Any:
     if p.outer * p.row_bytes:
         rb = p.row_bytes
         padded, halo = cached_row_type(p.outer, rows + 2 * w, rb), cached_row_type(p.outer, w, rb)
-        with buffers.send_buffer(grad) as g:
-            with buffers.recv_buffer(from_next) as r:
+        with buffers.send_buffer(grad, p.comm) as g:
+            with buffers.recv_buffer(from_next, p.comm) as r:
                 p.comm.Sendrecv([g, w, padded], _rank(p.prev), _UP, [r, w, halo], _rank(p.next), _UP)
-            with buffers.recv_buffer(from_prev) as r:
+            with buffers.recv_buffer(from_prev, p.comm) as r:
                 p.comm.Sendrecv(
                     [g[(w + rows) * rb :], w, padded], _rank(p.next), _DOWN,
                     [r, w, halo], _rank(p.prev), _DOWN,
@@ -296,8 +296,8 @@ def _check_bands_fit(everyone: list, comm: MPI.Comm) -> None:
         for r, (info, a, w, b) in enumerate(everyone)
     )
     if not kinds_ok:
-        raise TypeError(f"halo_exchange: bands differ in array kind, dtype or device across {comm.Get_name()} ({detail})")
+        raise TypeError(f"halo_exchange: bands differ in array kind, dtype or device across {comm_label(comm)} ({detail})")
     raise ValueError(
-        f"halo_exchange: the bands of {comm.Get_name()} do not fit together (same dim, halo_width and boundary, "
+        f"halo_exchange: the bands of {comm_label(comm)} do not fit together (same dim, halo_width and boundary, "
         f"every dimension but dim equal, and for 'earth' the whole longitude on every rank): {detail}"
     )
