@@ -191,16 +191,27 @@ def _gpu_facts(local_rank: int) -> dict:
     try:
         import torch
     except ImportError:
-        facts["via"] = "torch not installed"
-        return facts
-    try:
-        if torch.cuda.is_available():
-            n = torch.cuda.device_count()
-            facts.update(count=n, names=[torch.cuda.get_device_name(i) for i in range(n)], via="torch.cuda")
-        else:
+        torch = None
+    if torch is not None:
+        try:
+            if torch.cuda.is_available():
+                n = torch.cuda.device_count()
+                facts.update(count=n, names=[torch.cuda.get_device_name(i) for i in range(n)], via="torch.cuda")
+                return facts
             facts["via"] = "torch.cuda: no CUDA device"
-    except Exception as exc:  # noqa: BLE001 - a broken driver is a finding, not a crash
-        facts["via"] = f"torch.cuda error: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a broken driver is a finding, not a crash
+            facts["via"] = f"torch.cuda error: {exc}"
+    if importlib.util.find_spec("cupy") is not None:
+        try:
+            import cupy
+
+            n = cupy.cuda.runtime.getDeviceCount()
+            names = [cupy.cuda.runtime.getDeviceProperties(i)["name"].decode() for i in range(n)]
+            facts.update(count=n, names=names, via="cupy")
+        except Exception as exc:  # noqa: BLE001
+            facts["via"] = (facts["via"] or "") + f"; cupy: {exc}"
+    elif torch is None:
+        facts["via"] = "neither torch nor cupy installed"
     return facts
 
 

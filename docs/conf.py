@@ -25,7 +25,9 @@ autoapi_add_toctree_entry = True  # "API Reference" at the end of the root toctr
 autoapi_options = ["members", "undoc-members", "show-inheritance", "show-module-summary", "imported-members"]
 autoapi_ignore = ["*/__main__.py"]
 autoapi_keep_files = False
-suppress_warnings = ["autoapi.python_import_resolution"]
+# The package re-exports its public names (imported-members), so a short name
+# such as DomainParallelError has two targets; Sphinx picks the first either way.
+suppress_warnings = ["autoapi.python_import_resolution", "ref.python"]
 
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

@@ -17,10 +17,12 @@ set -euo pipefail
 local_rank=${SLURM_LOCALID:-${PALS_LOCAL_RANKID:-${OMPI_COMM_WORLD_LOCAL_RANK:-${MPI_LOCALRANKID:-0}}}}
 gpus_per_node=${GPUS_PER_NODE:-4}   # EDIT if your nodes do not have 4 GPUs
 
-# Tell the application which device to use, but keep every GPU visible
-# (CUDA IPC between ranks of a node needs them). credit_mpi and most codes
-# read LOCAL_RANK; torch users call torch.cuda.set_device(LOCAL_RANK % n).
+# Tell the application which GPU is its own, but keep every GPU visible
+# (CUDA IPC between the ranks of a node needs them). credit_mpi's
+# credit_mpi.gpu.bind_device() finds the node-local rank by itself (MPI
+# Split_type) and makes GPU local_rank % gpus current; this wrapper is for
+# the rest of your code (torch users: torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % n)).
 export LOCAL_RANK=$local_rank
-export CREDIT_MPI_DEVICE=$(( local_rank % gpus_per_node ))
+export LOCAL_WORLD_SIZE=${SLURM_NTASKS_PER_NODE:-${PALS_LOCAL_SIZE:-${OMPI_COMM_WORLD_LOCAL_SIZE:-$gpus_per_node}}}
 
 exec "$@"
