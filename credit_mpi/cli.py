@@ -442,13 +442,14 @@ def _plot(rows: list[dict], path: str, ranks: int) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for op in dict.fromkeys(r["op"] for r in rows):
+    # one colour per operation; solid = credit_mpi, dashed = raw floor, dotted = torch gloo
+    for i, op in enumerate(dict.fromkeys(r["op"] for r in rows)):
         mine = [r for r in rows if r["op"] == op]
         mb = [r["bytes"] / 1e6 for r in mine]
         for key, style in (("credit", "-o"), ("raw", "--s"), ("torch", ":^")):
             pts = [(m, r[key].gbps) for m, r in zip(mb, mine) if key in r]
             if pts:
-                ax.plot(*zip(*pts), style, label=f"{op}: {mine[0][key].name}")
+                ax.plot(*zip(*pts), style, color=f"C{i}", label=f"{op}: {mine[0][key].name}")
     ax.set_xscale("log")
     ax.set_xlabel("MB per rank (result)")
     ax.set_ylabel("GB/s (result bytes per rank / median time)")

@@ -222,3 +222,15 @@ def test_single_rank_under_a_foreign_launcher_is_explained(monkeypatch):
     lines.clear()
     cli._single_rank_note(MPI.COMM_SELF, lambda *a, **k: lines.append(" ".join(a)), "mpiexec -n 4 x")
     assert "single MPI rank (started without mpiexec/srun?)" in lines[0]
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [
+        {"op": "gather", "size": f"1x{h}x8", "bytes": h * 32,
+         "credit": bench.Timing("credit_mpi", h * 32, [1e-4 * h]), "raw": bench.Timing("raw mpi4py", h * 32, [5e-5 * h])}
+        for h in (8, 16, 32)
+    ]
+    path = tmp_path / "bench.png"
+    cli._plot(rows, str(path), 2)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
