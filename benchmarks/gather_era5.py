@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     results: dict = {"ranks": world.Get_size(), "shape": [c, h, w], "dtype": "float32"}
     with DomainParallelManager(None, world.Get_size()) as manager:
         comm = manager.domain_group
-        rep = dict(repeats=args.repeats, warmup=2)
+        rep = {"repeats": args.repeats, "warmup": 2}
         x = bench.local_field((c, h, w), -2, comm)
         nbytes = c * h * w * 4
         t = {}

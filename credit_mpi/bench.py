@@ -32,8 +32,9 @@ import socket
 import statistics
 import time
 import tracemalloc
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -44,16 +45,16 @@ from .sharding import gather_tensor, shard_batch
 
 __all__ = [
     "Timing",
-    "time_collective",
-    "raw_allgather",
     "credit_gather",
+    "credit_shard_batch",
+    "gather_extra_memory",
     "gloo_all_gather_cat",
     "gloo_group",
-    "credit_shard_batch",
-    "raw_slice_copy",
-    "gather_extra_memory",
-    "reference_extra_memory",
     "local_field",
+    "raw_allgather",
+    "raw_slice_copy",
+    "reference_extra_memory",
+    "time_collective",
     "torch_available",
 ]
 
@@ -311,7 +312,7 @@ def reference_extra_memory(x: np.ndarray, comm: MPI.Comm, dim: int = -2) -> tupl
     return int(extra), int(out.nbytes)
 
 
-def halo_exchange_fn(x: Any, halo_width: int, manager: DomainParallelManager, dim: int = -2, boundary: str = "zero") -> Optional[Callable[[], Any]]:
+def halo_exchange_fn(x: Any, halo_width: int, manager: DomainParallelManager, dim: int = -2, boundary: str = "zero") -> Callable[[], Any] | None:
     """``credit_mpi.halo_exchange`` of ``x``, or ``None`` when this build has no halo exchange."""
     if importlib.util.find_spec(f"{__package__}.halo") is None:
         return None

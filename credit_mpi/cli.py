@@ -22,7 +22,8 @@ import importlib.util
 import json
 import os
 import sys
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -30,7 +31,7 @@ from mpi4py import MPI
 from . import __version__
 from . import demo as demo_mod
 
-__all__ = ["build_parser", "main", "cmd_info", "cmd_demo", "cmd_bench", "parse_size", "layout_table"]
+__all__ = ["build_parser", "cmd_bench", "cmd_demo", "cmd_info", "layout_table", "main", "parse_size"]
 
 Say = Callable[..., None]
 
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None, comm: Optional[MPI.Comm] = None) -> int:
+def main(argv: Sequence[str] | None = None, comm: MPI.Comm | None = None) -> int:
     """Entry point of the ``credit-mpi`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -129,7 +130,7 @@ def _rank0_printer(comm: MPI.Comm) -> Say:
     return say
 
 
-def _launcher_size() -> Optional[int]:
+def _launcher_size() -> int | None:
     """The rank count the launcher announced in the environment, if any."""
     for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "PALS_SIZE"):
         value = os.environ.get(var, "")
@@ -148,7 +149,7 @@ def _mismatch_hint(comm: MPI.Comm) -> str:
     return ""
 
 
-def _check_domain_size(comm: MPI.Comm, d: Optional[int]) -> int:
+def _check_domain_size(comm: MPI.Comm, d: int | None) -> int:
     size = comm.Get_size()
     d = size if d is None else d
     if d < 1 or size % d:
@@ -173,14 +174,14 @@ def _single_rank_note(comm: MPI.Comm, say: Say, example: str) -> None:
 # --------------------------------------------------------------------------- info
 
 
-def layout_table(size: int, d: int, hosts: Optional[Sequence[str]] = None) -> list[str]:
+def layout_table(size: int, d: int, hosts: Sequence[str] | None = None) -> list[str]:
     """Lines of the domain x data-parallel table: which global ranks form which group."""
     groups = [list(range(g * d, (g + 1) * d)) for g in range(size // d)]
     lines = [f"{size} rank(s) = {size // d} data-parallel replica(s) x domain size {d}"]
     lines.append(f"  {'domain group':<14}{'global ranks (domain rank 0..' + str(d - 1) + ')':<40}hosts")
     for g, ranks in enumerate(groups):
         where = sorted({hosts[r] for r in ranks}) if hosts else []
-        lines.append(f"  {g:<14}{str(ranks):<40}{', '.join(where)}")
+        lines.append(f"  {g:<14}{ranks!s:<40}{', '.join(where)}")
     lines.append("  data-parallel groups (same band, different samples): " + " ".join(str(list(range(r, size, d))) for r in range(d)))
     return lines
 
@@ -215,7 +216,7 @@ def _gpu_facts(local_rank: int) -> dict:
     return facts
 
 
-def _binding(local_rank: int, count: int) -> Optional[int]:
+def _binding(local_rank: int, count: int) -> int | None:
     """The device this rank gets under credit_mpi.gpu.bind_device's rule: local rank mod GPUs on the node.
 
     (With ``CUDA_VISIBLE_DEVICES`` narrowed to one GPU per rank, that is 0.)
@@ -310,8 +311,8 @@ def cmd_info(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
             g = p["gpus"]
             device = f"cuda:{p['device']} ({g['names'][p['device']]})" if p["device"] is not None else f"- ({g['via']})"
             say(
-                f"  {r:<6}{p['host'][:21]:<22}{p['local_rank']:<7}{str(p['slurm_localid'] or '-'):<15}"
-                f"{str(g['visible'] if g['visible'] is not None else '(unset)'):<22}{g['count']:<6}{device}"
+                f"  {r:<6}{p['host'][:21]:<22}{p['local_rank']:<7}{p['slurm_localid'] or '-'!s:<15}"
+                f"{g['visible'] if g['visible'] is not None else '(unset)'!s:<22}{g['count']:<6}{device}"
             )
         per_node: dict[str, list] = {}
         for p in everyone:
@@ -356,7 +357,7 @@ def run_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> list[dict]:
     with DomainParallelManager(None, d, comm=comm) as manager:
         dom = manager.domain_group
         group = bench.gloo_group(dom) if use_torch and "gather" in ops else None
-        rep = dict(repeats=args.repeats, warmup=1)
+        rep = {"repeats": args.repeats, "warmup": 1}
         for c, h, w in sizes:
             total = c * h * w * 4
             x = bench.local_field((c, h, w), -2, dom, seed=manager.dp_rank)
@@ -417,10 +418,11 @@ def _raw_halo(comm: MPI.Comm, x: np.ndarray) -> Callable[[], Any]:
 
 
 def _table(rows: list[dict]) -> list[str]:
-    lines = [
+    header = (
         f"{'op':<12}{'size':<13}{'MB':>8}{'credit_mpi ms':>15}{'GB/s':>8}{'raw ms':>10}{'GB/s':>8}{'x raw':>7}"
         f"{'gloo ms':>10}{'x credit':>10}"
-    ]
+    )
+    lines = [header]
     for r in rows:
         c, raw, t = r["credit"], r["raw"], r.get("torch")
         line = (

@@ -27,7 +27,7 @@ import importlib
 import importlib.util
 import statistics
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -36,7 +36,7 @@ from .manager import DomainParallelManager
 from .partition import band_sizes
 from .sharding import gather_tensor, shard_tensor
 
-__all__ = ["ERA5_LAT", "ERA5_LON", "synthetic_field", "conv3x3", "add_arguments", "run", "main"]
+__all__ = ["ERA5_LAT", "ERA5_LON", "add_arguments", "conv3x3", "main", "run", "synthetic_field"]
 
 ERA5_LAT, ERA5_LON = 721, 1440  # the 0.25-degree grid
 
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="repetitions of each step to time (default: 5)")
 
 
-def _halo_exchange() -> Optional[Callable]:
+def _halo_exchange() -> Callable | None:
     """credit_mpi's halo exchange, or None when this build has none (a broken one raises)."""
     if importlib.util.find_spec(f"{__package__}.halo") is None:
         return None
@@ -101,7 +101,7 @@ def _human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def run(args: argparse.Namespace, comm: Optional[MPI.Comm] = None, say: Optional[Callable[..., None]] = None) -> int:
+def run(args: argparse.Namespace, comm: MPI.Comm | None = None, say: Callable[..., None] | None = None) -> int:
     """Run the demo on ``comm`` (default ``COMM_WORLD``); ``say`` prints (rank 0 only by default).
 
     Returns:
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace, comm: Optional[MPI.Comm] = None, say: Optional
     return 0 if ok else 1
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m credit_mpi.demo``: the same as ``credit-mpi demo``."""
     from .cli import main as cli_main
 
