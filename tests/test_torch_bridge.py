@@ -157,10 +157,11 @@ def _bits(a):
 
 CASES = [
     # (shape, dim, dtype, uneven)
-    ((2, 3, 8, 5), -2, "float32", False),
+    ((2, 3, 12, 5), -2, "float32", False),  # 12 rows divide evenly over 1..4 ranks
     ((2, 3, 7, 5), -2, "float32", True),
     ((2, 3, 7, 5), -2, "bfloat16", True),
-    ((2, 3, 8, 6), -2, "bfloat16", False),
+    ((2, 3, 12, 6), -2, "bfloat16", False),
+    ((12, 2, 3), 0, "float32", False),  # leading dim: bands are contiguous
     ((2, 1, 3, 9, 4), -2, "float64", True),
     ((5, 3, 4), 0, "float16", True),
     ((3, 4, 11), -1, "bool", True),
