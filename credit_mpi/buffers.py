@@ -26,6 +26,7 @@ __all__ = [
     "ArrayInfo",
     "describe",
     "is_array",
+    "is_contiguous",
     "contiguous",
     "empty",
     "empty_described",
@@ -94,6 +95,13 @@ def describe(x: Any) -> ArrayInfo:
         f"unsupported array type {type(x).__module__}.{type(x).__qualname__}; "
         f"expected a numpy.ndarray or a torch.Tensor"
     )
+
+
+def is_contiguous(x: Any) -> bool:
+    """True when ``x`` is C-contiguous (it can be sent or received in place)."""
+    if isinstance(x, np.ndarray):
+        return x.flags.c_contiguous
+    return x.is_contiguous()
 
 
 def contiguous(x: Any) -> Any:

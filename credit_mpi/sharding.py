@@ -90,6 +90,7 @@ def gather_tensor(
     manager: Optional[DomainParallelManager] = None,
     *,
     check: bool = True,
+    out: Any = None,
     transport: str = "mpi",
 ) -> Any:
     """Gather sharded tensor from all domain-parallel ranks.
@@ -108,6 +109,10 @@ def gather_tensor(
             ndim and every dimension but ``dim``); a mismatch raises the same
             exception on every rank, naming each rank's shape. Costs one small
             allgather; with ``False`` only the band sizes are exchanged.
+        out: Optional C-contiguous array of the global shape, kind and dtype
+            to gather into (reused across calls, it saves allocating and
+            first-touching the output each time). Checked on every rank
+            together with the shards when ``check`` is true.
         transport: ``"mpi"`` (default) moves the data with MPI; ``"torch"``
             with a torch.distributed collective over the mirrored group
             ``manager.torch_domain_group`` (NCCL on GPUs, for MPIs that are
@@ -115,7 +120,8 @@ def gather_tensor(
             The result is bit-identical; the metadata check uses MPI either way.
 
     Returns:
-        Full (gathered) tensor, identical on every rank of the domain group.
+        Full (gathered) tensor, identical on every rank of the domain group
+        (``out`` when given).
     """
     _check_transport(transport)
     manager = _resolve(manager)
@@ -127,18 +133,24 @@ def gather_tensor(
         info = buffers.describe(x)
         return info, normalize_dim(dim, len(info.shape))
 
+    def out_plan() -> Optional[tuple]:
+        return None if out is None else (buffers.describe(out), buffers.is_contiguous(out))
+
     if check:
-        shards = allgather_or_raise(comm, plan)
-        _check_shards_fit(shards, comm)
-        info, axis = shards[comm.Get_rank()]
-        sizes = [s.shape[axis] for s, _ in shards]
+        shards = allgather_or_raise(comm, lambda: (*plan(), out_plan()))
+        _check_shards_fit([s[:2] for s in shards], comm)
+        info, axis, _ = shards[comm.Get_rank()]
+        sizes = [s.shape[axis] for s, _, _ in shards]
+        _check_out(info, axis, sum(sizes), [s[2] for s in shards])
     else:
         info, axis = plan()
         sizes = _allgather_int(comm, info.shape[axis])
+        _check_out(info, axis, sum(sizes), [out_plan()])  # local only: never write out of bounds
 
     shape = list(info.shape)
     shape[axis] = sum(sizes)
-    out = buffers.empty(x, shape)
+    if out is None:
+        out = buffers.empty(x, shape)
     if math.prod(shape) == 0:
         return out
     if transport == "torch":
@@ -327,6 +339,21 @@ def _check_shards_fit(shards: list, comm: MPI.Comm) -> None:
         f"gather_tensor: shards do not fit together along dim {axis} across {comm.Get_name()} "
         f"(every dimension but the gathered one must match): {detail}"
     )
+
+
+def _check_out(info: buffers.ArrayInfo, axis: int, total: int, outs: list) -> None:
+    """Every rank's ``out`` (or None everywhere) must have the gathered shape, kind and dtype."""
+    shape = info.shape[:axis] + (total,) + info.shape[axis + 1 :]
+    bad = {
+        r: o for r, o in enumerate(outs)
+        if (o is None) != (outs[0] is None) or (o is not None and (o[0].shape != shape or not o[0].same_kind(info) or not o[1]))
+    }
+    if bad:
+        detail = ", ".join(f"rank {r}: " + ("None" if o is None else f"{o[0].kind} {o[0].dtype} {o[0].shape}" + ("" if o[1] else " non-contiguous")) for r, o in bad.items())
+        raise ValueError(
+            f"gather_tensor: out must be a C-contiguous {info.kind} {info.dtype} array of shape "
+            f"{shape} on every rank (or None on every rank); got {detail}"
+        )
 
 
 def _allgather_int(comm: MPI.Comm, value: int) -> list[int]:

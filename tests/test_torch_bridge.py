@@ -19,7 +19,7 @@ from mpi4py import MPI
 import credit_mpi
 from credit_mpi import DomainParallelError, gather_tensor, shard_batch, shard_tensor
 
-from conftest import domain_sizes
+from .conftest import domain_sizes
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -200,6 +200,17 @@ def test_torch_transport_non_contiguous_input(make_manager, rng):
     band = shard_tensor(full, 1, manager).transpose(0, 2).contiguous().transpose(0, 2)
     assert not band.is_contiguous()
     assert torch.equal(gather_tensor(band, 1, manager, transport="torch"), full)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_torch_transport_into_out(make_manager, rng):
+    n = MPI.COMM_WORLD.Get_size()
+    manager = credit_mpi.init_torch_distributed(make_manager(n), "gloo", timeout=TIMEOUT)
+    full = rng.standard_normal((2, 3 * n + 1, 4)).astype(np.float32)
+    band = shard_tensor(full, 1, manager, uneven=True)
+    out = np.full_like(full, np.nan)
+    assert gather_tensor(band, 1, manager, out=out, transport="torch") is out
+    assert _bits(out) == _bits(full)
 
 
 @pytest.mark.mpi(min_size=1)
