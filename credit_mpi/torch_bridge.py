@@ -219,9 +219,11 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: 
     the caller has agreed on ``sizes`` (rows per domain rank) and allocated
     ``out``. Data moves as bytes, so every dtype is gathered bit for bit.
     torch collectives need equal sizes on every rank and a contiguous
-    destination, so the bands go through one staging buffer of
-    ``n * max(sizes)`` rows (padded when uneven) and are then copied into
-    place: one extra copy of the field compared with MPI's derived datatypes.
+    destination, so unless the bands are equal and contiguous in ``out``
+    (nothing before ``axis`` but size-1 dimensions) they go through one
+    staging buffer of ``n * max(sizes)`` rows (padded when uneven) and are
+    then copied into place: one extra copy of the field compared with MPI's
+    derived datatypes.
     NumPy arrays and CPU tensors are staged on the current CUDA device when
     the group is NCCL.
 
@@ -237,6 +239,10 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: 
     width = outer * max(sizes) * row  # bytes per rank in the staging buffer
 
     send = _byte_tensor(buffers.contiguous(x)).to(device)
+    target = _byte_tensor(out)
+    if outer == 1 and len(set(sizes)) == 1 and target.device == device:
+        _all_gather_single(target, send, group)  # the bands are contiguous: straight into out
+        return out
     if send.numel() != width:
         padded = torch.zeros(width, dtype=torch.uint8, device=device)
         padded[: send.numel()] = send
@@ -245,7 +251,6 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: 
     _all_gather_single(staging, send, group)
     staging = staging.view(n, width)
 
-    target = _byte_tensor(out)
     if target.device != device:
         target_on_device = torch.empty_like(target, device=device)
     else:
