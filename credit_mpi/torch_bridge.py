@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import socket
+import weakref
 from datetime import timedelta
 from typing import Any, Optional, Sequence, Union
 
@@ -48,9 +49,9 @@ __all__ = ["init_torch_distributed", "destroy_torch_distributed", "is_bridged"]
 logger = logging.getLogger(__name__)
 logger.addHandler(logging.NullHandler())
 
-# Managers bridged by this module (by id), and whether this module created
-# torch's default group (then it destroys it when the last bridge goes).
-_BRIDGED: set[int] = set()
+# Managers bridged by this module, and whether this module created torch's
+# default group (then it destroys it when the last bridge goes).
+_BRIDGED: "weakref.WeakSet[DomainParallelManager]" = weakref.WeakSet()
 _OWNS_DEFAULT_GROUP = False
 
 
@@ -114,7 +115,7 @@ def init_torch_distributed(
     timeout = _timeout(timeout)
 
     def check() -> tuple:
-        if id(manager) in _BRIDGED or getattr(manager, "torch_domain_group", None) is not None:
+        if manager in _BRIDGED or getattr(manager, "torch_domain_group", None) is not None:
             raise ValueError(
                 "init_torch_distributed was already called for this manager; call "
                 "credit_mpi.destroy_torch_distributed(manager) first to rebuild the groups"
@@ -146,7 +147,7 @@ def init_torch_distributed(
     manager.torch_data_parallel_group = data_parallel
     manager.device_mesh = mesh
     manager._torch_teardown = destroy_torch_distributed
-    _BRIDGED.add(id(manager))
+    _BRIDGED.add(manager)
     logger.debug(
         "rank %d: torch.distributed bridged (%s), domain group %s, data-parallel group %s",
         comm.Get_rank(),
@@ -173,12 +174,12 @@ def destroy_torch_distributed(manager: Optional[DomainParallelManager] = None) -
         manager = get_domain_parallel_manager()
         if manager is None:
             return
-    if id(manager) not in _BRIDGED:
+    if manager not in _BRIDGED:
         return
     groups = (manager.torch_domain_group, manager.torch_data_parallel_group)
     manager.torch_domain_group = manager.torch_data_parallel_group = manager.device_mesh = None
     manager._torch_teardown = None
-    _BRIDGED.discard(id(manager))
+    _BRIDGED.discard(manager)
     if not dist.is_initialized():  # the user destroyed everything already
         return
     # Nobody may tear down (rank 0 hosts the store) while another rank still
@@ -195,7 +196,7 @@ def destroy_torch_distributed(manager: Optional[DomainParallelManager] = None) -
 
 def is_bridged(manager: DomainParallelManager) -> bool:
     """True when ``manager`` carries torch groups made by :func:`init_torch_distributed`."""
-    return id(manager) in _BRIDGED
+    return manager in _BRIDGED
 
 
 # -- data movement over the mirrored groups ---------------------------------
