@@ -42,6 +42,7 @@ from mpi4py import MPI
 from . import buffers
 from .manager import DomainParallelManager, get_domain_parallel_manager
 from .partition import band_offsets
+from .sharding import SLICE_BYTES
 from .validation import DomainParallelError, allgather_or_raise
 
 __all__ = ["init_torch_distributed", "destroy_torch_distributed", "is_bridged"]
@@ -220,11 +221,13 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: 
     the caller has agreed on ``sizes`` (rows per domain rank) and allocated
     ``out``. Data moves as bytes, so every dtype is gathered bit for bit.
     torch collectives need equal sizes on every rank and a contiguous
-    destination, so unless the bands are equal and contiguous in ``out``
-    (nothing before ``axis`` but size-1 dimensions) they go through one
-    staging buffer of ``n * max(sizes)`` rows (padded when uneven) and are
-    then copied into place: one extra copy of the field compared with MPI's
-    derived datatypes.
+    destination. With equal bands, each outer slice of ``out`` (the
+    dimensions before ``axis``) holds the bands of all ranks contiguously,
+    so each slice is gathered straight into place, all slices in flight at
+    once (as the MPI path does for slices of at least
+    :data:`credit_mpi.sharding.SLICE_BYTES`). Uneven bands, and many small
+    slices, go through one staging buffer of ``n * max(sizes)`` rows
+    (padded) and are then copied into place: one extra copy of the field.
     NumPy arrays and CPU tensors are staged on the current CUDA device when
     the group is NCCL.
 
@@ -241,8 +244,19 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: 
 
     send = _byte_tensor(buffers.contiguous(x)).to(device)
     target = _byte_tensor(out)
-    if outer == 1 and len(set(sizes)) == 1 and target.device == device:
-        _all_gather_single(target, send, group)  # the bands are contiguous: straight into out
+    total, even = sum(sizes), len(set(sizes)) == 1
+    if even and target.device == device and (outer == 1 or total * row >= SLICE_BYTES):
+        # In each outer slice of out the bands of all ranks are contiguous and
+        # in rank order: gather every slice straight into place, all in flight.
+        mine = sizes[0] * row
+        works = [
+            _all_gather_single(
+                target[p * total * row : (p + 1) * total * row], send[p * mine : (p + 1) * mine], group, async_op=True
+            )
+            for p in range(outer)
+        ]
+        for work in works:
+            work.wait()
         return out
     if send.numel() != width:
         padded = torch.zeros(width, dtype=torch.uint8, device=device)
@@ -433,9 +447,9 @@ def _group_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_gather_single(output: torch.Tensor, input_: torch.Tensor, group: Any) -> None:
+def _all_gather_single(output: torch.Tensor, input_: torch.Tensor, group: Any, async_op: bool = False) -> Any:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, input_, group=group)
+    return gather(output, input_, group=group, async_op=async_op)
 
 
 def _byte_tensor(x: Any) -> torch.Tensor:

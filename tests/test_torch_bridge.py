@@ -166,6 +166,10 @@ CASES = [
     ((5, 3, 4), 0, "float16", True),
     ((3, 4, 11), -1, "bool", True),
     ((2, 2), -2, "int8", True),  # fewer rows than ranks: some bands are empty
+    # slices of >= sharding.SLICE_BYTES: gathered per outer slice, straight into place
+    ((2, 3, 12, 2048), -2, "float32", False),
+    ((3, 12, 4096), 1, "bfloat16", False),
+    ((2, 13, 2048), 1, "float32", True),
 ]
 
 
