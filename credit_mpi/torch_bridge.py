@@ -226,8 +226,9 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: 
     so each slice is gathered straight into place, all slices in flight at
     once (as the MPI path does for slices of at least
     :data:`credit_mpi.sharding.SLICE_BYTES`). Uneven bands, and many small
-    slices, go through one staging buffer of ``n * max(sizes)`` rows
-    (padded) and are then copied into place: one extra copy of the field.
+    slices, go through a staging buffer with every band padded to the
+    widest (per slice for large slices, one collective for small ones) and
+    are then copied into place: one extra copy of the field.
     NumPy arrays and CPU tensors are staged on the current CUDA device when
     the group is NCCL.
 
@@ -240,45 +241,36 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: 
     outer = math.prod(shape[:axis])
     row = math.prod(shape[axis + 1 :]) * buffers.describe(out).itemsize
     device = _group_device(group)
-    width = outer * max(sizes) * row  # bytes per rank in the staging buffer
 
     send = _byte_tensor(buffers.contiguous(x)).to(device)
     target = _byte_tensor(out)
-    total, even = sum(sizes), len(set(sizes)) == 1
-    if even and target.device == device and (outer == 1 or total * row >= SLICE_BYTES):
-        # In each outer slice of out the bands of all ranks are contiguous and
-        # in rank order: gather every slice straight into place, all in flight.
-        mine = sizes[0] * row
-        works = [
-            _all_gather_single(
-                target[p * total * row : (p + 1) * total * row], send[p * mine : (p + 1) * mine], group, async_op=True
-            )
-            for p in range(outer)
-        ]
-        for work in works:
-            work.wait()
+    total, widest = sum(sizes), max(sizes)
+    per_slice = outer > 1 and total * row >= SLICE_BYTES  # large slices: one collective each
+    if len(set(sizes)) == 1 and target.device == device and (outer == 1 or per_slice):
+        # Each outer slice of out holds the bands of all ranks contiguously and
+        # in rank order: gather every slice straight into place.
+        _gather_slices(target.view(outer, total * row), send.view(outer, widest * row), group)
         return out
-    if send.numel() != width:
-        padded = torch.zeros(width, dtype=torch.uint8, device=device)
-        padded[: send.numel()] = send
-        send = padded
-    staging = torch.empty(n * width, dtype=torch.uint8, device=device)
-    _all_gather_single(staging, send, group)
-    staging = staging.view(n, width)
 
-    if target.device != device:
-        target_on_device = torch.empty_like(target, device=device)
-    else:
-        target_on_device = target
-    placed = target_on_device.view(outer, sum(sizes), row)
-    if len(set(sizes)) == 1:
-        rows = sizes[0]
-        placed.view(outer, n, rows, row).copy_(staging.view(n, outer, rows, row).transpose(0, 1))
-    else:
-        for r, (start, rows) in enumerate(zip(band_offsets(list(sizes)), sizes)):
-            placed[:, start : start + rows].copy_(staging[r, : outer * rows * row].view(outer, rows, row))
-    if target_on_device is not target:
-        target.copy_(target_on_device)
+    # Staging: (slices, n, width) bytes, every band padded to the widest.
+    slices = outer if per_slice else 1
+    width = outer * widest * row // slices
+    mine = send.numel() // slices
+    if mine != width:
+        padded = torch.zeros((slices, width), dtype=torch.uint8, device=device)
+        padded[:, :mine] = send.view(slices, mine)
+        send = padded
+    staging = torch.empty((slices, n * width), dtype=torch.uint8, device=device)
+    _gather_slices(staging, send.view(slices, width), group)
+    staging = staging.view(slices, n, width)
+
+    on_device = target if target.device == device else torch.empty_like(target, device=device)
+    placed = on_device.view(outer, total, row)
+    for r, (first, rows) in enumerate(zip(band_offsets(list(sizes)), sizes)):
+        band = staging[:, r, : outer * rows * row // slices]  # (slices, outer/slices * rows * row)
+        placed[:, first : first + rows].copy_(band.reshape(outer, rows, row))
+    if on_device is not target:
+        target.copy_(on_device)
     return out
 
 
@@ -447,9 +439,12 @@ def _group_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_gather_single(output: torch.Tensor, input_: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+def _gather_slices(output: torch.Tensor, input_: torch.Tensor, group: Any) -> None:
+    """All-gather ``input_[p]`` into ``output[p]`` for every row ``p``, all in flight at once."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, input_, group=group, async_op=async_op)
+    works = [gather(output[p], input_[p], group=group, async_op=True) for p in range(output.shape[0])]
+    for work in works:
+        work.wait()
 
 
 def _byte_tensor(x: Any) -> torch.Tensor:
