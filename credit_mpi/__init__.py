@@ -10,6 +10,8 @@ from .manager import (
     get_domain_parallel_manager,
     initialize_domain_parallel,
 )
+from .grad_sync import reduce_gradients
+from .halo import halo_exchange
 from .sharding import gather_tensor, scatter_tensor, shard_batch, shard_tensor
 from .validation import DomainParallelError
 
@@ -36,5 +38,17 @@ __all__ = [
     "gather_tensor",
     "shard_batch",
     "scatter_tensor",
+    "halo_exchange",
+    "HaloExchange",
+    "reduce_gradients",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # torch-only names load on first use, so `import credit_mpi` never imports torch
+    if name == "HaloExchange":
+        from .autograd import HaloExchange
+
+        return HaloExchange
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

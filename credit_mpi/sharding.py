@@ -20,7 +20,8 @@ reference, all keyword-only with defaults that keep its behaviour:
 Every function is collective over the manager's domain group (unless the
 domain size is 1 or there is no manager, in which case the input comes back
 unchanged and nothing is communicated). Arrays are numpy arrays or torch
-tensors; results have the kind, dtype and device of the input.
+tensors (CPU or CUDA) or CuPy arrays; results have the kind, dtype and device of the
+input (device arrays move as :mod:`credit_mpi.buffers` describes).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from mpi4py import MPI
 from . import buffers
 from .manager import DomainParallelManager, get_domain_parallel_manager
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
-from .validation import allgather_or_raise
+from .validation import allgather_or_raise, comm_label
 
 __all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
 
@@ -73,6 +74,10 @@ def shard_tensor(
     manager = _resolve(manager)
     if manager is None or manager.domain_parallel_size <= 1:
         return x
+    if buffers.requires_grad(x):  # differentiable path (torch autograd); it calls back in here
+        from .autograd import shard_tensor_autograd
+
+        return shard_tensor_autograd(x, dim, manager, uneven=uneven, check=check)
     n, rank = manager.domain_parallel_size, manager.domain_rank
 
     def plan() -> tuple:
@@ -128,6 +133,10 @@ def gather_tensor(
     manager = _resolve(manager)
     if manager is None or manager.domain_parallel_size <= 1:
         return x
+    if buffers.requires_grad(x):  # differentiable path (torch autograd); it calls back in here
+        from .autograd import gather_tensor_autograd
+
+        return gather_tensor_autograd(x, dim, manager, check=check)
     comm = manager.domain_group
 
     def plan() -> tuple:
@@ -160,7 +169,7 @@ def gather_tensor(
         return torch_bridge.allgather_bands(x, out, axis, sizes, manager)
     outer = math.prod(shape[:axis])
     row_bytes = math.prod(shape[axis + 1 :]) * info.itemsize
-    with buffers.send_buffer(buffers.contiguous(x)) as send, buffers.recv_buffer(out) as recv:
+    with buffers.send_buffer(buffers.contiguous(x), comm) as send, buffers.recv_buffer(out, comm) as recv:
         _allgather_rows(comm, send, recv, outer, sizes, row_bytes)
     return out
 
@@ -318,9 +327,9 @@ def scatter_tensor(
         return out
     recv_type, send_type = row_datatypes(outer, sizes[rank], info.shape[axis], row_bytes)
     try:
-        with buffers.recv_buffer(out) as recv:
+        with buffers.recv_buffer(out, comm) as recv:
             if rank == root:
-                with buffers.send_buffer(buffers.contiguous(x)) as send:
+                with buffers.send_buffer(buffers.contiguous(x), comm) as send:
                     comm.Scatterv([send, (sizes, band_offsets(sizes)), send_type], [recv, sizes[rank], recv_type], root)
             else:
                 comm.Scatterv(None, [recv, sizes[rank], recv_type], root)
@@ -360,7 +369,7 @@ def _summary(plan) -> str:
     if isinstance(plan, dict):
         return "{" + ", ".join(f"{k!r}: {_summary(v)}" for k, v in plan.items()) + "}"
     info, axis = plan[0], plan[1]
-    return f"{info.kind} {info.dtype} {info.shape} dim {axis}"
+    return f"{info.kind} {info.dtype} {info.shape} on {info.device} dim {axis}"
 
 
 def _check_shards_fit(shards: list, comm: MPI.Comm) -> None:
@@ -375,9 +384,9 @@ def _check_shards_fit(shards: list, comm: MPI.Comm) -> None:
         return
     detail = ", ".join(f"rank {r}: {info.kind} {info.dtype} {info.shape} on {info.device}" for r, (info, _) in enumerate(shards))
     if not kinds_ok:
-        raise TypeError(f"gather_tensor: shards differ in array kind, dtype or device type across {comm.Get_name()} ({detail})")
+        raise TypeError(f"gather_tensor: shards differ in array kind, dtype or device type across {comm_label(comm)} ({detail})")
     raise ValueError(
-        f"gather_tensor: shards do not fit together along dim {axis} across {comm.Get_name()} "
+        f"gather_tensor: shards do not fit together along dim {axis} across {comm_label(comm)} "
         f"(every dimension but the gathered one must match): {detail}"
     )
 
