@@ -17,17 +17,6 @@ from .validation import DomainParallelError
 
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str):
-    # The torch bridge imports torch, so it is loaded on first use only (and
-    # its names stay out of __all__, so `import *` works without torch).
-    if name in ("init_torch_distributed", "destroy_torch_distributed"):
-        from . import torch_bridge
-
-        return getattr(torch_bridge, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "DomainParallelManager",
     "DomainParallelError",
@@ -51,4 +40,8 @@ def __getattr__(name: str):
         from .autograd import HaloExchange
 
         return HaloExchange
+    if name in ("init_torch_distributed", "destroy_torch_distributed"):
+        from . import torch_bridge
+
+        return getattr(torch_bridge, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

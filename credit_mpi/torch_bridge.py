@@ -55,6 +55,8 @@ logger.addHandler(logging.NullHandler())
 _BRIDGED: "weakref.WeakSet[DomainParallelManager]" = weakref.WeakSet()
 _OWNS_DEFAULT_GROUP = False
 
+_UP, _DOWN = 17, 18  # point-to-point tags, as in credit_mpi.halo
+
 
 def init_torch_distributed(
     manager: Optional[DomainParallelManager] = None,
@@ -274,6 +276,52 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: 
     return out
 
 
+def exchange_halo_rows(out: Any, plan: Any) -> None:
+    """Fill the halo rows of ``out`` from the neighbours over the torch domain group.
+
+    The torch counterpart of the two ``Sendrecv`` calls in
+    :func:`credit_mpi.halo_exchange` (``plan`` is its plan, with
+    ``plan.torch_group`` set): ``out`` is this rank's padded band with the
+    band already in place; the first ``width`` band rows go to the previous
+    rank and the next rank's land below the band, then the last ``width``
+    band rows go to the next rank and the previous rank's land above. The
+    operations are issued in that order on every rank (NCCL matches
+    point-to-point messages between two ranks in issue order, not by tag).
+    Outer edges (no neighbour) are left to the caller.
+    """
+    group = plan.torch_group
+    device = _group_device(group)
+    w, rows, outer, row = plan.width, plan.rows, plan.outer, plan.row_bytes
+    target = _byte_tensor(out)
+    on_device = target if target.device == device else target.to(device)
+    padded = on_device.view(outer, rows + 2 * w, row)
+    ops, landing = [], []
+
+    def recv(peer: int, tag: int, at: int) -> None:
+        buf = torch.empty((outer, w, row), dtype=torch.uint8, device=device)
+        ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, peer), group, tag))
+        landing.append((buf, at))
+
+    def send(peer: int, tag: int, first: int) -> None:
+        buf = padded[:, first : first + w].contiguous()
+        ops.append(dist.P2POp(dist.isend, buf, dist.get_global_rank(group, peer), group, tag))
+
+    if plan.prev is not None:
+        send(plan.prev, _UP, w)
+    if plan.next is not None:
+        recv(plan.next, _UP, w + rows)
+        send(plan.next, _DOWN, rows)
+    if plan.prev is not None:
+        recv(plan.prev, _DOWN, 0)
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for buf, at in landing:
+        padded[:, at : at + w].copy_(buf)
+    if on_device is not target:
+        target.copy_(on_device)
+
+
 # -- internals ---------------------------------------------------------------
 
 
@@ -360,23 +408,11 @@ def _check_agreement(comm: MPI.Comm, states: list[tuple]) -> None:
             )
 
 
-def _local_rank(comm: MPI.Comm) -> int:
-    """This rank's index among the ranks of ``comm`` on its node.
-
-    TODO(lead): point this at credit_mpi.gpu's local-rank helper once merged.
-    """
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
-        return node.Get_rank()
-    finally:
-        node.Free()
-
-
 def _bind_local_device(comm: MPI.Comm) -> None:
-    local = _local_rank(comm)
-    count = torch.cuda.device_count()
-    torch.cuda.set_device(local % count)
-    logger.debug("rank %d: local rank %d -> cuda:%d", comm.Get_rank(), local, local % count)
+    """Bind this rank's CUDA device from its local rank (:func:`credit_mpi.gpu.bind_device`)."""
+    from . import gpu
+
+    gpu.bind_device(comm, library="torch")
 
 
 def _init_default_group(comm: MPI.Comm, backend: str, timeout: timedelta) -> None:

@@ -243,6 +243,58 @@ def test_torch_transport_without_bridge_is_a_clear_error(make_manager):
         shard_batch({"x": np.zeros((1, 1, 4, 4))}, manager=manager, transport="torch")
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("boundary", ["zero", "periodic", "reflect", "earth"])
+def test_halo_torch_transport_like_mpi(make_manager, rng, boundary):
+    n = MPI.COMM_WORLD.Get_size()
+    for d in domain_sizes(n):
+        manager = credit_mpi.init_torch_distributed(make_manager(d), "gloo", timeout=TIMEOUT)
+        for shape, dtype, width in (
+            ((2, 3, 4 * d + 1, 6), "float32", 2),  # uneven bands
+            ((2, 1, 3 * d, 8), "bfloat16", 1),
+            ((1, 2, 2, 4 * d, 4), "float64", 3),
+            ((2, 2 * d, 4), "bool", 0),
+        ):
+            full = torch.from_numpy(rng.standard_normal(shape) * 10)
+            full = (full > 0) if dtype == "bool" else full.to(getattr(torch, dtype))
+            for kind in ("numpy", "torch"):
+                if kind == "numpy" and dtype == "bfloat16":
+                    continue
+                band = shard_tensor(full if kind == "torch" else full.numpy(), -2, manager, uneven=True)
+                via_mpi = credit_mpi.halo_exchange(band, width, -2, manager, boundary=boundary)
+                via_torch = credit_mpi.halo_exchange(band, width, -2, manager, boundary=boundary, transport="torch")
+                assert type(via_torch) is type(via_mpi) and tuple(via_torch.shape) == tuple(via_mpi.shape)
+                assert _bits(via_torch) == _bits(via_mpi), (shape, dtype, width, d, kind)
+        manager.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_halo_torch_transport_forward_with_grad(make_manager, rng):
+    n = MPI.COMM_WORLD.Get_size()
+    manager = credit_mpi.init_torch_distributed(make_manager(n), "gloo", timeout=TIMEOUT)
+    band = shard_tensor(torch.from_numpy(rng.standard_normal((1, 2, 3 * n, 4))), -2, manager)
+    x = band.clone().requires_grad_(True)
+    y = band.clone().requires_grad_(True)
+    via_torch = credit_mpi.halo_exchange(x, 1, manager=manager, boundary="periodic", transport="torch")
+    via_mpi = credit_mpi.halo_exchange(y, 1, manager=manager, boundary="periodic")
+    assert torch.equal(via_torch, via_mpi)
+    via_torch.square().sum().backward()
+    via_mpi.square().sum().backward()
+    assert torch.equal(x.grad, y.grad)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_halo_torch_transport_without_bridge(make_manager):
+    manager = make_manager(MPI.COMM_WORLD.Get_size())
+    with pytest.raises(DomainParallelError, match="init_torch_distributed"):
+        credit_mpi.halo_exchange(np.zeros((2, 4)), 1, 0, manager, transport="torch")
+
+
+def test_halo_bad_transport():
+    with pytest.raises(ValueError, match="transport must be 'mpi' or 'torch'"):
+        credit_mpi.halo_exchange(np.zeros((2, 4)), 1, 0, transport="gloo")
+
+
 # -- MPI: existing torch.distributed, teardown ----------------------------------------
 
 
