@@ -487,6 +487,8 @@ def _byte_tensor(x: Any) -> torch.Tensor:
     """A flat uint8 torch view of the contiguous array ``x`` (shares memory)."""
     if isinstance(x, np.ndarray):
         return torch.from_numpy(x.reshape(-1).view(np.uint8))
+    if not isinstance(x, torch.Tensor):  # CuPy (or any DLPack producer)
+        x = torch.from_dlpack(x)
     return x.reshape(-1).view(torch.uint8)
 
 

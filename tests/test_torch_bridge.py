@@ -400,13 +400,32 @@ def test_torch_initialised_on_some_ranks_only(make_manager):
 # -- GPU: NCCL -----------------------------------------------------------------
 
 
+def _nccl_skip_reason():
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected")."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    from credit_mpi import gpu as gpu_module
+
+    _, local_size = gpu_module.local_rank(MPI.COMM_WORLD)
+    if local_size > torch.cuda.device_count():
+        return f"NCCL needs one GPU per rank: {local_size} ranks on this node, {torch.cuda.device_count()} GPU(s)"
+    return None
+
+
+@pytest.fixture
+def nccl_ready():
+    reason = _nccl_skip_reason()
+    if reason:
+        pytest.skip(reason)
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.mpi(min_size=1)
-def test_nccl_groups_and_allreduce(make_manager):
+def test_nccl_groups_and_allreduce(make_manager, nccl_ready):
     world = MPI.COMM_WORLD
     n = world.Get_size()
     for d in domain_sizes(n):
@@ -425,16 +444,18 @@ def test_nccl_groups_and_allreduce(make_manager):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.mpi(min_size=1)
-def test_nccl_transport_gathers_like_mpi(make_manager, rng):
+def test_nccl_transport_gathers_like_mpi(make_manager, rng, nccl_ready):
     n = MPI.COMM_WORLD.Get_size()
     manager = credit_mpi.init_torch_distributed(make_manager(n), "nccl", timeout=TIMEOUT)
     full = rng.standard_normal((2, 3, 4 * n + 1, 5)).astype(np.float32)
     band = shard_tensor(full, -2, manager, uneven=True)
     assert _bits(gather_tensor(band, -2, manager, transport="torch")) == _bits(full)
     cuda_full = torch.from_numpy(full).to(torch.bfloat16).cuda()
-    try:
-        cuda_band = shard_tensor(cuda_full, -2, manager, uneven=True)
-    except TypeError as exc:
-        pytest.skip(f"the buffer layer has no CUDA support in this build: {exc}")
+    cuda_band = shard_tensor(cuda_full, -2, manager, uneven=True)
     got = gather_tensor(cuda_band, -2, manager, transport="torch")
     assert got.is_cuda and torch.equal(got.view(torch.int16), cuda_full.view(torch.int16))
+    assert torch.equal(gather_tensor(cuda_band, -2, manager).view(torch.int16), got.view(torch.int16))
+    padded = credit_mpi.halo_exchange(cuda_band, 1, manager=manager, boundary="earth", transport="torch")
+    expected = credit_mpi.halo_exchange(cuda_band, 1, manager=manager, boundary="earth")
+    assert padded.is_cuda and torch.equal(padded.view(torch.int16), expected.view(torch.int16))
+    manager.free()
