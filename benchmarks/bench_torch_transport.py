@@ -56,21 +56,22 @@ def main() -> None:
         for transport in ("mpi", "torch"):
             assert torch.equal(gather_tensor(band, -2, manager, transport=transport), full)
             if label == "even":
-                results[f"gather {transport}"] = best(lambda: gather_tensor(band, -2, manager, transport=transport))
+                results[f"gather {transport}"] = best(lambda b=band, t=transport: gather_tensor(b, -2, manager, transport=t))
             results[f"gather out= {label} {transport}"] = best(
-                lambda: gather_tensor(band, -2, manager, out=out, transport=transport)
+                lambda b=band, o=out, t=transport: gather_tensor(b, -2, manager, out=o, transport=t)
             )
         if label == "even":
             flat = band.reshape(-1).view(torch.uint8)
             staging = torch.empty(flat.numel() * comm.Get_size(), dtype=torch.uint8)
-            results["raw MPI Allgather"] = best(lambda: manager.domain_group.Allgather(flat.numpy(), staging.numpy()))
+            send, recv = flat.numpy(), staging.numpy()
+            results["raw MPI Allgather"] = best(lambda s=send, r=recv: manager.domain_group.Allgather(s, r))
             if dist.get_backend(manager.torch_domain_group) != "nccl":
                 results["raw torch all_gather_single"] = best(
-                    lambda: dist.all_gather_single(staging, flat, group=manager.torch_domain_group)
+                    lambda s=flat, r=staging: dist.all_gather_single(r, s, group=manager.torch_domain_group)
                 )
             for transport in ("mpi", "torch"):
                 results[f"halo w=2 periodic {transport}"] = best(
-                    lambda: halo_exchange(band, 2, manager=manager, boundary="periodic", transport=transport)
+                    lambda b=band, t=transport: halo_exchange(b, 2, manager=manager, boundary="periodic", transport=t)
                 )
     if comm.Get_rank() == 0:
         print(f"{comm.Get_size()} ranks, float32 {tuple(args.shape)}, backend {dist.get_backend()}")

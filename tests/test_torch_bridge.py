@@ -26,7 +26,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from credit_mpi import torch_bridge  # noqa: E402
+from credit_mpi import torch_bridge
 
 TIMEOUT = timedelta(seconds=60)
 
