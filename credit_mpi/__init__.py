@@ -40,4 +40,8 @@ def __getattr__(name: str):
         from .autograd import HaloExchange
 
         return HaloExchange
+    if name in ("init_torch_distributed", "destroy_torch_distributed"):
+        from . import torch_bridge
+
+        return getattr(torch_bridge, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

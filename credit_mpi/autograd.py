@@ -102,9 +102,10 @@ def halo_exchange_autograd(
     *,
     boundary: str = "zero",
     check: bool = True,
+    transport: str = "mpi",
 ) -> torch.Tensor:
     """Differentiable :func:`credit_mpi.halo_exchange` (backward: halo gradients go home)."""
-    plan = _halo._plan(x, halo_width, dim, manager, boundary, check)
+    plan = _halo._plan(x, halo_width, dim, manager, boundary, check, transport)
     return _HaloExchange.apply(x, plan)
 
 

@@ -71,6 +71,7 @@ def halo_exchange(
     *,
     boundary: str = "zero",
     check: bool = True,
+    transport: str = "mpi",
 ) -> Any:
     """Pad the local band with ``halo_width`` rows of its neighbours on both sides.
 
@@ -88,6 +89,12 @@ def halo_exchange(
             (kind, dtype, every dimension but ``dim``) and check that the halo
             fits every band, so a mistake is the same exception on every rank
             (one small allgather). With ``False`` only local checks run.
+        transport: ``"mpi"`` (default) moves the halo rows with MPI
+            ``Sendrecv``; ``"torch"`` with torch.distributed point-to-point
+            over ``manager.torch_domain_group`` (NCCL on GPUs; see
+            :func:`credit_mpi.init_torch_distributed`). Bit-identical result.
+            The checks, and the backward pass of the differentiable exchange,
+            use MPI either way.
 
     Returns:
         A new array of ``x``'s kind, dtype and device, ``2 * halo_width``
@@ -99,12 +106,14 @@ def halo_exchange(
             with an odd) longitude, a halo wider than a band.
         TypeError: unsupported array type, or bands of different kinds.
     """
+    if transport not in ("mpi", "torch"):
+        raise ValueError(f"transport must be 'mpi' or 'torch', got {transport!r}")
     manager = get_domain_parallel_manager() if manager is None else manager
     if buffers.requires_grad(x):
         from .autograd import halo_exchange_autograd
 
-        return halo_exchange_autograd(x, halo_width, dim, manager, boundary=boundary, check=check)
-    return _forward(x, _plan(x, halo_width, dim, manager, boundary, check))
+        return halo_exchange_autograd(x, halo_width, dim, manager, boundary=boundary, check=check, transport=transport)
+    return _forward(x, _plan(x, halo_width, dim, manager, boundary, check, transport))
 
 
 @dataclass(frozen=True)
@@ -121,9 +130,10 @@ class _Plan:
     lon_axis: int  # last dimension (earth only)
     lon: int
     shape: tuple  # this rank's band
+    torch_group: Any = None  # transport="torch": the mirrored torch domain group
 
 
-def _plan(x, halo_width, dim, manager, boundary, check) -> _Plan:
+def _plan(x, halo_width, dim, manager, boundary, check, transport="mpi") -> _Plan:
     if manager is None or manager.domain_parallel_size <= 1:
         comm, n, rank = MPI.COMM_SELF, 1, 0
     else:
@@ -148,6 +158,11 @@ def _plan(x, halo_width, dim, manager, boundary, check) -> _Plan:
     check_halo_width(sizes, width, boundary, axis)
     prev, nxt = halo_neighbors(rank, n, boundary == "periodic")
     shape = info.shape
+    torch_group = None
+    if transport == "torch" and n > 1:
+        from . import torch_bridge
+
+        torch_group = torch_bridge.domain_group(manager)
     return _Plan(
         comm=comm,
         axis=axis,
@@ -161,6 +176,7 @@ def _plan(x, halo_width, dim, manager, boundary, check) -> _Plan:
         lon_axis=len(shape) - 1,
         lon=shape[-1],
         shape=shape,
+        torch_group=torch_group,
     )
 
 
@@ -173,7 +189,11 @@ def _forward(x: Any, p: _Plan) -> Any:
     buffers.copy_rows(out, axis, w, x)
     if w == 0:
         return out
-    if p.outer * p.row_bytes:
+    if p.outer * p.row_bytes and p.torch_group is not None:
+        from . import torch_bridge
+
+        torch_bridge.exchange_halo_rows(out, p)
+    elif p.outer * p.row_bytes:
         rb = p.row_bytes
         row = cached_row_type(p.outer, rows + 2 * w, rb)
         with buffers.recv_buffer(out, p.comm, inout=True) as buf:

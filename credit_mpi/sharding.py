@@ -96,6 +96,7 @@ def gather_tensor(
     *,
     check: bool = True,
     out: Any = None,
+    transport: str = "mpi",
 ) -> Any:
     """Gather sharded tensor from all domain-parallel ranks.
 
@@ -118,11 +119,17 @@ def gather_tensor(
             to gather into (reused across calls, it saves allocating and
             first-touching the output each time). Checked on every rank
             together with the shards when ``check`` is true.
+        transport: ``"mpi"`` (default) moves the data with MPI; ``"torch"``
+            with a torch.distributed collective over the mirrored group
+            ``manager.torch_domain_group`` (NCCL on GPUs, for MPIs that are
+            not CUDA-aware; see :func:`credit_mpi.init_torch_distributed`).
+            The result is bit-identical; the metadata check uses MPI either way.
 
     Returns:
         Full (gathered) tensor, identical on every rank of the domain group
         (``out`` when given).
     """
+    _check_transport(transport)
     manager = _resolve(manager)
     if manager is None or manager.domain_parallel_size <= 1:
         return x
@@ -156,6 +163,10 @@ def gather_tensor(
         out = buffers.empty(x, shape)
     if math.prod(shape) == 0:
         return out
+    if transport == "torch":
+        from . import torch_bridge
+
+        return torch_bridge.allgather_bands(x, out, axis, sizes, manager)
     outer = math.prod(shape[:axis])
     row_bytes = math.prod(shape[axis + 1 :]) * info.itemsize
     with buffers.send_buffer(buffers.contiguous(x), comm) as send, buffers.recv_buffer(out, comm) as recv:
@@ -220,6 +231,7 @@ def shard_batch(
     *,
     uneven: bool = False,
     check: bool = True,
+    transport: str = "mpi",
 ) -> dict:
     """Shard all spatial tensors in a training batch dictionary.
 
@@ -233,13 +245,23 @@ def shard_batch(
         manager: DomainParallelManager instance (uses global singleton if None).
         uneven: As in :func:`shard_tensor`.
         check: As in :func:`shard_tensor`; one allgather for the whole batch.
+        transport: ``"mpi"`` or ``"torch"``, as in :func:`gather_tensor`.
+            Sharding moves no array data (each rank slices its own band), so
+            the result is the same either way; ``"torch"`` only requires the
+            torch bridge to be initialised, so a training loop can pass one
+            transport everywhere.
 
     Returns:
         New dict with sharded tensors.
     """
+    _check_transport(transport)
     manager = _resolve(manager)
     if manager is None or manager.domain_parallel_size <= 1:
         return batch
+    if transport == "torch":
+        from . import torch_bridge
+
+        torch_bridge.domain_group(manager)  # a clear error when the bridge is missing
     n, rank = manager.domain_parallel_size, manager.domain_rank
     dims = {5: spatial_dims_5d, 4: spatial_dims_4d}
 
@@ -315,6 +337,11 @@ def scatter_tensor(
         send_type.Free()
         recv_type.Free()
     return out
+
+
+def _check_transport(transport: str) -> None:
+    if transport not in ("mpi", "torch"):
+        raise ValueError(f"transport must be 'mpi' or 'torch', got {transport!r}")
 
 
 def _resolve(manager: Optional[DomainParallelManager]) -> Optional[DomainParallelManager]:
