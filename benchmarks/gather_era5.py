@@ -70,7 +70,7 @@ def main(argv=None) -> int:
             t["credit_torch_out"] = bench.time_collective(
                 comm, bench.credit_gather(xt, manager, reuse=True), "gather_tensor torch out=", nbytes, **rep
             )
-            group = bench.gloo_group(comm)
+            group = bench.gloo_group(manager)
             t["reference_gloo"] = bench.time_collective(
                 comm, bench.gloo_all_gather_cat(xt, -2, group), "gloo all_gather+cat", nbytes, **rep
             )

@@ -28,7 +28,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
-import socket
 import statistics
 import time
 import tracemalloc
@@ -179,42 +178,19 @@ def credit_gather(
     return lambda: gather_tensor(x, dim=dim, manager=manager, check=check, out=out)
 
 
-def gloo_group(comm: MPI.Comm):
-    """A ``torch.distributed`` gloo process group over exactly ``comm``'s ranks.
+def gloo_group(manager: DomainParallelManager):
+    """The gloo ``torch.distributed`` group that mirrors ``manager``'s domain group.
 
-    Initialises the default process group over ``MPI.COMM_WORLD`` (gloo,
-    TCP rendezvous at rank 0's host, address shared by MPI) unless one is
-    already initialised, and returns a group over ``comm`` (``None`` means
-    the default group, when ``comm`` spans the world). Collective over the
-    world.
+    Bridges the manager with :func:`credit_mpi.torch_bridge.init_torch_distributed`
+    (backend gloo; rendezvous over MPI) unless it is bridged already;
+    ``manager.free()`` releases the groups. Collective over the manager's
+    parent communicator.
     """
-    import torch.distributed as dist
+    from . import torch_bridge
 
-    world = MPI.COMM_WORLD
-    if not dist.is_initialized():
-        address = None
-        if world.Get_rank() == 0:
-            one_node = world.Split_type(MPI.COMM_TYPE_SHARED)
-            host = "127.0.0.1" if one_node.Get_size() == world.Get_size() else socket.gethostname()
-            one_node.Free()
-            with socket.socket() as s:
-                s.bind(("", 0))
-                address = f"tcp://{host}:{s.getsockname()[1]}"
-        else:
-            world.Split_type(MPI.COMM_TYPE_SHARED).Free()
-        address = world.bcast(address, root=0)
-        dist.init_process_group("gloo", init_method=address, rank=world.Get_rank(), world_size=world.Get_size())
-    if comm.Get_size() == world.Get_size():
-        return None
-    # Every world rank must call new_group for every group, in the same order.
-    mine_ranks = tuple(comm.Get_group().Translate_ranks(list(range(comm.Get_size())), world.Get_group()))
-    members = world.allgather(mine_ranks)
-    mine = None
-    for ranks in sorted(set(members)):
-        group = dist.new_group(list(ranks), backend="gloo")
-        if ranks == mine_ranks:
-            mine = group
-    return mine
+    if not torch_bridge.is_bridged(manager):
+        torch_bridge.init_torch_distributed(manager, "gloo")
+    return manager.torch_domain_group
 
 
 def gloo_all_gather_cat(x: Any, dim: int = -2, group=None) -> Callable[[], Any]:

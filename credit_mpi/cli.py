@@ -356,7 +356,7 @@ def run_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> list[dict]:
     rows: list[dict] = []
     with DomainParallelManager(None, d, comm=comm) as manager:
         dom = manager.domain_group
-        group = bench.gloo_group(dom) if use_torch and "gather" in ops else None
+        group = bench.gloo_group(manager) if use_torch and "gather" in ops else None
         rep = {"repeats": args.repeats, "warmup": 1}
         for c, h, w in sizes:
             total = c * h * w * 4

@@ -169,16 +169,9 @@ def test_measurements_agree_with_credit_gather(make_manager):
     if world.Get_size() > 1:
         assert ref_extra >= out, (ref_extra, out)  # the list of n shards is a second copy of the field
     torch = pytest.importorskip("torch")
-    import torch.distributed as dist
-
-    was = dist.is_initialized()
-    try:
-        group = bench.gloo_group(manager.domain_group)
-        ref = bench.gloo_all_gather_cat(torch.from_numpy(x), -2, group)()
-        np.testing.assert_array_equal(ref.numpy(), mine)
-    finally:
-        if not was and dist.is_initialized():
-            dist.destroy_process_group()
+    group = bench.gloo_group(manager)  # released by manager.free() (the fixture)
+    ref = bench.gloo_all_gather_cat(torch.from_numpy(x), -2, group)()
+    np.testing.assert_array_equal(ref.numpy(), mine)
 
 
 def test_format_cuda_report_says_verdict_reason_and_disagreement():
