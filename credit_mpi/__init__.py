@@ -1,7 +1,10 @@
 """credit_mpi: MPI-native domain parallelism for Earth-system machine learning.
 
 CREDIT's ``credit.domain_parallel`` API (manager + sharding) on MPI through
-mpi4py. Importing this package imports neither torch nor CuPy.
+mpi4py. Importing this package imports neither torch nor CuPy: the
+torch-only names (``HaloExchange``, ``init_torch_distributed``,
+``destroy_torch_distributed``) load on first use and are left out of
+``__all__``, so ``from credit_mpi import *`` works without torch.
 """
 
 from .manager import (
@@ -28,7 +31,6 @@ __all__ = [
     "shard_batch",
     "scatter_tensor",
     "halo_exchange",
-    "HaloExchange",
     "reduce_gradients",
     "__version__",
 ]

@@ -56,17 +56,19 @@ class _ShardTensor(torch.autograd.Function):
 
 class _GatherTensor(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, manager, check):
-        axis = normalize_dim(dim, x.ndim)
-        rows = x.shape[axis]
-        ctx.axis, ctx.rows = axis, rows
-        ctx.start = manager.domain_group.exscan(rows) or 0
-        return sharding.gather_tensor(x, dim, manager, check=check)
+    def forward(ctx, x, dim, manager, check, transport, out):
+        # The gather agrees on the arguments on every rank first; only then
+        # is it safe to run another collective (the exscan of band starts).
+        gathered = sharding.gather_tensor(x, dim, manager, check=check, transport=transport, out=out)
+        ctx.axis = normalize_dim(dim, x.ndim)
+        ctx.rows = x.shape[ctx.axis]
+        ctx.start = manager.domain_group.exscan(ctx.rows) or 0
+        return gathered
 
     @staticmethod
     def backward(ctx, grad):
         # Shard <- Replicate: this rank's slice of the (replicated) gradient.
-        return grad.narrow(ctx.axis, ctx.start, ctx.rows).contiguous(), None, None, None
+        return grad.narrow(ctx.axis, ctx.start, ctx.rows).contiguous(), None, None, None, None, None
 
 
 class _HaloExchange(torch.autograd.Function):
@@ -88,10 +90,16 @@ def shard_tensor_autograd(
 
 
 def gather_tensor_autograd(
-    x: torch.Tensor, dim: int, manager: DomainParallelManager, *, check: bool = True
+    x: torch.Tensor,
+    dim: int,
+    manager: DomainParallelManager,
+    *,
+    check: bool = True,
+    transport: str = "mpi",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable :func:`credit_mpi.gather_tensor` (backward: this rank's slice)."""
-    return _GatherTensor.apply(x, dim, manager, check)
+    return _GatherTensor.apply(x, dim, manager, check, transport, out)
 
 
 def halo_exchange_autograd(

@@ -132,11 +132,11 @@ def gather_tensor(
     _check_transport(transport)
     manager = _resolve(manager)
     if manager is None or manager.domain_parallel_size <= 1:
-        return x
+        return x if out is None else _copy_into(out, x, dim)
     if buffers.requires_grad(x):  # differentiable path (torch autograd); it calls back in here
         from .autograd import gather_tensor_autograd
 
-        return gather_tensor_autograd(x, dim, manager, check=check)
+        return gather_tensor_autograd(x, dim, manager, check=check, transport=transport, out=out)
     comm = manager.domain_group
 
     def plan() -> tuple:
@@ -389,6 +389,15 @@ def _check_shards_fit(shards: list, comm: MPI.Comm) -> None:
         f"gather_tensor: shards do not fit together along dim {axis} across {comm_label(comm)} "
         f"(every dimension but the gathered one must match): {detail}"
     )
+
+
+def _copy_into(out: Any, x: Any, dim: int) -> Any:
+    """The one-rank gather into ``out``: a checked copy."""
+    info = buffers.describe(x)
+    axis = normalize_dim(dim, len(info.shape))
+    _check_out(info, axis, info.shape[axis], [(buffers.describe(out), buffers.is_contiguous(out))])
+    buffers.copy_rows(out, 0, 0, x)
+    return out
 
 
 def _check_out(info: buffers.ArrayInfo, axis: int, total: int, outs: list) -> None:

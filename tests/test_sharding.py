@@ -304,3 +304,16 @@ def test_both_gather_strategies(world, make_manager, rng, monkeypatch, slice_byt
         x = rng.standard_normal(shape).astype(np.float32)
         band = shard_tensor(x, dim, m, uneven=True)
         assert bits_equal(gather_tensor(band, dim, m), x)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_gather_into_out_with_one_rank_copies(make_manager, rng):
+    x = rng.standard_normal((2, 3, 4))
+    for manager in (None, make_manager(1)):
+        out = np.zeros_like(x)
+        assert gather_tensor(x, 1, manager, out=out) is out and bits_equal(out, x)
+        t = torch.from_numpy(x)
+        tout = torch.zeros_like(t)
+        assert gather_tensor(t, 1, manager, out=tout) is tout and torch.equal(tout, t)
+        with pytest.raises(ValueError, match="out must be a C-contiguous"):
+            gather_tensor(x, 1, manager, out=np.zeros((2, 4, 4)))
