@@ -11,7 +11,7 @@ TORCH   ?= torch==2.13.0
 EXTRAS  ?= mpich,test
 PY      := $(VENV)/bin/python
 
-.PHONY: install demo test clean
+.PHONY: install demo test docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON3) -m venv $(VENV)
@@ -23,10 +23,15 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	MPIEXEC_TIMEOUT=600 timeout 660 $(VENV)/bin/mpiexec -n $(RANKS) $(PY) -m credit_mpi.demo
+	MPIEXEC_TIMEOUT=600 timeout 660 $(VENV)/bin/mpiexec -n $(RANKS) $(PY) -m credit_mpi demo
 
 test: install
 	PYTHON=$(PY) tools/run-tests
 
+# The documentation (Sphinx + sphinx-autoapi), warnings are errors: docs/_build/html/index.html
+docs: install
+	$(PY) -m pip install -q -e ".[docs]"
+	$(PY) -m sphinx -W --keep-going -b html -q docs docs/_build/html
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info docs/_build

@@ -1,7 +1,10 @@
 """credit_mpi: MPI-native domain parallelism for Earth-system machine learning.
 
 CREDIT's ``credit.domain_parallel`` API (manager + sharding) on MPI through
-mpi4py. Importing this package imports neither torch nor CuPy.
+mpi4py. Importing this package imports neither torch nor CuPy: the
+torch-only names (``HaloExchange``, ``init_torch_distributed``,
+``destroy_torch_distributed``) load on first use and are left out of
+``__all__``, so ``from credit_mpi import *`` works without torch.
 """
 
 from .abort import abort_on_exception
@@ -11,6 +14,8 @@ from .manager import (
     get_domain_parallel_manager,
     initialize_domain_parallel,
 )
+from .grad_sync import reduce_gradients
+from .halo import halo_exchange
 from .sharding import gather_tensor, scatter_tensor, shard_batch, shard_tensor
 from .validation import DomainParallelError
 
@@ -26,6 +31,21 @@ __all__ = [
     "gather_tensor",
     "shard_batch",
     "scatter_tensor",
+    "halo_exchange",
+    "reduce_gradients",
     "abort_on_exception",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # torch-only names load on first use, so `import credit_mpi` never imports torch
+    if name == "HaloExchange":
+        from .autograd import HaloExchange
+
+        return HaloExchange
+    if name in ("init_torch_distributed", "destroy_torch_distributed"):
+        from . import torch_bridge
+
+        return getattr(torch_bridge, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,45 +1,87 @@
 """The one place that knows the array libraries.
 
 Everything above this module speaks "an array with a shape, a dtype and a
-buffer"; this module turns numpy arrays and torch tensors into what mpi4py
-sends and receives, and allocates outputs of the same kind, dtype and device
-as the input. numpy is the reference type; torch is imported only when the
-caller already has a torch tensor (it is looked up in ``sys.modules``, never
-imported here).
+buffer"; this module turns numpy arrays, torch tensors (CPU and CUDA) and
+CuPy arrays into what mpi4py sends and receives, and allocates outputs of the
+same kind, dtype and device as the input. numpy is the reference type; torch
+and CuPy are imported only when the caller already has one of their arrays
+(they are looked up in ``sys.modules``, never imported at ``import
+credit_mpi`` time).
 
 Data always travels as raw bytes (``MPI.BYTE``): credit_mpi's collectives
 move data without arithmetic, so every dtype works the same way, including
 those MPI has no name for (``bool``, ``float16``, torch ``bfloat16``).
+
+How bytes reach MPI, without copies where the layout allows:
+
+* numpy arrays: a ``uint8`` view (Python buffer protocol).
+* torch tensors, CPU or CUDA: a ``uint8`` view of the tensor, which mpi4py
+  reads through DLPack (``__dlpack__``); CuPy arrays likewise. Tensors that
+  require grad are detached, conjugate/negative views resolved, and
+  non-contiguous arrays made contiguous once (:func:`contiguous`).
+* Device arrays when MPI is CUDA-aware on the communicator
+  (:func:`credit_mpi.gpu.is_cuda_aware`, one verdict all ranks agree on):
+  the device pointer goes to MPI. mpi4py asks DLPack for the pointer with
+  ``stream=-1`` (no synchronisation), so before MPI reads a device buffer
+  this module synchronises the array's current stream (work queued on other
+  streams is the caller's to order, as with ``torch.distributed``), and
+  after MPI has written one it synchronises the device, so later kernels on
+  any stream see the data.
+* Device arrays when MPI is not CUDA-aware: staged through pinned host
+  memory (one staging buffer per direction, grown as needed and reused
+  across calls; a :class:`RuntimeWarning` the first time). Both copies are
+  blocking and run on the array's current stream, so they are ordered after
+  the work that produced the data and complete before MPI or the caller
+  touches it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
+import logging
 import sys
+import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
+from mpi4py import MPI
+
+from . import gpu
+from .validation import comm_label
 
 __all__ = [
     "ArrayInfo",
     "describe",
     "is_array",
+    "is_contiguous",
     "contiguous",
     "empty",
     "empty_described",
     "narrow",
     "send_buffer",
     "recv_buffer",
+    "release_staging_buffers",
 ]
+
+logger = logging.getLogger(__name__)
+
+# Internal switches for tests (never set in production code):
+# _SIMULATE_DEVICE treats CPU arrays as device arrays, so the CUDA-aware
+# decision and the staging copies run on a machine without a GPU.
+_SIMULATE_DEVICE = False
+# How many transfers took each path ("host", "direct", "staged"), per direction.
+_ROUTES: collections.Counter = collections.Counter()
+_WARNED_STAGING = False
 
 
 @dataclass(frozen=True)
 class ArrayInfo:
     """What the collectives need to know about an array, comparable across ranks."""
 
-    kind: str  # "numpy" or "torch"
+    kind: str  # "numpy", "torch" or "cupy"
     shape: tuple[int, ...]
     dtype: str  # e.g. "float32", "torch.bfloat16"
     device: str  # "cpu", "cuda:0", ...
@@ -59,8 +101,15 @@ class ArrayInfo:
         return (self.kind, self.dtype, self.device_type) == (other.kind, other.dtype, other.device_type)
 
 
+# --------------------------------------------------------------------------- library lookup
+
+
 def _torch():
     return sys.modules.get("torch")
+
+
+def _cupy():
+    return sys.modules.get("cupy")
 
 
 def _is_torch(x: Any) -> bool:
@@ -68,49 +117,94 @@ def _is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def _is_cupy(x: Any) -> bool:
+    cupy = _cupy()
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
 def is_array(x: Any) -> bool:
-    """True for the array types credit_mpi shards (numpy arrays, torch tensors)."""
-    return isinstance(x, np.ndarray) or _is_torch(x)
+    """True for the array types credit_mpi shards (numpy, torch CPU/CUDA, CuPy)."""
+    return isinstance(x, np.ndarray) or _is_torch(x) or _is_cupy(x)
+
+
+def _current_device(kind: str) -> int:
+    if kind == "torch":
+        return _torch().cuda.current_device()
+    return _cupy().cuda.Device().id
+
+
+def _check_device(kind: str, index: int) -> None:
+    """A device array must be on this rank's device (bound, or else current)."""
+    bound = gpu.bound_device()
+    expected = bound if bound is not None else _current_device(kind)
+    if index != expected:
+        how = "by credit_mpi.gpu.bind_device()" if bound is not None else f"the current {kind} device"
+        raise ValueError(
+            f"{kind} array is on cuda:{index}, but this rank's GPU is cuda:{expected} ({how}); "
+            f"move the array to cuda:{expected} or bind the rank with credit_mpi.gpu.bind_device()"
+        )
 
 
 def describe(x: Any) -> ArrayInfo:
     """Shape, dtype and device of ``x``.
 
     Raises:
-        TypeError: ``x`` is not a supported array type.
+        TypeError: ``x`` is not a supported array type (or device type).
+        ValueError: ``x`` is on a GPU other than this rank's.
     """
     if isinstance(x, np.ndarray):
         if x.dtype.hasobject:
             raise TypeError(f"numpy arrays of dtype {x.dtype} hold Python objects and cannot be sent as bytes")
         return ArrayInfo("numpy", tuple(x.shape), str(x.dtype), "cpu", x.dtype.itemsize)
     if _is_torch(x):
-        if x.device.type != "cpu":
-            raise TypeError(
-                f"torch tensors on device {x.device} are not supported by this build of "
-                f"credit_mpi's buffer layer (supported: cpu)"
-            )
+        torch = _torch()
+        if x.layout != torch.strided:
+            raise TypeError(f"torch tensors with layout {x.layout} are not supported (supported: torch.strided)")
+        if x.device.type == "cuda":
+            _check_device("torch", x.device.index)
+        elif x.device.type != "cpu":
+            raise TypeError(f"torch tensors on device {x.device} are not supported (supported: cpu, cuda)")
         return ArrayInfo("torch", tuple(x.shape), str(x.dtype), str(x.device), x.element_size())
+    if _is_cupy(x):
+        _check_device("cupy", x.device.id)
+        return ArrayInfo("cupy", tuple(x.shape), str(x.dtype), f"cuda:{x.device.id}", x.dtype.itemsize)
     raise TypeError(
         f"unsupported array type {type(x).__module__}.{type(x).__qualname__}; "
-        f"expected a numpy.ndarray or a torch.Tensor"
+        f"expected a numpy.ndarray, a torch.Tensor (CPU or CUDA) or a cupy.ndarray"
     )
+
+
+# --------------------------------------------------------------------------- allocation, layout
+
+
+def is_contiguous(x: Any) -> bool:
+    """True when ``x`` is C-contiguous (it can be sent or received in place)."""
+    if isinstance(x, np.ndarray) or _is_cupy(x):
+        return x.flags.c_contiguous
+    return x.is_contiguous()
 
 
 def contiguous(x: Any) -> Any:
     """``x`` as a C-contiguous array of the same kind (copied only if needed).
 
-    torch tensors are detached: the collectives move data, autograd is
-    handled by :mod:`credit_mpi.autograd`.
+    torch tensors are detached (the collectives move data; autograd is
+    handled by :mod:`credit_mpi.autograd`), and lazy conjugate/negative views
+    are resolved, since DLPack cannot carry them.
     """
     if isinstance(x, np.ndarray):
         return np.ascontiguousarray(x)
-    return x.detach().contiguous()
+    if _is_cupy(x):
+        return _cupy().ascontiguousarray(x)
+    return x.detach().resolve_conj().resolve_neg().contiguous()
 
 
 def empty(like: Any, shape: Sequence[int]) -> Any:
     """A new uninitialised array of ``shape`` with ``like``'s kind, dtype and device."""
     if isinstance(like, np.ndarray):
         return np.empty(shape, dtype=like.dtype)
+    if _is_cupy(like):
+        with like.device:
+            return _cupy().empty(tuple(shape), dtype=like.dtype)
     return _torch().empty(tuple(shape), dtype=like.dtype, device=like.device)
 
 
@@ -118,14 +212,26 @@ def empty_described(info: ArrayInfo, shape: Sequence[int]) -> Any:
     """A new array of ``shape`` of the kind and dtype that ``info`` describes.
 
     For ranks that must allocate like an array they do not hold (the
-    receivers of a scatter). torch is imported here only because the data
-    is a torch tensor.
+    receivers of a scatter). Device arrays go to this rank's GPU (the bound
+    one, else the current one), not to the device index in ``info``, which
+    is another rank's. torch or CuPy is imported here only because the data
+    is of that kind.
     """
     if info.kind == "numpy":
         return np.empty(shape, dtype=np.dtype(info.dtype))
+    if info.kind == "cupy":
+        cupy = importlib.import_module("cupy")
+        with cupy.cuda.Device(_local_index("cupy")):
+            return cupy.empty(tuple(shape), dtype=np.dtype(info.dtype))
     torch = importlib.import_module("torch")
     dtype = getattr(torch, info.dtype.removeprefix("torch."))
-    return torch.empty(tuple(shape), dtype=dtype, device=info.device_type)
+    device = info.device_type if info.device_type == "cpu" else f"cuda:{_local_index('torch')}"
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def _local_index(kind: str) -> int:
+    bound = gpu.bound_device()
+    return bound if bound is not None else _current_device(kind)
 
 
 def narrow(x: Any, dim: int, start: int, length: int) -> Any:
@@ -134,27 +240,346 @@ def narrow(x: Any, dim: int, start: int, length: int) -> Any:
     Shares memory with ``x`` when that band is already contiguous (as
     ``torch.Tensor.narrow(...).contiguous()`` does), otherwise a copy.
     """
-    if isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray) or _is_cupy(x):
         index = (slice(None),) * dim + (slice(start, start + length),)
-        return np.ascontiguousarray(x[index])
+        return contiguous(x[index])
     return x.narrow(dim, start, length).contiguous()
 
 
-def _bytes(x: Any) -> np.ndarray:
-    """A 1-D uint8 view of the contiguous CPU array ``x`` (no copy)."""
-    if isinstance(x, np.ndarray):
+# --------------------------------------------------------------------------- per-library byte operations
+
+
+class _NumpyOps:
+    """numpy arrays (on a device only under ``_SIMULATE_DEVICE``)."""
+
+    name = "numpy"
+
+    @staticmethod
+    def on_device(x: Any) -> bool:
+        return False
+
+    @staticmethod
+    def as_bytes(x: Any) -> Any:
         return x.reshape(-1).view(np.uint8)
+
+    @staticmethod
+    def sync_stream(x: Any) -> None:
+        pass
+
+    @staticmethod
+    def sync_device(x: Any) -> None:
+        pass
+
+    @staticmethod
+    def host_buffer(nbytes: int, pinned: bool) -> tuple[Any, np.ndarray]:
+        buf = np.empty(nbytes, dtype=np.uint8)
+        return buf, buf
+
+    @staticmethod
+    def to_host(src: Any, owner: Any, view: np.ndarray) -> None:
+        np.copyto(view, src)
+
+    @staticmethod
+    def from_host(owner: Any, view: np.ndarray, dst: Any) -> None:
+        np.copyto(dst, view)
+
+
+class _TorchOps:
+    """torch tensors: bytes through DLPack, streams through torch.cuda."""
+
+    name = "torch"
+
+    @staticmethod
+    def on_device(x: Any) -> bool:
+        return x.device.type == "cuda"
+
+    @staticmethod
+    def as_bytes(x: Any) -> Any:
+        return x.reshape(-1).view(_torch().uint8)
+
+    @staticmethod
+    def sync_stream(x: Any) -> None:
+        if x.device.type == "cuda":
+            _torch().cuda.current_stream(x.device).synchronize()
+
+    @staticmethod
+    def sync_device(x: Any) -> None:
+        if x.device.type == "cuda":
+            _torch().cuda.synchronize(x.device)
+
+    @staticmethod
+    def host_buffer(nbytes: int, pinned: bool) -> tuple[Any, np.ndarray]:
+        torch = _torch()
+        owner = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        return owner, owner.numpy()
+
+    @staticmethod
+    def to_host(src: Any, owner: Any, view: np.ndarray) -> None:
+        # Blocking copy (non_blocking=False) on the current stream: ordered
+        # after the kernels that produced ``src``, complete when it returns.
+        owner[: view.size].copy_(src)
+
+    @staticmethod
+    def from_host(owner: Any, view: np.ndarray, dst: Any) -> None:
+        # Blocking too: the staging buffer may be reused right after.
+        dst.copy_(owner[: view.size])
+
+
+class _CupyOps:
+    """CuPy arrays: bytes through DLPack, streams through cupy.cuda."""
+
+    name = "cupy"
+
+    @staticmethod
+    def on_device(x: Any) -> bool:
+        return True
+
+    @staticmethod
+    def as_bytes(x: Any) -> Any:
+        return x.reshape(-1).view(_cupy().uint8)
+
+    @staticmethod
+    def sync_stream(x: Any) -> None:
+        with x.device:
+            _cupy().cuda.get_current_stream().synchronize()
+
+    @staticmethod
+    def sync_device(x: Any) -> None:
+        x.device.synchronize()
+
+    @staticmethod
+    def host_buffer(nbytes: int, pinned: bool) -> tuple[Any, np.ndarray]:
+        # As cupyx.empty_pinned does: a writable numpy array over page-locked memory.
+        memory = _cupy().cuda.alloc_pinned_memory(nbytes)
+        return memory, np.ndarray((nbytes,), dtype=np.uint8, buffer=memory)
+
+    @staticmethod
+    def to_host(src: Any, owner: Any, view: np.ndarray) -> None:
+        # ndarray.get: on the current stream, blocking by default.
+        src.get(out=view)
+
+    @staticmethod
+    def from_host(owner: Any, view: np.ndarray, dst: Any) -> None:
+        # ndarray.set without a stream argument is a synchronous copy.
+        dst.set(view)
+
+
+def _ops(x: Any):
+    if isinstance(x, np.ndarray):
+        return _NumpyOps
+    if _is_cupy(x):
+        return _CupyOps
+    if _is_torch(x):
+        return _TorchOps
+    describe(x)  # raises the TypeError that names the type
+    raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------- staging
+
+
+class _Staging:
+    """One reusable host buffer for one direction ("send" or "recv").
+
+    Pinned (page-locked) when a GPU is present, so device copies run at full
+    bandwidth; grown when a larger message comes, never shrunk (see
+    :func:`release_staging_buffers`). If the buffer is already in use (two
+    transfers of the same direction at once) a temporary one is used.
+    """
+
+    def __init__(self, direction: str) -> None:
+        self.direction = direction
+        self.library: Optional[str] = None
+        self.owner: Any = None
+        self.view: Optional[np.ndarray] = None
+        self.busy = False
+        self.allocations = 0
+
+    def capacity(self) -> int:
+        return 0 if self.view is None else self.view.size
+
+    @contextlib.contextmanager
+    def take(self, ops, nbytes: int) -> Iterator[tuple[Any, np.ndarray]]:
+        if self.busy:
+            owner, view = _allocate(ops, nbytes)
+            yield owner, view[:nbytes]
+            return
+        if self.library != ops.name or self.capacity() < nbytes:
+            self.owner = self.view = None  # let the old one go before the new one is made
+            self.owner, self.view = _allocate(ops, max(nbytes, 2 * self.capacity() if self.library == ops.name else 0))
+            self.library = ops.name
+            self.allocations += 1
+        self.busy = True
+        try:
+            yield self.owner, self.view[:nbytes]
+        finally:
+            self.busy = False
+
+
+def _allocate(ops, nbytes: int) -> tuple[Any, np.ndarray]:
+    pinned = ops.name == "cupy" or (ops.name == "torch" and _torch().cuda.is_available())
+    nbytes = max(int(nbytes), 1)
+    logger.debug("allocating a %s-byte %s staging buffer for %s", nbytes, "pinned" if pinned else "host", ops.name)
+    return ops.host_buffer(nbytes, pinned)
+
+
+_STAGING = {"send": _Staging("send"), "recv": _Staging("recv")}
+
+
+def release_staging_buffers() -> None:
+    """Free the host staging buffers (they are re-made on the next staged transfer)."""
+    for direction in _STAGING:
+        _STAGING[direction] = _Staging(direction)
+
+
+# --------------------------------------------------------------------------- buffers for MPI
+
+
+def _route(ops, x: Any, comm: Optional[MPI.Comm]) -> str:
+    """"host", "direct" (device pointer to CUDA-aware MPI) or "staged"."""
+    if not (ops.on_device(x) or _SIMULATE_DEVICE):
+        return "host"
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if gpu.is_cuda_aware(comm):
+        return "direct"
+    _warn_staging(comm)
+    return "staged"
+
+
+def _warn_staging(comm: MPI.Comm) -> None:
+    global _WARNED_STAGING
+    if _WARNED_STAGING:
+        return
+    _WARNED_STAGING = True
+    reason = gpu.cuda_awareness_report(comm)["reason"]
+    warnings.warn(
+        f"credit_mpi: device buffers are staged through host memory on {comm_label(comm)} ({reason}); "
+        f"set {gpu.ENV_OVERRIDE}=1 if this MPI is CUDA-aware",
+        RuntimeWarning,
+        stacklevel=6,  # the caller of shard/gather (through the context manager)
+    )
+
+
+@contextlib.contextmanager
+def send_buffer(x: Any, comm: Optional[MPI.Comm] = None) -> Iterator[Any]:
+    """A buffer mpi4py can send (``MPI.BYTE``) holding the bytes of contiguous ``x``.
+
+    For a device array the transfer path is the one ``comm``'s ranks agreed
+    on (:func:`credit_mpi.gpu.is_cuda_aware`; ``comm=None`` means
+    ``MPI.COMM_WORLD``): collective over ``comm`` the first time a device
+    array is sent or received on it, so call it on every rank.
+    """
+    ops = _ops(x)
+    route = _route(ops, x, comm)
+    _ROUTES[route, "send"] += 1
+    data = ops.as_bytes(x)
+    if route == "host":
+        yield data
+    elif route == "direct":
+        ops.sync_stream(x)  # the kernels that produced x are done before MPI reads it
+        yield data
+    else:
+        with _STAGING["send"].take(ops, data.shape[0]) as (owner, view):
+            ops.to_host(data, owner, view)
+            yield view
+
+
+@contextlib.contextmanager
+def recv_buffer(out: Any, comm: Optional[MPI.Comm] = None, *, inout: bool = False) -> Iterator[Any]:
+    """A buffer mpi4py can receive into (``MPI.BYTE``); its bytes end up in ``out``.
+
+    ``out`` holds the data when the ``with`` block ends normally (a staged
+    transfer is copied back then; a direct one is synchronised then). Same
+    collective rule as :func:`send_buffer`. With ``inout=True`` the buffer
+    also starts with ``out``'s bytes (a staged buffer is filled from the
+    device first), for calls that send from and receive into one array, as
+    the halo exchange does.
+    """
+    ops = _ops(out)
+    route = _route(ops, out, comm)
+    _ROUTES[route, "recv"] += 1
+    data = ops.as_bytes(out)
+    if route == "host":
+        yield data
+    elif route == "direct":
+        ops.sync_stream(out)  # nothing queued still touches out's memory when MPI writes it
+        yield data
+        ops.sync_device(out)  # MPI's writes are visible to later kernels on any stream
+    else:
+        with _STAGING["recv"].take(ops, data.shape[0]) as (owner, view):
+            if inout:
+                ops.to_host(data, owner, view)
+            yield view
+            ops.from_host(owner, view, data)
+
+
+# -- row helpers for halo exchange and autograd (numpy, CuPy and torch) ----
+
+
+def _numpy_like(x: Any):
+    """numpy or cupy, the module whose functions apply to ``x``; None for torch."""
+    if isinstance(x, np.ndarray):
+        return np
+    return _cupy() if _is_cupy(x) else None
+
+
+def _band(x: Any, dim: int, start: int, length: int) -> Any:
+    """A view of rows ``start:start+length`` along ``dim`` (no copy)."""
+    if _numpy_like(x) is not None:
+        return x[(slice(None),) * dim + (slice(start, start + length),)]
+    return x.narrow(dim, start, length)
+
+
+def copy_rows(dst: Any, dim: int, start: int, src: Any) -> None:
+    """Write ``src`` into rows ``start:start+len(src)`` of ``dst`` along ``dim``."""
+    if _numpy_like(dst) is not None:
+        _band(dst, dim, start, src.shape[dim])[...] = src
+    else:
+        _band(dst, dim, start, src.shape[dim]).copy_(src)
+
+
+def add_rows(dst: Any, dim: int, start: int, src: Any) -> None:
+    """Add ``src`` to rows ``start:start+len(src)`` of ``dst`` along ``dim`` (in place)."""
+    if _numpy_like(dst) is not None:
+        _band(dst, dim, start, src.shape[dim])[...] += src
+    else:
+        _band(dst, dim, start, src.shape[dim]).add_(src)
+
+
+def fill_rows(x: Any, dim: int, start: int, length: int, value: float = 0) -> None:
+    """Set rows ``start:start+length`` of ``x`` along ``dim`` to ``value``."""
+    if _numpy_like(x) is not None:
+        _band(x, dim, start, length)[...] = value
+    else:
+        _band(x, dim, start, length).fill_(value)
+
+
+def flipped_rows(x: Any, dim: int, start: int, length: int) -> Any:
+    """Rows ``start:start+length`` of ``x`` in reverse order along ``dim`` (a new array)."""
+    band = _band(x, dim, start, length)
+    xp = _numpy_like(x)
+    if xp is not None:
+        return xp.flip(band, axis=dim).copy()
+    return band.flip(dim)
+
+
+def roll(x: Any, shift: int, dim: int) -> Any:
+    """``x`` rolled by ``shift`` along ``dim`` (``numpy.roll`` / ``cupy.roll`` / ``torch.roll``)."""
+    xp = _numpy_like(x)
+    if xp is not None:
+        return xp.roll(x, shift, axis=dim)
+    return x.roll(shift, dim)
+
+
+def clone(x: Any) -> Any:
+    """A contiguous copy of ``x`` that shares no memory with it (detached for torch)."""
+    xp = _numpy_like(x)
+    if xp is not None:
+        return xp.array(x, order="C", copy=True)
+    return x.detach().clone(memory_format=_torch().contiguous_format)
+
+
+def requires_grad(x: Any) -> bool:
+    """True when ``x`` is a torch tensor that autograd is recording (grad mode on)."""
     torch = _torch()
-    return x.reshape(-1).view(torch.uint8).numpy()
-
-
-@contextlib.contextmanager
-def send_buffer(x: Any) -> Iterator[np.ndarray]:
-    """A buffer mpi4py can send (``MPI.BYTE``) holding the bytes of contiguous ``x``."""
-    yield _bytes(x)
-
-
-@contextlib.contextmanager
-def recv_buffer(out: Any) -> Iterator[np.ndarray]:
-    """A buffer mpi4py can receive into (``MPI.BYTE``); its bytes end up in ``out``."""
-    yield _bytes(out)
+    return torch is not None and isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()

@@ -111,6 +111,12 @@ class DomainParallelManager:
         self._dp_rank = self._domain_group_idx
         self._domain_group: Optional[MPI.Intracomm] = None
         self._dp_group: Optional[MPI.Intracomm] = None
+        # torch.distributed groups mirroring the two communicators; set by
+        # credit_mpi.init_torch_distributed, released by free().
+        self.torch_domain_group = None
+        self.torch_data_parallel_group = None
+        self.device_mesh = None
+        self._torch_teardown = None
 
         # Consecutive ranks form a domain group; ranks holding the same band
         # (same domain rank) form a data-parallel group.
@@ -224,10 +230,13 @@ class DomainParallelManager:
         """Free the domain and data-parallel communicators (collective).
 
         Every rank of the parent communicator calls it. Calling it again is a
-        no-op. The manager cannot be used afterwards.
+        no-op. The manager cannot be used afterwards. torch groups made by
+        :func:`credit_mpi.init_torch_distributed` are destroyed first.
         """
         if self._domain_group is None:
             return
+        if self._torch_teardown is not None:
+            self._torch_teardown(self)
         for comm in (self._domain_group, self._dp_group):
             if comm is not None and comm != MPI.COMM_NULL and not MPI.Is_finalized():
                 comm.Free()

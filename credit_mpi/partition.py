@@ -125,3 +125,90 @@ def _row_type(outer: int, rows: int, row_bytes: int) -> MPI.Datatype:
         dtype = vector.Create_resized(0, row_bytes)
         vector.Free()
     return dtype.Commit()
+
+
+# -- halo exchange -------------------------------------------------------
+
+HALO_BOUNDARIES = ("zero", "periodic", "reflect", "earth")
+
+
+def halo_neighbors(rank: int, n: int, periodic: bool) -> tuple[int | None, int | None]:
+    """``(prev, next)`` domain ranks that exchange halos with ``rank`` of ``n``.
+
+    ``None`` at an outer edge, except with ``periodic`` where the first and
+    the last rank are neighbours (a single rank is its own neighbour).
+    """
+    if not 0 <= rank < n:
+        raise ValueError(f"rank {rank} is out of range for {n} ranks (valid: 0 to {n - 1})")
+    prev = rank - 1 if rank > 0 else (n - 1 if periodic else None)
+    nxt = rank + 1 if rank < n - 1 else (0 if periodic else None)
+    return prev, nxt
+
+
+def check_halo_width(sizes: list[int], width: int, boundary: str, dim: int) -> None:
+    """Raise ``ValueError`` unless a halo of ``width`` rows fits the bands ``sizes``.
+
+    Halos come from the neighbouring band only, so ``width`` may not exceed
+    any band that has to supply one; ``"reflect"`` mirrors without the edge
+    row, so the outer bands need ``width + 1`` rows (``torch.nn.functional.pad``'s
+    rule on one rank); a single ``"zero"`` band accepts any width. ``sizes``
+    are agreed across ranks, so every rank raises the same error.
+    """
+    if width == 0:
+        return
+    n = len(sizes)
+    if n == 1 and boundary == "zero":
+        return
+    for rank, size in enumerate(sizes):
+        need = width + 1 if boundary == "reflect" and rank in (0, n - 1) else width
+        if size < need:
+            why = (
+                "reflect mirrors without repeating the edge row, so an outer band needs halo_width + 1 rows"
+                if need > width
+                else "a halo may not be wider than the band that supplies it"
+            )
+            raise ValueError(
+                f"halo_width={width} with boundary={boundary!r} does not fit: domain rank {rank} "
+                f"holds {size} row(s) along dim {dim} (bands: {sizes}); {why}. Use halo_width <= "
+                f"{max(0, min(sizes) - (1 if boundary == 'reflect' else 0))} or fewer domain ranks"
+            )
+
+
+def halo_edge_rows(boundary: str, rows: int, width: int, side: str) -> int | None:
+    """First local row of the ``width`` rows that, flipped, form an outer-edge halo.
+
+    ``side`` is ``"before"`` (row 0 side) or ``"after"``. ``None`` when the
+    halo is not built from the band's own rows (``"zero"``; ``"periodic"``
+    comes from the other end of the domain). For ``"reflect"`` the edge row
+    itself is skipped (padded row ``-k`` is row ``k``); for ``"earth"`` it is
+    not (padded row ``-k`` is row ``k - 1``, rolled by half the longitudes).
+    """
+    if side not in ("before", "after"):
+        raise ValueError(f"side must be 'before' or 'after', got {side!r}")
+    if boundary == "reflect":
+        return 1 if side == "before" else rows - 1 - width
+    if boundary == "earth":
+        return 0 if side == "before" else rows - width
+    return None
+
+
+_ROW_TYPES: dict[tuple[int, int, int], MPI.Datatype] = {}
+_ROW_TYPES_MAX = 64
+
+
+def cached_row_type(outer: int, rows: int, row_bytes: int) -> MPI.Datatype:
+    """The committed type of one row of every outer slice of a ``(outer, rows, row_bytes)`` array.
+
+    Like a half of :func:`row_datatypes`, but kept in a small cache (halo
+    exchanges repeat the same shapes every step, and building and committing
+    a type costs tens of microseconds). The caller must NOT free it.
+    """
+    key = (outer, rows, row_bytes)
+    dtype = _ROW_TYPES.get(key)
+    if dtype is None:
+        if len(_ROW_TYPES) >= _ROW_TYPES_MAX:
+            old = _ROW_TYPES.pop(next(iter(_ROW_TYPES)))
+            if not MPI.Is_finalized():
+                old.Free()
+        dtype = _ROW_TYPES[key] = _row_type(outer, rows, row_bytes)
+    return dtype

@@ -20,7 +20,8 @@ reference, all keyword-only with defaults that keep its behaviour:
 Every function is collective over the manager's domain group (unless the
 domain size is 1 or there is no manager, in which case the input comes back
 unchanged and nothing is communicated). Arrays are numpy arrays or torch
-tensors; results have the kind, dtype and device of the input.
+tensors (CPU or CUDA) or CuPy arrays; results have the kind, dtype and device of the
+input (device arrays move as :mod:`credit_mpi.buffers` describes).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from mpi4py import MPI
 from . import buffers
 from .manager import DomainParallelManager, get_domain_parallel_manager
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
-from .validation import allgather_or_raise
+from .validation import allgather_or_raise, comm_label
 
 __all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
 
@@ -73,6 +74,10 @@ def shard_tensor(
     manager = _resolve(manager)
     if manager is None or manager.domain_parallel_size <= 1:
         return x
+    if buffers.requires_grad(x):  # differentiable path (torch autograd); it calls back in here
+        from .autograd import shard_tensor_autograd
+
+        return shard_tensor_autograd(x, dim, manager, uneven=uneven, check=check)
     n, rank = manager.domain_parallel_size, manager.domain_rank
 
     def plan() -> tuple:
@@ -90,12 +95,15 @@ def gather_tensor(
     manager: Optional[DomainParallelManager] = None,
     *,
     check: bool = True,
+    out: Any = None,
+    transport: str = "mpi",
 ) -> Any:
     """Gather sharded tensor from all domain-parallel ranks.
 
     All-gathers the tensor along the sharding dimension. Each rank's shard
-    lands straight in its place in one output buffer (an ``Allgather(v)``
-    with MPI derived datatypes): no list of shards and no concatenate, so the
+    lands straight in its place in one output buffer (contiguous
+    ``Iallgather(v)`` per outer slice for large fields, one ``Allgather(v)``
+    with MPI derived datatypes for small ones): no list of shards and no concatenate, so the
     only memory beyond the output is a contiguous copy of a non-contiguous
     input. Shards may have different sizes along ``dim`` (uneven splits).
 
@@ -107,47 +115,112 @@ def gather_tensor(
             ndim and every dimension but ``dim``); a mismatch raises the same
             exception on every rank, naming each rank's shape. Costs one small
             allgather; with ``False`` only the band sizes are exchanged.
+        out: Optional C-contiguous array of the global shape, kind and dtype
+            to gather into (reused across calls, it saves allocating and
+            first-touching the output each time). Checked on every rank
+            together with the shards when ``check`` is true.
+        transport: ``"mpi"`` (default) moves the data with MPI; ``"torch"``
+            with a torch.distributed collective over the mirrored group
+            ``manager.torch_domain_group`` (NCCL on GPUs, for MPIs that are
+            not CUDA-aware; see :func:`credit_mpi.init_torch_distributed`).
+            The result is bit-identical; the metadata check uses MPI either way.
 
     Returns:
-        Full (gathered) tensor, identical on every rank of the domain group.
+        Full (gathered) tensor, identical on every rank of the domain group
+        (``out`` when given).
     """
+    _check_transport(transport)
     manager = _resolve(manager)
     if manager is None or manager.domain_parallel_size <= 1:
-        return x
+        return x if out is None else _copy_into(out, x, dim)
+    if buffers.requires_grad(x):  # differentiable path (torch autograd); it calls back in here
+        from .autograd import gather_tensor_autograd
+
+        return gather_tensor_autograd(x, dim, manager, check=check, transport=transport, out=out)
     comm = manager.domain_group
 
     def plan() -> tuple:
         info = buffers.describe(x)
         return info, normalize_dim(dim, len(info.shape))
 
+    def out_plan() -> Optional[tuple]:
+        return None if out is None else (buffers.describe(out), buffers.is_contiguous(out))
+
     if check:
-        shards = allgather_or_raise(comm, plan)
-        _check_shards_fit(shards, comm)
-        info, axis = shards[comm.Get_rank()]
-        sizes = [s.shape[axis] for s, _ in shards]
+        shards = allgather_or_raise(comm, lambda: (*plan(), out_plan()))
+        _check_shards_fit([s[:2] for s in shards], comm)
+        info, axis, _ = shards[comm.Get_rank()]
+        sizes = [s.shape[axis] for s, _, _ in shards]
+        _check_out(info, axis, sum(sizes), [s[2] for s in shards])
     else:
         info, axis = plan()
         sizes = _allgather_int(comm, info.shape[axis])
+        _check_out(info, axis, sum(sizes), [out_plan()])  # local only: never write out of bounds
 
     shape = list(info.shape)
     shape[axis] = sum(sizes)
-    out = buffers.empty(x, shape)
+    if out is None:
+        out = buffers.empty(x, shape)
     if math.prod(shape) == 0:
         return out
+    if transport == "torch":
+        from . import torch_bridge
+
+        return torch_bridge.allgather_bands(x, out, axis, sizes, manager)
     outer = math.prod(shape[:axis])
     row_bytes = math.prod(shape[axis + 1 :]) * info.itemsize
-    send_type, recv_type = row_datatypes(outer, sizes[comm.Get_rank()], shape[axis], row_bytes)
+    with buffers.send_buffer(buffers.contiguous(x), comm) as send, buffers.recv_buffer(out, comm) as recv:
+        _allgather_rows(comm, send, recv, outer, sizes, row_bytes)
+    return out
+
+
+# Above this many bytes per outer slice of the output, gather_tensor moves
+# each slice with its own contiguous (I)allgather, all in flight at once;
+# below it, one collective with derived datatypes (fewer messages).
+SLICE_BYTES = 1 << 16
+
+
+def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: list[int], row_bytes: int) -> None:
+    """All-gather bands of rows: ``send`` is ``(outer, mine, row)``, ``recv`` is ``(outer, total, row)`` bytes.
+
+    Both strategies land every band straight in its place in ``recv``:
+
+    * large slices: for each of the ``outer`` slices, the bands of all ranks
+      are contiguous in the output, so a plain ``Iallgather(v)`` of rows
+      moves them at the speed of the raw call (measured: MPICH unpacks
+      vector datatypes well below memcpy speed);
+    * small slices (or ``outer == 1``): one ``Allgather(v)`` whose derived
+      datatypes (:func:`~credit_mpi.partition.row_datatypes`) walk all
+      slices at once.
+    """
+    rank, total = comm.Get_rank(), sum(sizes)
+    mine, even = sizes[rank], len(set(sizes)) == 1
+    counts = mine if even else (sizes, band_offsets(sizes))
+    if outer > 1 and total * row_bytes >= SLICE_BYTES:
+        row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
+        try:
+            gather = comm.Iallgather if even else comm.Iallgatherv
+            send_slice, recv_slice = mine * row_bytes, total * row_bytes
+            requests = [
+                gather(
+                    [send[p * send_slice : (p + 1) * send_slice], mine, row],
+                    [recv[p * recv_slice : (p + 1) * recv_slice], counts, row],
+                )
+                for p in range(outer)
+            ]
+            MPI.Request.Waitall(requests)
+        finally:
+            row.Free()
+        return
+    send_type, recv_type = row_datatypes(outer, mine, total, row_bytes)
     try:
-        with buffers.send_buffer(buffers.contiguous(x)) as send, buffers.recv_buffer(out) as recv:
-            mine = sizes[comm.Get_rank()]
-            if len(set(sizes)) == 1:
-                comm.Allgather([send, mine, send_type], [recv, mine, recv_type])
-            else:
-                comm.Allgatherv([send, mine, send_type], [recv, (sizes, band_offsets(sizes)), recv_type])
+        if even:
+            comm.Allgather([send, mine, send_type], [recv, mine, recv_type])
+        else:
+            comm.Allgatherv([send, mine, send_type], [recv, counts, recv_type])
     finally:
         send_type.Free()
         recv_type.Free()
-    return out
 
 
 def shard_batch(
@@ -158,6 +231,7 @@ def shard_batch(
     *,
     uneven: bool = False,
     check: bool = True,
+    transport: str = "mpi",
 ) -> dict:
     """Shard all spatial tensors in a training batch dictionary.
 
@@ -171,13 +245,23 @@ def shard_batch(
         manager: DomainParallelManager instance (uses global singleton if None).
         uneven: As in :func:`shard_tensor`.
         check: As in :func:`shard_tensor`; one allgather for the whole batch.
+        transport: ``"mpi"`` or ``"torch"``, as in :func:`gather_tensor`.
+            Sharding moves no array data (each rank slices its own band), so
+            the result is the same either way; ``"torch"`` only requires the
+            torch bridge to be initialised, so a training loop can pass one
+            transport everywhere.
 
     Returns:
         New dict with sharded tensors.
     """
+    _check_transport(transport)
     manager = _resolve(manager)
     if manager is None or manager.domain_parallel_size <= 1:
         return batch
+    if transport == "torch":
+        from . import torch_bridge
+
+        torch_bridge.domain_group(manager)  # a clear error when the bridge is missing
     n, rank = manager.domain_parallel_size, manager.domain_rank
     dims = {5: spatial_dims_5d, 4: spatial_dims_4d}
 
@@ -250,9 +334,9 @@ def scatter_tensor(
         return out
     recv_type, send_type = row_datatypes(outer, sizes[rank], info.shape[axis], row_bytes)
     try:
-        with buffers.recv_buffer(out) as recv:
+        with buffers.recv_buffer(out, comm) as recv:
             if rank == root:
-                with buffers.send_buffer(buffers.contiguous(x)) as send:
+                with buffers.send_buffer(buffers.contiguous(x), comm) as send:
                     comm.Scatterv([send, (sizes, band_offsets(sizes)), send_type], [recv, sizes[rank], recv_type], root)
             else:
                 comm.Scatterv(None, [recv, sizes[rank], recv_type], root)
@@ -260,6 +344,11 @@ def scatter_tensor(
         send_type.Free()
         recv_type.Free()
     return out
+
+
+def _check_transport(transport: str) -> None:
+    if transport not in ("mpi", "torch"):
+        raise ValueError(f"transport must be 'mpi' or 'torch', got {transport!r}")
 
 
 def _resolve(manager: Optional[DomainParallelManager]) -> Optional[DomainParallelManager]:
@@ -290,7 +379,7 @@ def _summary(plan) -> str:
     if isinstance(plan, dict):
         return "{" + ", ".join(f"{k!r}: {_summary(v)}" for k, v in plan.items()) + "}"
     info, axis = plan[0], plan[1]
-    return f"{info.kind} {info.dtype} {info.shape} dim {axis}"
+    return f"{info.kind} {info.dtype} {info.shape} on {info.device} dim {axis}"
 
 
 def _check_shards_fit(shards: list, comm: MPI.Comm) -> None:
@@ -305,11 +394,35 @@ def _check_shards_fit(shards: list, comm: MPI.Comm) -> None:
         return
     detail = ", ".join(f"rank {r}: {info.kind} {info.dtype} {info.shape} on {info.device}" for r, (info, _) in enumerate(shards))
     if not kinds_ok:
-        raise TypeError(f"gather_tensor: shards differ in array kind, dtype or device type across {comm.Get_name()} ({detail})")
+        raise TypeError(f"gather_tensor: shards differ in array kind, dtype or device type across {comm_label(comm)} ({detail})")
     raise ValueError(
-        f"gather_tensor: shards do not fit together along dim {axis} across {comm.Get_name()} "
+        f"gather_tensor: shards do not fit together along dim {axis} across {comm_label(comm)} "
         f"(every dimension but the gathered one must match): {detail}"
     )
+
+
+def _copy_into(out: Any, x: Any, dim: int) -> Any:
+    """The one-rank gather into ``out``: a checked copy."""
+    info = buffers.describe(x)
+    axis = normalize_dim(dim, len(info.shape))
+    _check_out(info, axis, info.shape[axis], [(buffers.describe(out), buffers.is_contiguous(out))])
+    buffers.copy_rows(out, 0, 0, x)
+    return out
+
+
+def _check_out(info: buffers.ArrayInfo, axis: int, total: int, outs: list) -> None:
+    """Every rank's ``out`` (or None everywhere) must have the gathered shape, kind and dtype."""
+    shape = info.shape[:axis] + (total,) + info.shape[axis + 1 :]
+    bad = {
+        r: o for r, o in enumerate(outs)
+        if (o is None) != (outs[0] is None) or (o is not None and (o[0].shape != shape or not o[0].same_kind(info) or not o[1]))
+    }
+    if bad:
+        detail = ", ".join(f"rank {r}: " + ("None" if o is None else f"{o[0].kind} {o[0].dtype} {o[0].shape}" + ("" if o[1] else " non-contiguous")) for r, o in bad.items())
+        raise ValueError(
+            f"gather_tensor: out must be a C-contiguous {info.kind} {info.dtype} array of shape "
+            f"{shape} on every rank (or None on every rank); got {detail}"
+        )
 
 
 def _allgather_int(comm: MPI.Comm, value: int) -> list[int]:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 from mpi4py import MPI
 
-__all__ = ["DomainParallelError", "allgather_or_raise", "raise_on_all"]
+__all__ = ["DomainParallelError", "allgather_or_raise", "raise_on_all", "comm_label"]
 
 
 class DomainParallelError(RuntimeError):
@@ -48,8 +48,13 @@ def allgather_or_raise(comm: MPI.Comm, compute: Callable[[], Any]) -> list[Any]:
     items = comm.allgather(item)
     failures = {rank: info for rank, (ok, info) in enumerate(items) if not ok}
     if failures:
-        raise _agreed_error(failures, comm.Get_name()) from local_error
+        raise _agreed_error(failures, comm_label(comm)) from local_error
     return [value for _, value in items]
+
+
+def comm_label(comm: MPI.Comm) -> str:
+    """The communicator's name for messages (credit_mpi names the ones it creates)."""
+    return comm.Get_name() or f"a communicator of {comm.Get_size()} ranks"
 
 
 def raise_on_all(comm: MPI.Comm, error: Exception | None) -> None:

@@ -18,13 +18,17 @@ import os
 
 import numpy as np
 import pytest
-from conftest import domain_sizes
+
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
 import credit_mpi
 from credit_mpi import DomainParallelManager
+
+def domain_sizes(world_size: int) -> list[int]:
+    return [d for d in range(1, world_size + 1) if world_size % d == 0]
+
 
 DTYPES = [
     "bool",

@@ -1,0 +1,491 @@
+"""The ``credit-mpi`` command: ``info``, ``demo`` and ``bench``.
+
+Run it under your MPI launcher, e.g.::
+
+    mpiexec -n 4 credit-mpi info -d 2
+    mpiexec -n 4 credit-mpi demo
+    mpiexec -n 2 credit-mpi bench --plot bench.png
+
+(``python -m credit_mpi ...`` is the same.) Every subcommand is collective
+over ``MPI.COMM_WORLD`` and prints from rank 0 only. Started without a
+launcher, it runs as a single rank and says so.
+
+Each subcommand is a function ``cmd_<name>(args, comm, say) -> int`` so that
+tests can run it in-process on any communicator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import __version__
+from . import demo as demo_mod
+
+__all__ = ["build_parser", "cmd_bench", "cmd_demo", "cmd_info", "layout_table", "main", "parse_size"]
+
+Say = Callable[..., None]
+
+THREAD_LEVELS = {
+    MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
+    MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+    MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+    MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE",
+}
+
+DEFAULT_SWEEP = ("4x90x180", "4x180x360", "4x360x720", "4x720x1440")
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_size(text: str) -> tuple[int, int, int]:
+    """``"CxHxW"`` (e.g. ``16x720x1440``) as three positive ints; argparse type."""
+    parts = text.lower().replace("*", "x").split("x")
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 3 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"size must be CxHxW with positive integers, e.g. 16x720x1440; got {text!r}")
+    return values  # type: ignore[return-value]
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``credit-mpi`` argument parser (no MPI calls)."""
+    parser = argparse.ArgumentParser(
+        prog="credit-mpi",
+        description="credit_mpi: MPI-native domain parallelism. Run under mpiexec/srun; output from rank 0.",
+        epilog="example: mpiexec -n 4 credit-mpi info -d 2",
+    )
+    parser.add_argument("--version", action="version", version=f"credit_mpi {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{info,demo,bench}", required=True)
+
+    info = sub.add_parser("info", help="MPI library, threads, CUDA-awareness, GPUs per node, the rank layout")
+    info.add_argument("-d", "--domain-size", type=_positive, default=None, help="show the layout for this domain size")
+    info.set_defaults(func=cmd_info)
+
+    demo = sub.add_parser(
+        "demo", help="shard an ERA5-sized field, halo + convolve, gather back, check",
+        description=demo_mod.__doc__.split("\n\n")[0],
+    )
+    demo_mod.add_arguments(demo)
+    demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="time gather/shard_batch/halo against raw mpi4py and torch gloo")
+    bench.add_argument(
+        "-s", "--size", type=parse_size, action="append", default=None, metavar="CxHxW",
+        help=f"global float32 field size, repeatable (default sweep: {' '.join(DEFAULT_SWEEP)})",
+    )
+    bench.add_argument("-d", "--domain-size", type=_positive, default=None, help="ranks per domain group (default: all)")
+    bench.add_argument("-r", "--repeats", type=_positive, default=5, help="timed repetitions per row (default: 5)")
+    bench.add_argument("--ops", default="gather,shard_batch,halo", help="comma-separated subset of gather,shard_batch,halo")
+    bench.add_argument("--no-torch", action="store_true", help="leave out the torch.distributed (gloo) column")
+    bench.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    bench.add_argument("--plot", metavar="FILE.png", default=None, help="draw bandwidth curves (needs matplotlib)")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, comm: MPI.Comm | None = None) -> int:
+    """Entry point of the ``credit-mpi`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    comm = MPI.COMM_WORLD if comm is None else comm
+    say = _rank0_printer(comm)
+    try:
+        return args.func(args, comm, say)
+    except (ValueError, TypeError) as exc:
+        # Library checks raise the same error on every rank; say it once.
+        say(f"credit-mpi {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _rank0_printer(comm: MPI.Comm) -> Say:
+    if comm.Get_rank() != 0:
+        return lambda *a, **k: None
+
+    def say(*a: Any, **k: Any) -> None:
+        k.setdefault("flush", True)
+        print(*a, **k)
+
+    return say
+
+
+def _launcher_size() -> int | None:
+    """The rank count the launcher announced in the environment, if any."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "PALS_SIZE"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def _mismatch_hint(comm: MPI.Comm) -> str:
+    launched = _launcher_size()
+    if comm.Get_size() == 1 and launched is not None and launched > 1:
+        return (
+            f"; the launcher started {launched} processes but MPI sees 1 rank in each: mpi4py is built "
+            f"against a different MPI than this mpiexec/srun belongs to ({MPI.Get_library_version().splitlines()[0].strip()})"
+        )
+    return ""
+
+
+def _check_domain_size(comm: MPI.Comm, d: int | None) -> int:
+    size = comm.Get_size()
+    d = size if d is None else d
+    if d < 1 or size % d:
+        divisors = [k for k in range(1, size + 1) if size % k == 0]
+        raise ValueError(
+            f"domain size {d} does not divide the {size} rank(s) of this job; "
+            f"valid domain sizes: {', '.join(map(str, divisors))} (or change the number of ranks)"
+            + _mismatch_hint(comm)
+        )
+    return d
+
+
+def _single_rank_note(comm: MPI.Comm, say: Say, example: str) -> None:
+    if comm.Get_size() == 1:
+        hint = _mismatch_hint(comm)
+        if hint:
+            say("warning: a single MPI rank" + hint)
+        else:
+            say(f"note: this is a single MPI rank (started without mpiexec/srun?); try `{example}`")
+
+
+# --------------------------------------------------------------------------- info
+
+
+def layout_table(size: int, d: int, hosts: Sequence[str] | None = None) -> list[str]:
+    """Lines of the domain x data-parallel table: which global ranks form which group."""
+    groups = [list(range(g * d, (g + 1) * d)) for g in range(size // d)]
+    lines = [f"{size} rank(s) = {size // d} data-parallel replica(s) x domain size {d}"]
+    lines.append(f"  {'domain group':<14}{'global ranks (domain rank 0..' + str(d - 1) + ')':<40}hosts")
+    for g, ranks in enumerate(groups):
+        where = sorted({hosts[r] for r in ranks}) if hosts else []
+        lines.append(f"  {g:<14}{ranks!s:<40}{', '.join(where)}")
+    lines.append("  data-parallel groups (same band, different samples): " + " ".join(str(list(range(r, size, d))) for r in range(d)))
+    return lines
+
+
+def _gpu_facts(local_rank: int) -> dict:
+    """What this rank can see of GPUs, without creating a CUDA context where avoidable."""
+    facts: dict[str, Any] = {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "count": 0, "names": [], "via": None}
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        try:
+            if torch.cuda.is_available():
+                n = torch.cuda.device_count()
+                facts.update(count=n, names=[torch.cuda.get_device_name(i) for i in range(n)], via="torch.cuda")
+                return facts
+            facts["via"] = "torch.cuda: no CUDA device"
+        except Exception as exc:  # noqa: BLE001 - a broken driver is a finding, not a crash
+            facts["via"] = f"torch.cuda error: {exc}"
+    if importlib.util.find_spec("cupy") is not None:
+        try:
+            import cupy
+
+            n = cupy.cuda.runtime.getDeviceCount()
+            names = [cupy.cuda.runtime.getDeviceProperties(i)["name"].decode() for i in range(n)]
+            facts.update(count=n, names=names, via="cupy")
+        except Exception as exc:  # noqa: BLE001
+            facts["via"] = (facts["via"] or "") + f"; cupy: {exc}"
+    elif torch is None:
+        facts["via"] = "neither torch nor cupy installed"
+    return facts
+
+
+def _binding(local_rank: int, count: int) -> int | None:
+    """The device this rank gets under credit_mpi.gpu.bind_device's rule: local rank mod GPUs on the node.
+
+    (With ``CUDA_VISIBLE_DEVICES`` narrowed to one GPU per rank, that is 0.)
+    Computed here rather than calling ``bind_device``, which would also make
+    it the current device.
+    """
+    return local_rank % count if count else None
+
+
+def format_cuda_report(report: dict) -> list[str]:
+    """Lines for ``credit-mpi info`` from :func:`credit_mpi.gpu.cuda_awareness_report`'s dict."""
+    lines = [f"verdict: {'CUDA-aware' if report.get('cuda_aware') else 'not CUDA-aware'} (all ranks agree)"
+             if report.get("agreed", True) else
+             f"verdict: {'CUDA-aware' if report.get('cuda_aware') else 'not CUDA-aware'} (ranks DISAGREE)"]
+    lines.append(f"reason : {report.get('reason', '?')}")
+    if not report.get("agreed", True):
+        for r, item in enumerate(report.get("ranks", [])):
+            lines.append(f"  rank {r}: {'yes' if item.get('cuda_aware') else 'no'} - {item.get('reason', '?')}")
+    local = report.get("local") or {}
+    lib = local.get("library") or {}
+    if lib.get("symbol"):
+        lines.append(f"rank 0 : {lib['symbol']}() = {lib.get('value')} in {lib.get('library')}")
+    if local.get("memory_alloc_kinds"):
+        lines.append(f"rank 0 : mpi_memory_alloc_kinds = {local['memory_alloc_kinds']}")
+    for name, value in (local.get("env") or {}).items():
+        lines.append(f"rank 0 : {name}={value}")
+    if local.get("override") is not None:
+        lines.append(f"rank 0 : override in effect: {local['override']}")
+    return lines
+
+
+def _cuda_awareness(comm: MPI.Comm) -> list[str]:
+    """The verdict and reasons from credit_mpi.gpu when this build has it, else the raw facts only."""
+    if importlib.util.find_spec(f"{__package__}.gpu") is not None:
+        gpu = importlib.import_module(f"{__package__}.gpu")
+        return format_cuda_report(gpu.cuda_awareness_report(comm))  # collective
+    lines = ["verdict: unknown (this build has no credit_mpi.gpu, which makes the verdict)"]
+    for var in ("MPICH_GPU_SUPPORT_ENABLED", "OMPI_MCA_opal_cuda_support", "UCX_TLS"):
+        if var in os.environ:
+            lines.append(f"{var}={os.environ[var]}")
+    return lines
+
+
+def cmd_info(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
+    """``credit-mpi info``: what a user runs first on a new cluster."""
+    import mpi4py
+
+    size = comm.Get_size()
+    d = _check_domain_size(comm, args.domain_size)
+    say(f"credit_mpi {__version__}")
+    _single_rank_note(comm, say, "mpiexec -n 4 credit-mpi info -d 2")
+    lines = [" ".join(line.split()) for line in MPI.Get_library_version().splitlines() if line.strip()]
+    library = " | ".join([lines[0]] + [line for line in lines[1:] if line.startswith("MPICH Device")]) if lines else "?"
+    version = ".".join(map(str, MPI.Get_version()))
+    vendor = " ".join(map(str, MPI.get_vendor())) if hasattr(MPI, "get_vendor") else "?"
+    say(f"MPI library : {library[:160]}")
+    say(f"MPI standard: {version}; mpi4py {mpi4py.__version__} (vendor: {vendor})")
+    provided = MPI.Query_thread()
+    say(f"threads     : {THREAD_LEVELS.get(provided, provided)} provided (mpi4py.rc.thread_level={mpi4py.rc.thread_level!r})")
+    try:
+        import torch
+
+        say(f"torch       : {torch.__version__}")
+    except ImportError:
+        say("torch       : not installed (numpy only; `pip install credit-mpi[torch]` for tensors and the gloo baseline)")
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        local_rank, local_size = node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+    facts = _gpu_facts(local_rank)
+    me = {
+        "host": MPI.Get_processor_name(),
+        "local_rank": local_rank,
+        "local_size": local_size,
+        "slurm_localid": os.environ.get("SLURM_LOCALID"),
+        "gpus": facts,
+        "device": _binding(local_rank, facts["count"]),
+    }
+    everyone = comm.gather(me, root=0)
+    awareness = _cuda_awareness(comm)
+
+    say("CUDA-aware MPI:")
+    for line in awareness:
+        say(f"  {line}")
+    if everyone is not None:
+        hosts = [p["host"] for p in everyone]
+        say(f"ranks       : {size} on {len(set(hosts))} node(s)")
+        say(f"  {'rank':<6}{'host':<22}{'local':<7}{'SLURM_LOCALID':<15}{'CUDA_VISIBLE_DEVICES':<22}{'GPUs':<6}device")
+        for r, p in enumerate(everyone):
+            g = p["gpus"]
+            device = f"cuda:{p['device']} ({g['names'][p['device']]})" if p["device"] is not None else f"- ({g['via']})"
+            say(
+                f"  {r:<6}{p['host'][:21]:<22}{p['local_rank']:<7}{p['slurm_localid'] or '-'!s:<15}"
+                f"{g['visible'] if g['visible'] is not None else '(unset)'!s:<22}{g['count']:<6}{device}"
+            )
+        per_node: dict[str, list] = {}
+        for p in everyone:
+            per_node.setdefault(p["host"], []).append(p["device"])
+        for host, devices in per_node.items():
+            used = [x for x in devices if x is not None]
+            if len(used) != len(set(used)):
+                say(f"  warning: ranks on {host} share GPUs ({devices}); usually one rank per GPU is wanted")
+        say("layout:")
+        for line in layout_table(size, d, hosts):
+            say(line)
+    return 0
+
+
+# --------------------------------------------------------------------------- demo
+
+
+def cmd_demo(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
+    """``credit-mpi demo``: see :mod:`credit_mpi.demo`."""
+    _check_domain_size(comm, args.domain_size)
+    return demo_mod.run(args, comm, say)
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def run_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> list[dict]:
+    """The sweep behind ``credit-mpi bench``; returns one row per (operation, size), same on every rank."""
+    from . import bench
+    from .manager import DomainParallelManager
+
+    d = _check_domain_size(comm, args.domain_size)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = set(ops) - {"gather", "shard_batch", "halo"}
+    if unknown:
+        raise ValueError(f"unknown --ops {sorted(unknown)}; choose from gather, shard_batch, halo")
+    use_torch = not args.no_torch and comm.allreduce(bench.torch_available(), op=MPI.LAND)
+    if not args.no_torch and not use_torch:
+        say("note: torch is not installed on every rank; the torch.distributed (gloo) column is left out")
+    sizes = args.size or [parse_size(s) for s in DEFAULT_SWEEP]
+    rows: list[dict] = []
+    with DomainParallelManager(None, d, comm=comm) as manager:
+        dom = manager.domain_group
+        group = bench.gloo_group(manager) if use_torch and "gather" in ops else None
+        rep = {"repeats": args.repeats, "warmup": 1}
+        for c, h, w in sizes:
+            total = c * h * w * 4
+            x = bench.local_field((c, h, w), -2, dom, seed=manager.dp_rank)
+            if "gather" in ops:
+                row = {"op": "gather", "size": f"{c}x{h}x{w}", "bytes": total}
+                row["credit"] = bench.time_collective(dom, bench.credit_gather(x, manager), "credit_mpi", total, **rep)
+                row["raw"] = bench.time_collective(dom, bench.raw_allgather(dom, x), "raw mpi4py", x.nbytes * d, **rep)
+                if use_torch and h % d == 0:
+                    row["torch"] = bench.time_collective(dom, bench.gloo_all_gather_cat(x, -2, group), "gloo", total, **rep)
+                rows.append(row)
+            if "shard_batch" in ops:
+                batch = {"x": np.random.default_rng(0).standard_normal((1, c, h, w), dtype=np.float32)}
+                mine = x.nbytes
+                row = {"op": "shard_batch", "size": f"{c}x{h}x{w}", "bytes": mine}
+                row["credit"] = bench.time_collective(dom, bench.credit_shard_batch(batch, manager), "credit_mpi", mine, **rep)
+                row["raw"] = bench.time_collective(dom, bench.raw_slice_copy(batch, dom), "slice copy", mine, **rep)
+                rows.append(row)
+            if "halo" in ops:
+                fn = bench.halo_exchange_fn(x, 1, manager)
+                if fn is None:
+                    if not any(r["op"] == "halo-missing" for r in rows):
+                        rows.append({"op": "halo-missing"})
+                    continue
+                padded = x.nbytes + 2 * c * w * 4  # the result: the band and its two halo rows
+                row = {"op": "halo", "size": f"{c}x{h}x{w}", "bytes": padded}
+                row["credit"] = bench.time_collective(dom, fn, "credit_mpi", padded, **rep)
+                row["raw"] = bench.time_collective(dom, _raw_halo(dom, x), "copy + Sendrecv", padded, **rep)
+                rows.append(row)
+    if any(r["op"] == "halo-missing" for r in rows):
+        say("note: this build has no credit_mpi.halo; halo rows are left out")
+    return [r for r in rows if r["op"] != "halo-missing"]
+
+
+def _raw_halo(comm: MPI.Comm, x: np.ndarray) -> Callable[[], Any]:
+    """Raw floor of a 1-row, zero-boundary halo exchange along dim -2 with the same result.
+
+    A new array two rows longer, the band copied in, two ``Sendrecv`` of one
+    contiguous row each, the received rows (or zeros at the edges) copied into place.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    up = rank - 1 if rank > 0 else MPI.PROC_NULL
+    down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
+    shape = list(x.shape)
+    shape[-2] += 2
+
+    def run():
+        out = np.empty(shape, dtype=x.dtype)
+        out[..., 1:-1, :] = x
+        first, last = np.ascontiguousarray(x[..., 0, :]), np.ascontiguousarray(x[..., -1, :])
+        from_up, from_down = np.zeros_like(first), np.zeros_like(last)
+        comm.Sendrecv(last, down, 0, from_up, up, 0)
+        comm.Sendrecv(first, up, 1, from_down, down, 1)
+        out[..., 0, :] = from_up
+        out[..., -1, :] = from_down
+        return out
+
+    return run
+
+
+def _table(rows: list[dict]) -> list[str]:
+    header = (
+        f"{'op':<12}{'size':<13}{'MB':>8}{'credit_mpi ms':>15}{'GB/s':>8}{'raw ms':>10}{'GB/s':>8}{'x raw':>7}"
+        f"{'gloo ms':>10}{'x credit':>10}"
+    )
+    lines = [header]
+    for r in rows:
+        c, raw, t = r["credit"], r["raw"], r.get("torch")
+        line = (
+            f"{r['op']:<12}{r['size']:<13}{r['bytes'] / 1e6:>8.2f}{c.median * 1e3:>15.3f}{c.gbps:>8.2f}"
+            f"{raw.median * 1e3:>10.3f}{raw.gbps:>8.2f}{c.median / raw.median:>7.2f}"
+        )
+        if t is not None:
+            line += f"{t.median * 1e3:>10.3f}{t.median / c.median:>10.2f}"
+        else:
+            line += f"{'-':>10}{'-':>10}"
+        lines.append(line)
+    return lines
+
+
+def _plot(rows: list[dict], path: str, ranks: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    # one colour per operation; solid = credit_mpi, dashed = raw floor, dotted = torch gloo
+    for i, op in enumerate(dict.fromkeys(r["op"] for r in rows)):
+        mine = [r for r in rows if r["op"] == op]
+        mb = [r["bytes"] / 1e6 for r in mine]
+        for key, style in (("credit", "-o"), ("raw", "--s"), ("torch", ":^")):
+            pts = [(m, r[key].gbps) for m, r in zip(mb, mine) if key in r]
+            if pts:
+                ax.plot(*zip(*pts), style, color=f"C{i}", label=f"{op}: {mine[0][key].name}")
+    ax.set_xscale("log")
+    ax.set_xlabel("MB per rank (result)")
+    ax.set_ylabel("GB/s (result bytes per rank / median time)")
+    ax.set_title(f"credit-mpi bench, {ranks} rank(s)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
+    """``credit-mpi bench``: a table (or JSON, or a plot) of credit_mpi against its floors."""
+    _single_rank_note(comm, say, "mpiexec -n 2 credit-mpi bench")
+    if not args.json:
+        say(f"{comm.Get_size()} rank(s); median of {args.repeats} repetitions, slowest rank; GB/s = result bytes per rank / time", flush=True)
+    rows = run_bench(args, comm, say)
+    if comm.Get_rank() != 0:
+        return 0
+    if args.json:
+        print(json.dumps({"ranks": comm.Get_size(), "rows": [
+            {k: (v.as_dict() if hasattr(v, "as_dict") else v) for k, v in r.items()} for r in rows
+        ]}, indent=1))
+    else:
+        for line in _table(rows):
+            say(line)
+        say("raw: gather = mpi4py Allgather of the same bytes (contiguous, reused buffer); "
+            "shard_batch = numpy slice copy of the band; halo = a padded copy of the band + two Sendrecv of one row (zero at the edges). "
+            "gloo = torch.distributed all_gather into a list + torch.cat (the reference's method)")
+    if args.plot:
+        try:
+            _plot(rows, args.plot, comm.Get_size())
+        except ImportError:
+            say("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 2
+        say(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,94 @@
+"""Gradient reduction for domain-parallel (x data-parallel) training.
+
+In domain parallelism the ranks of a domain group hold the same parameters
+but different latitude bands of the same sample. If each rank's loss is its
+band's share of the global loss (e.g. the band's sum of squared errors
+divided by the *global* number of points, or the loss of the gathered field),
+the gradient of the global loss is the **sum** of the ranks' gradients; the
+data-parallel group then averages over samples (**mean**). The reference's
+plain average over all ranks equals this only when every band carries the
+same weight, which uneven bands (721 latitudes on 2 ranks) break.
+
+:func:`reduce_gradients` does both reductions in place, with one flat buffer
+per dtype and one ``Allreduce`` per group and dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+from mpi4py import MPI
+
+from .manager import DomainParallelManager, get_domain_parallel_manager
+from .validation import allgather_or_raise
+
+__all__ = ["reduce_gradients"]
+
+# dtypes MPI cannot add directly are reduced in float32
+_WIDEN = {"torch.float16", "torch.bfloat16"}
+
+
+def reduce_gradients(
+    parameters: Iterable,
+    manager: DomainParallelManager | None = None,
+    *,
+    check: bool = True,
+) -> None:
+    """Sum parameter gradients over the domain group, then average them over the data-parallel group.
+
+    Collective over the manager's parent communicator. Parameters whose
+    ``grad`` is ``None`` are skipped; every rank must have gradients for the
+    same parameters (checked when ``check``).
+
+    Args:
+        parameters: torch parameters (e.g. ``model.parameters()``), the same
+            model on every rank.
+        manager: DomainParallelManager (the global singleton if None; with
+            none, nothing happens).
+        check: Agree first across all ranks on which gradients exist and on
+            their dtypes and sizes (one small allgather), so a mismatch is
+            one ``ValueError`` on every rank instead of garbage.
+
+    Raises:
+        ValueError: ranks hold gradients for different parameters.
+    """
+    manager = get_domain_parallel_manager() if manager is None else manager
+    params = list(parameters)
+    if manager is None:
+        return
+    grads = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
+    if check:
+        signature = [(i, str(g.dtype), g.numel()) for i, g in grads]
+        everyone = allgather_or_raise(manager.comm, lambda: signature)
+        if any(s != signature for s in everyone):
+            ranks = [r for r, s in enumerate(everyone) if s != everyone[0]]
+            raise ValueError(
+                "reduce_gradients: ranks hold gradients for different parameters, dtypes or sizes "
+                f"(rank(s) {ranks} differ from rank 0); run the same model and backward pass on every rank"
+            )
+    groups: dict[str, list] = {}
+    for _, g in grads:
+        groups.setdefault(str(g.dtype), []).append(g)
+    domain, dp = manager.domain_parallel_size, manager.data_parallel_size
+    if not groups:
+        return
+    import torch  # the gradients are torch tensors, so torch is loaded already
+
+    for dtype in sorted(groups):
+        tensors = groups[dtype]
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        if dtype in _WIDEN:
+            flat = flat.float()
+        host = flat.cpu()
+        buf = host.numpy()
+        if domain > 1:
+            manager.domain_group.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        if dp > 1:
+            manager.data_parallel_group.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            np.divide(buf, dp, out=buf, casting="unsafe")
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(host[offset : offset + n].view_as(t))
+            offset += n

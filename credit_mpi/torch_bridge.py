@@ -1,0 +1,496 @@
+"""torch.distributed process groups that mirror the MPI communicators.
+
+A job launched with ``mpiexec``/``srun`` gets a torch.distributed default
+group and torch groups with exactly the layout of a
+:class:`~credit_mpi.DomainParallelManager`'s MPI communicators, so that the
+model wrapper (DDP/FSDP), NCCL collectives and credit_mpi's MPI collectives
+agree on who is who:
+
+* torch rank ``r`` is rank ``r`` of the manager's parent communicator;
+* ``manager.torch_domain_group`` holds the same ranks as
+  ``manager.domain_group``, ``manager.torch_data_parallel_group`` the same
+  ranks as ``manager.data_parallel_group``;
+* ``manager.device_mesh`` is a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh`
+  named ``("dp", "domain")`` over those two groups (row ``i`` of the mesh
+  is domain group ``i``).
+
+The rendezvous needs nothing from the launcher: rank 0 starts a
+:class:`torch.distributed.TCPStore` on a port the operating system picks and
+tells the other ranks its address over MPI. ``MASTER_ADDR``/``MASTER_PORT``
+(as rank 0 sees them) are used instead when set.
+
+This module is the only part of credit_mpi that imports torch at module
+level; ``import credit_mpi`` does not import it (``credit_mpi.init_torch_distributed``
+is resolved lazily).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import weakref
+from datetime import timedelta
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from . import buffers
+from .manager import DomainParallelManager, get_domain_parallel_manager
+from .partition import band_offsets
+from .sharding import SLICE_BYTES
+from .validation import DomainParallelError, allgather_or_raise
+
+__all__ = ["init_torch_distributed", "destroy_torch_distributed", "is_bridged"]
+
+logger = logging.getLogger(__name__)
+logger.addHandler(logging.NullHandler())
+
+# Managers bridged by this module, and whether this module created torch's
+# default group (then it destroys it when the last bridge goes).
+_BRIDGED: "weakref.WeakSet[DomainParallelManager]" = weakref.WeakSet()
+_OWNS_DEFAULT_GROUP = False
+
+_UP, _DOWN = 17, 18  # point-to-point tags, as in credit_mpi.halo
+
+
+def init_torch_distributed(
+    manager: Optional[DomainParallelManager] = None,
+    backend: Optional[str] = None,
+    *,
+    timeout: Union[timedelta, float, None] = None,
+) -> DomainParallelManager:
+    """Initialise torch.distributed from the MPI job and mirror the manager's groups.
+
+    Collective over the manager's parent communicator (every rank calls it).
+
+    If torch.distributed is not initialised yet, its default group is
+    created with rank and world size taken from ``manager.comm`` (rendezvous
+    through a TCPStore on rank 0, address and port sent over MPI). If it is
+    already initialised (by the user, or for another manager), its ranks
+    must be those of ``manager.comm`` in the same order; only the groups
+    are added.
+
+    Then every rank creates every domain group, then every data-parallel
+    group, in the same order, and the groups this rank belongs to are set on
+    the manager as ``torch_domain_group`` / ``torch_data_parallel_group``,
+    together with ``device_mesh``. :func:`destroy_torch_distributed` (or
+    ``manager.free()``) releases them.
+
+    Args:
+        manager: The manager to mirror (default: the global singleton from
+            :func:`~credit_mpi.initialize_domain_parallel`).
+        backend: torch.distributed backend, e.g. ``"nccl"`` or ``"gloo"``.
+            ``None``: ``"nccl"`` when CUDA is available on every rank, else
+            ``"gloo"`` (when torch.distributed is already initialised,
+            ``None`` keeps the default group's backend for the new groups).
+            With NCCL each rank first binds the CUDA device of its local rank
+            (its rank among the ranks on its node, modulo the device count).
+        timeout: Timeout of the rendezvous and of the process groups'
+            collectives (``timedelta`` or seconds); ``None`` means torch's
+            default.
+
+    Returns:
+        The manager, now carrying the torch groups and the device mesh.
+
+    Raises:
+        ValueError: no manager; the backend is unknown or not available in
+            this build of torch; the manager was already bridged (every rank).
+        DomainParallelError: torch.distributed is initialised with a world
+            size or rank order that differs from ``manager.comm`` (every rank).
+    """
+    global _OWNS_DEFAULT_GROUP
+    if manager is None:
+        manager = get_domain_parallel_manager()
+        if manager is None:
+            raise ValueError(
+                "init_torch_distributed: no manager given and none initialised; call "
+                "credit_mpi.initialize_domain_parallel(...) first or pass manager="
+            )
+    if not isinstance(manager, DomainParallelManager):
+        raise TypeError(f"manager must be a DomainParallelManager, got {type(manager).__name__}")
+    comm = manager.comm
+    _ = manager.domain_group  # raises DomainParallelError if the manager was freed
+    timeout = _timeout(timeout)
+
+    def check() -> tuple:
+        if manager in _BRIDGED or getattr(manager, "torch_domain_group", None) is not None:
+            raise ValueError(
+                "init_torch_distributed was already called for this manager; call "
+                "credit_mpi.destroy_torch_distributed(manager) first to rebuild the groups"
+            )
+        if not dist.is_available():
+            raise ValueError("this build of torch has no torch.distributed (torch.distributed.is_available() is False)")
+        initialised = dist.is_initialized()
+        chosen = _choose_backend(backend, initialised)
+        torch_rank = dist.get_rank() if initialised else None
+        torch_size = dist.get_world_size() if initialised else None
+        return initialised, chosen, torch_rank, torch_size
+
+    states = allgather_or_raise(comm, check)
+    _check_agreement(comm, states)
+    initialised, chosen, _, _ = states[comm.Get_rank()]
+
+    if chosen is not None and _is_nccl(chosen):
+        _bind_local_device(comm)
+    if not initialised:
+        _init_default_group(comm, chosen, timeout)
+        _OWNS_DEFAULT_GROUP = True
+
+    device_type = "cuda" if _is_nccl(chosen or dist.get_backend()) else "cpu"
+    domain = _new_groups(manager.domain_groups(), comm.Get_rank(), chosen, timeout, "domain")
+    data_parallel = _new_groups(manager.data_parallel_groups(), comm.Get_rank(), chosen, timeout, "data_parallel")
+    mesh = _device_mesh(manager, data_parallel, domain, device_type)
+
+    manager.torch_domain_group = domain
+    manager.torch_data_parallel_group = data_parallel
+    manager.device_mesh = mesh
+    manager._torch_teardown = destroy_torch_distributed
+    _BRIDGED.add(manager)
+    logger.debug(
+        "rank %d: torch.distributed bridged (%s), domain group %s, data-parallel group %s",
+        comm.Get_rank(),
+        dist.get_backend(domain),
+        dist.get_process_group_ranks(domain),
+        dist.get_process_group_ranks(data_parallel),
+    )
+    return manager
+
+
+def destroy_torch_distributed(manager: Optional[DomainParallelManager] = None) -> None:
+    """Destroy the torch groups that :func:`init_torch_distributed` made for ``manager``.
+
+    Collective over the manager's parent communicator. Removes
+    ``torch_domain_group``, ``torch_data_parallel_group`` and
+    ``device_mesh`` from the manager (they become ``None``). When the bridge
+    created torch's default group and no other bridged manager is left, the
+    default group is destroyed too, so torch.distributed can be initialised
+    again; a default group the user created is left alone. A manager that
+    is not bridged is a no-op. ``manager.free()`` calls this.
+    """
+    global _OWNS_DEFAULT_GROUP
+    if manager is None:
+        manager = get_domain_parallel_manager()
+        if manager is None:
+            return
+    if manager not in _BRIDGED:
+        return
+    groups = (manager.torch_domain_group, manager.torch_data_parallel_group)
+    manager.torch_domain_group = manager.torch_data_parallel_group = manager.device_mesh = None
+    manager._torch_teardown = None
+    _BRIDGED.discard(manager)
+    if not dist.is_initialized():  # the user destroyed everything already
+        return
+    # Nobody may tear down (rank 0 hosts the store) while another rank still
+    # has a collective in flight on these groups.
+    if not MPI.Is_finalized():
+        manager.comm.Barrier()
+    for group in groups:
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
+    if _OWNS_DEFAULT_GROUP and not _BRIDGED:
+        dist.destroy_process_group()
+        _OWNS_DEFAULT_GROUP = False
+
+
+def is_bridged(manager: DomainParallelManager) -> bool:
+    """True when ``manager`` carries torch groups made by :func:`init_torch_distributed`."""
+    return manager in _BRIDGED
+
+
+# -- data movement over the mirrored groups ---------------------------------
+
+
+def domain_group(manager: DomainParallelManager) -> Any:
+    """The manager's torch domain group; a clear error when the bridge is missing."""
+    group = getattr(manager, "torch_domain_group", None)
+    if group is None:
+        raise DomainParallelError(
+            "transport='torch' needs torch.distributed groups that mirror the manager; "
+            "call credit_mpi.init_torch_distributed(manager) first (or use transport='mpi')"
+        )
+    return group
+
+
+def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: DomainParallelManager) -> Any:
+    """Fill ``out`` with every rank's band of ``x`` along ``axis`` over the torch domain group.
+
+    The torch counterpart of :func:`credit_mpi.gather_tensor`'s ``Allgather(v)``;
+    the caller has agreed on ``sizes`` (rows per domain rank) and allocated
+    ``out``. Data moves as bytes, so every dtype is gathered bit for bit.
+    torch collectives need equal sizes on every rank and a contiguous
+    destination. With equal bands, each outer slice of ``out`` (the
+    dimensions before ``axis``) holds the bands of all ranks contiguously,
+    so each slice is gathered straight into place, all slices in flight at
+    once (as the MPI path does for slices of at least
+    :data:`credit_mpi.sharding.SLICE_BYTES`). Uneven bands, and many small
+    slices, go through a staging buffer with every band padded to the
+    widest (per slice for large slices, one collective for small ones) and
+    are then copied into place: one extra copy of the field.
+    NumPy arrays and CPU tensors are staged on the current CUDA device when
+    the group is NCCL.
+
+    Returns:
+        ``out``.
+    """
+    group = domain_group(manager)
+    n = len(sizes)
+    shape = _shape(out)
+    outer = math.prod(shape[:axis])
+    row = math.prod(shape[axis + 1 :]) * buffers.describe(out).itemsize
+    device = _group_device(group)
+
+    send = _byte_tensor(buffers.contiguous(x)).to(device)
+    target = _byte_tensor(out)
+    total, widest = sum(sizes), max(sizes)
+    per_slice = outer > 1 and total * row >= SLICE_BYTES  # large slices: one collective each
+    if len(set(sizes)) == 1 and target.device == device and (outer == 1 or per_slice):
+        # Each outer slice of out holds the bands of all ranks contiguously and
+        # in rank order: gather every slice straight into place.
+        _gather_slices(target.view(outer, total * row), send.view(outer, widest * row), group)
+        return out
+
+    # Staging: (slices, n, width) bytes, every band padded to the widest.
+    slices = outer if per_slice else 1
+    width = outer * widest * row // slices
+    mine = send.numel() // slices
+    if mine != width:
+        padded = torch.zeros((slices, width), dtype=torch.uint8, device=device)
+        padded[:, :mine] = send.view(slices, mine)
+        send = padded
+    staging = torch.empty((slices, n * width), dtype=torch.uint8, device=device)
+    _gather_slices(staging, send.view(slices, width), group)
+    staging = staging.view(slices, n, width)
+
+    on_device = target if target.device == device else torch.empty_like(target, device=device)
+    placed = on_device.view(outer, total, row)
+    for r, (first, rows) in enumerate(zip(band_offsets(list(sizes)), sizes)):
+        band = staging[:, r, : outer * rows * row // slices]  # (slices, outer/slices * rows * row)
+        placed[:, first : first + rows].copy_(band.reshape(outer, rows, row))
+    if on_device is not target:
+        target.copy_(on_device)
+    return out
+
+
+def exchange_halo_rows(out: Any, plan: Any) -> None:
+    """Fill the halo rows of ``out`` from the neighbours over the torch domain group.
+
+    The torch counterpart of the two ``Sendrecv`` calls in
+    :func:`credit_mpi.halo_exchange` (``plan`` is its plan, with
+    ``plan.torch_group`` set): ``out`` is this rank's padded band with the
+    band already in place; the first ``width`` band rows go to the previous
+    rank and the next rank's land below the band, then the last ``width``
+    band rows go to the next rank and the previous rank's land above. The
+    operations are issued in that order on every rank (NCCL matches
+    point-to-point messages between two ranks in issue order, not by tag).
+    Outer edges (no neighbour) are left to the caller.
+    """
+    group = plan.torch_group
+    device = _group_device(group)
+    w, rows, outer, row = plan.width, plan.rows, plan.outer, plan.row_bytes
+    target = _byte_tensor(out)
+    on_device = target if target.device == device else target.to(device)
+    padded = on_device.view(outer, rows + 2 * w, row)
+    ops, landing = [], []
+
+    def recv(peer: int, tag: int, at: int) -> None:
+        buf = torch.empty((outer, w, row), dtype=torch.uint8, device=device)
+        ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, peer), group, tag))
+        landing.append((buf, at))
+
+    def send(peer: int, tag: int, first: int) -> None:
+        buf = padded[:, first : first + w].contiguous()
+        ops.append(dist.P2POp(dist.isend, buf, dist.get_global_rank(group, peer), group, tag))
+
+    if plan.prev is not None:
+        send(plan.prev, _UP, w)
+    if plan.next is not None:
+        recv(plan.next, _UP, w + rows)
+        send(plan.next, _DOWN, rows)
+    if plan.prev is not None:
+        recv(plan.prev, _DOWN, 0)
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for buf, at in landing:
+        padded[:, at : at + w].copy_(buf)
+    if on_device is not target:
+        target.copy_(on_device)
+
+
+# -- internals ---------------------------------------------------------------
+
+
+def _timeout(timeout: Union[timedelta, float, None]) -> timedelta:
+    if timeout is None:
+        from torch.distributed.constants import default_pg_timeout
+
+        return default_pg_timeout
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ValueError(f"timeout must be a datetime.timedelta or seconds, got {timeout!r}")
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return timedelta(seconds=seconds)
+
+
+def _choose_backend(backend: Optional[str], initialised: bool) -> Optional[str]:
+    """The backend for the new groups; ``None`` keeps an existing default group's backend."""
+    if backend is None:
+        if initialised:
+            return None
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend must be a torch.distributed backend name such as 'nccl' or 'gloo', got {backend!r}")
+    name = backend.lower()
+    try:
+        available = dist.is_backend_available(name)
+    except Exception:  # noqa: BLE001 - an unknown name may raise inside torch
+        available = False
+    if not available:
+        known = [b for b in ("gloo", "nccl", "mpi", "ucc", "xccl") if _available(b)]
+        raise ValueError(
+            f"backend {backend!r} is not available in this build of torch "
+            f"({torch.__version__}); available here: {known}"
+        )
+    if _is_nccl(name) and not torch.cuda.is_available():
+        raise ValueError(f"backend {backend!r} needs CUDA, but torch.cuda.is_available() is False on this rank")
+    return name
+
+
+def _available(name: str) -> bool:
+    try:
+        return bool(dist.is_backend_available(name))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _is_nccl(backend: Optional[str]) -> bool:
+    return backend is not None and "nccl" in str(backend).lower()
+
+
+def _check_agreement(comm: MPI.Comm, states: list[tuple]) -> None:
+    """Every rank must see the same torch state, and torch's ranks must be MPI's."""
+    size = comm.Get_size()
+    initialised = {s[0] for s in states}
+    if len(initialised) > 1:
+        on = [r for r, s in enumerate(states) if s[0]]
+        raise DomainParallelError(
+            f"torch.distributed is initialised on rank(s) {on} of {comm.Get_name()} but not on the "
+            f"others; initialise it on every rank or on none"
+        )
+    backends = {s[1] for s in states}
+    if len(backends) > 1:
+        detail = ", ".join(f"rank {r}: {s[1]}" for r, s in enumerate(states))
+        raise DomainParallelError(f"ranks chose different torch backends ({detail}); pass backend= explicitly")
+    if initialised.pop():
+        mapping = [(r, s[2], s[3]) for r, s in enumerate(states)]
+        if any(ts != size for _, _, ts in mapping):
+            sizes = sorted({ts for _, _, ts in mapping})
+            raise DomainParallelError(
+                f"torch.distributed is initialised with world size {sizes[0] if len(sizes) == 1 else sizes}, "
+                f"but the manager's communicator {comm.Get_name()} has {size} ranks; the torch world "
+                f"must be exactly the MPI communicator"
+            )
+        wrong = [(r, tr) for r, tr, _ in mapping if r != tr]
+        if wrong:
+            detail = ", ".join(f"MPI rank {r} is torch rank {tr}" for r, tr in wrong)
+            raise DomainParallelError(
+                f"torch.distributed's rank order differs from {comm.Get_name()}'s ({detail}); "
+                f"torch rank r must be MPI rank r"
+            )
+
+
+def _bind_local_device(comm: MPI.Comm) -> None:
+    """Bind this rank's CUDA device from its local rank (:func:`credit_mpi.gpu.bind_device`)."""
+    from . import gpu
+
+    gpu.bind_device(comm, library="torch")
+
+
+def _init_default_group(comm: MPI.Comm, backend: str, timeout: timedelta) -> None:
+    """Rendezvous through a TCPStore hosted by rank 0; address and port go over MPI."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    hosts = comm.allgather(MPI.Get_processor_name())
+    store = None
+
+    def host_store() -> Optional[tuple[str, int]]:
+        nonlocal store
+        if rank != 0:
+            return None
+        addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1 else socket.gethostname())
+        port_text = os.environ.get("MASTER_PORT", "0")
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise ValueError(f"MASTER_PORT must be a port number, got {port_text!r}") from None
+        store = dist.TCPStore(addr, port, size, is_master=True, wait_for_workers=False, timeout=timeout)
+        return addr, store.port
+
+    addr, port = allgather_or_raise(comm, host_store)[0]
+
+    def connect() -> None:
+        nonlocal store
+        if rank != 0:
+            store = dist.TCPStore(addr, port, size, is_master=False, timeout=timeout)
+
+    allgather_or_raise(comm, connect)
+    logger.debug("rank %d: torch.distributed rendezvous at %s:%d (%s)", rank, addr, port, backend)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+
+
+def _new_groups(layout: list[list[int]], rank: int, backend: Optional[str], timeout: timedelta, what: str) -> Any:
+    """Create every group of ``layout`` in order (collective); return the one holding ``rank``."""
+    mine = None
+    for ranks in layout:
+        group = dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=f"credit_mpi.{what}")
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def _device_mesh(manager: DomainParallelManager, dp_group: Any, domain_group_: Any, device_type: str) -> Any:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without DeviceMesh
+        return None
+    layout = torch.arange(manager.world_size, dtype=torch.int).reshape(
+        manager.data_parallel_size, manager.domain_parallel_size
+    )
+    return DeviceMesh.from_group(
+        [dp_group, domain_group_], device_type, mesh=layout, mesh_dim_names=("dp", "domain")
+    )
+
+
+def _group_device(group: Any) -> torch.device:
+    if _is_nccl(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _gather_slices(output: torch.Tensor, input_: torch.Tensor, group: Any) -> None:
+    """All-gather ``input_[p]`` into ``output[p]`` for every row ``p``, all in flight at once."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    works = [gather(output[p], input_[p], group=group, async_op=True) for p in range(output.shape[0])]
+    for work in works:
+        work.wait()
+
+
+def _byte_tensor(x: Any) -> torch.Tensor:
+    """A flat uint8 torch view of the contiguous array ``x`` (shares memory)."""
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x.reshape(-1).view(np.uint8))
+    if not isinstance(x, torch.Tensor):  # CuPy (or any DLPack producer)
+        x = torch.from_dlpack(x)
+    return x.reshape(-1).view(torch.uint8)
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape)

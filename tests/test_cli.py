@@ -1,0 +1,229 @@
+"""The ``credit-mpi`` command: argument parsing (serial) and the subcommands run in-process (MPI)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from credit_mpi import bench, cli
+from credit_mpi.demo import conv3x3, synthetic_field
+
+# ----------------------------------------------------------------------------- serial
+
+
+def test_parse_size_accepts_cxhxw():
+    assert cli.parse_size("16x720x1440") == (16, 720, 1440)
+    assert cli.parse_size("2X3x4") == (2, 3, 4)
+
+
+@pytest.mark.parametrize("text", ["16x720", "axbxc", "0x2x2", "1x2x3x4", ""])
+def test_parse_size_rejects_bad_sizes(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="CxHxW"):
+        cli.parse_size(text)
+
+
+def test_parser_subcommands_and_defaults():
+    p = cli.build_parser()
+    args = p.parse_args(["info", "-d", "2"])
+    assert args.command == "info" and args.domain_size == 2 and args.func is cli.cmd_info
+    args = p.parse_args(["demo"])
+    assert (args.lat, args.lon, args.channels, args.domain_size) == (721, 1440, 8, None)
+    args = p.parse_args(["bench", "-s", "1x8x16", "-s", "2x4x4", "--json", "--plot", "x.png"])
+    assert args.size == [(1, 8, 16), (2, 4, 4)] and args.json and args.plot == "x.png"
+    assert p.parse_args(["bench"]).size is None
+
+
+@pytest.mark.parametrize("argv", [[], ["nonsense"], ["info", "-d", "0"], ["bench", "-r", "-1"], ["bench", "-s", "3x3"]])
+def test_parser_rejects(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(argv)
+    assert exc.value.code == 2
+
+
+def test_layout_table_matches_the_spec_example():
+    lines = cli.layout_table(8, 2, ["n0"] * 4 + ["n1"] * 4)
+    assert lines[0] == "8 rank(s) = 4 data-parallel replica(s) x domain size 2"
+    assert "[0, 1]" in lines[2] and "n0" in lines[2]
+    assert "[6, 7]" in lines[5] and "n1" in lines[5]
+    assert lines[-1].endswith("[0, 2, 4, 6] [1, 3, 5, 7]")
+
+
+def test_domain_size_that_does_not_divide_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"domain size 3 does not divide the 1 rank\(s\).*valid domain sizes: 1"):
+        cli._check_domain_size(MPI.COMM_SELF, 3)
+    assert cli._check_domain_size(MPI.COMM_SELF, None) == 1
+
+
+def test_conv3x3_on_bands_matches_the_whole_field():
+    """The demo's check relies on this: a band padded with its neighbours' rows convolves like the whole."""
+    field = synthetic_field(1, 2, 13, 16, seed=3)
+    w = np.random.default_rng(0).standard_normal((2, 3, 3)).astype(np.float32)
+    pad = np.zeros_like(field[..., :1, :])
+    full = conv3x3(np.concatenate([pad, field, pad], axis=-2), w)
+    padded = np.concatenate([pad, field, pad], axis=-2)
+    parts = [conv3x3(padded[..., a : b + 2, :], w) for a, b in ((0, 7), (7, 13))]
+    np.testing.assert_allclose(np.concatenate(parts, axis=-2), full, rtol=0, atol=1e-6)
+    # and against a direct loop on one point, periodic in longitude
+    i, j = 5, 0
+    direct = sum(w[1, a, b] * padded[0, 1, i + a, (j + b - 1) % 16] for a in range(3) for b in range(3))
+    assert abs(full[0, 1, i, j] - direct) < 1e-5
+
+
+def test_timing_statistics():
+    t = bench.Timing("x", 2_000_000_000, [2.0, 1.0, 4.0])
+    assert t.median == 2.0 and t.best == 1.0 and t.gbps == pytest.approx(1.0)
+    assert t.as_dict()["median_s"] == 2.0
+
+
+# ----------------------------------------------------------------------------- MPI, in-process
+
+
+def _run(capsys, argv):
+    rc = cli.main(argv)
+    rcs = MPI.COMM_WORLD.allgather(rc)
+    return rcs, capsys.readouterr()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_info_prints_library_layout_from_rank0_only(capsys):
+    world = MPI.COMM_WORLD
+    rcs, out = _run(capsys, ["info", "-d", "1"])
+    assert rcs == [0] * world.Get_size()
+    if world.Get_rank() == 0:
+        assert "MPI library" in out.out and "mpi4py" in out.out and "CUDA-aware MPI" in out.out
+        assert f"{world.Get_size()} rank(s) = {world.Get_size()} data-parallel replica(s) x domain size 1" in out.out
+        assert out.out.count("\n  0 ") >= 1  # rank rows
+        assert ("single MPI rank" in out.out) == (world.Get_size() == 1)
+    else:
+        assert out.out == ""
+
+
+@pytest.mark.mpi(min_size=2)
+def test_info_rejects_a_domain_size_that_does_not_divide(capsys):
+    world = MPI.COMM_WORLD
+    bad = world.Get_size() + 1
+    rcs, out = _run(capsys, ["info", "-d", str(bad)])
+    assert rcs == [2] * world.Get_size()
+    if world.Get_rank() == 0:
+        assert f"domain size {bad} does not divide" in out.err
+
+
+@pytest.mark.mpi(min_size=1)
+def test_tiny_demo_passes_its_checks(capsys):
+    world = MPI.COMM_WORLD
+    rcs, out = _run(capsys, ["demo", "--lat", str(4 * world.Get_size() + 1), "--lon", "16", "-c", "2", "--steps", "1"])
+    assert rcs == [0] * world.Get_size()
+    if world.Get_rank() == 0:
+        assert "[1/3] shard" in out.out and "[3/3] gather" in out.out
+        assert "check gather (bit for bit): ok" in out.out
+        assert "all checks passed on every rank" in out.out
+        if importlib.util.find_spec("credit_mpi.halo") is not None:
+            assert "check halo + convolution: ok" in out.out and "max |error| vs one process" in out.out
+
+
+@pytest.mark.mpi(min_size=1)
+def test_tiny_bench_json(capsys):
+    world = MPI.COMM_WORLD
+    h = 4 * world.Get_size()
+    rcs, out = _run(capsys, ["bench", "-s", f"2x{h}x8", "-r", "1", "--no-torch", "--json"])
+    assert rcs == [0] * world.Get_size()
+    if world.Get_rank() == 0:
+        result = json.loads(out.out[out.out.index("{") :])
+        assert result["ranks"] == world.Get_size()
+        ops = {r["op"] for r in result["rows"]}
+        assert {"gather", "shard_batch"} <= ops
+        if importlib.util.find_spec("credit_mpi.halo") is not None:
+            assert "halo" in ops
+        gather = next(r for r in result["rows"] if r["op"] == "gather")
+        assert gather["bytes"] == 2 * h * 8 * 4 and gather["credit"]["median_s"] > 0
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bench_table_rejects_unknown_ops(capsys):
+    world = MPI.COMM_WORLD
+    rcs, out = _run(capsys, ["bench", "-s", "1x4x4", "--ops", "gather,warp", "--no-torch"])
+    assert rcs == [2] * world.Get_size()
+    if world.Get_rank() == 0:
+        assert "unknown --ops ['warp']" in out.err
+
+
+@pytest.mark.mpi(min_size=1)
+def test_measurements_agree_with_credit_gather(make_manager):
+    """raw Allgather and the reference's method (when torch is here) gather the same values."""
+    world = MPI.COMM_WORLD
+    manager = make_manager()
+    x = bench.local_field((2, 4 * world.Get_size(), 256), -2, manager.domain_group, seed=7)  # above numpy's small-buffer cache
+    mine = bench.credit_gather(x, manager)()
+    raw = bench.raw_allgather(manager.domain_group, x)
+    raw()  # fills its own buffer; same bytes, dim-0 blocks
+    parts = manager.domain_group.allgather(x)
+    np.testing.assert_array_equal(mine, np.concatenate(parts, axis=-2))
+    extra, out = bench.gather_extra_memory(x, manager)
+    assert out == mine.nbytes and extra < out
+    ref_extra, _ = bench.reference_extra_memory(x, manager.domain_group)
+    if world.Get_size() > 1:
+        assert ref_extra >= out, (ref_extra, out)  # the list of n shards is a second copy of the field
+    torch = pytest.importorskip("torch")
+    group = bench.gloo_group(manager)  # released by manager.free() (the fixture)
+    ref = bench.gloo_all_gather_cat(torch.from_numpy(x), -2, group)()
+    np.testing.assert_array_equal(ref.numpy(), mine)
+
+
+def test_format_cuda_report_says_verdict_reason_and_disagreement():
+    agreed = {
+        "cuda_aware": True, "reason": "CUDA-aware: MPIX_Query_cuda_support() reports CUDA support", "agreed": True,
+        "ranks": [{"cuda_aware": True, "reason": "x"}],
+        "local": {"override": None, "library": {"value": 1, "symbol": "MPIX_Query_cuda_support", "library": "libmpi.so"},
+                  "memory_alloc_kinds": None, "env": {"MPICH_GPU_SUPPORT_ENABLED": "1"}, "mpi": "MPICH"},
+    }
+    lines = cli.format_cuda_report(agreed)
+    assert lines[0] == "verdict: CUDA-aware (all ranks agree)"
+    assert any("MPIX_Query_cuda_support() = 1 in libmpi.so" in x for x in lines)
+    assert any("MPICH_GPU_SUPPORT_ENABLED=1" in x for x in lines)
+    split = dict(agreed, cuda_aware=False, agreed=False, reason="ranks disagree",
+                 ranks=[{"cuda_aware": True, "reason": "a"}, {"cuda_aware": False, "reason": "b"}])
+    lines = cli.format_cuda_report(split)
+    assert lines[0] == "verdict: not CUDA-aware (ranks DISAGREE)"
+    assert "  rank 1: no - b" in lines
+
+
+@pytest.mark.mpi(min_size=1)
+def test_raw_halo_floor_matches_halo_exchange(make_manager):
+    """The bench's raw halo baseline computes what credit_mpi.halo_exchange (zero boundary) computes."""
+    halo = pytest.importorskip("credit_mpi.halo")
+    manager = make_manager()
+    x = bench.local_field((2, 3 * manager.domain_world_size + 1, 5), -2, manager.domain_group, seed=4)
+    expected = halo.halo_exchange(x, 1, dim=-2, manager=manager, boundary="zero")
+    np.testing.assert_array_equal(cli._raw_halo(manager.domain_group, x)(), expected)
+
+
+def test_single_rank_under_a_foreign_launcher_is_explained(monkeypatch):
+    monkeypatch.setenv("PMI_SIZE", "4")
+    with pytest.raises(ValueError, match="launcher started 4 processes but MPI sees 1 rank"):
+        cli._check_domain_size(MPI.COMM_SELF, 2)
+    lines = []
+    cli._single_rank_note(MPI.COMM_SELF, lambda *a, **k: lines.append(" ".join(a)), "x")
+    assert "different MPI" in lines[0]
+    monkeypatch.delenv("PMI_SIZE")
+    for var in ("OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "PALS_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    lines.clear()
+    cli._single_rank_note(MPI.COMM_SELF, lambda *a, **k: lines.append(" ".join(a)), "mpiexec -n 4 x")
+    assert "single MPI rank (started without mpiexec/srun?)" in lines[0]
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [
+        {"op": "gather", "size": f"1x{h}x8", "bytes": h * 32,
+         "credit": bench.Timing("credit_mpi", h * 32, [1e-4 * h]), "raw": bench.Timing("raw mpi4py", h * 32, [5e-5 * h])}
+        for h in (8, 16, 32)
+    ]
+    path = tmp_path / "bench.png"
+    cli._plot(rows, str(path), 2)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
