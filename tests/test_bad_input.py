@@ -322,6 +322,45 @@ def scatter_root_unsupported_type(c):
     return TypeError, r"unsupported array type builtins.str.*\[on rank\(s\) 0 of", lambda: credit_mpi.scatter_tensor(x, 0, c.manager)
 
 
+# -- halo_exchange ------------------------------------------------------------------
+
+
+@case(2)
+def halo_wider_than_shard(c):
+    return ValueError, "halo_width=3 with boundary='zero' does not fit: domain rank 0 holds 2 row", lambda: credit_mpi.halo_exchange(field(2), 3, 0, c.manager)
+
+
+@case(2)
+def halo_unknown_boundary(c):
+    return ValueError, "unknown boundary 'polar'; valid:", lambda: credit_mpi.halo_exchange(field(4), 1, 0, c.manager, boundary="polar")
+
+
+@case(2)
+def halo_negative_width(c):
+    return ValueError, "halo_width must be a non-negative integer, got -1", lambda: credit_mpi.halo_exchange(field(4), -1, 0, c.manager)
+
+
+@case(2)
+def halo_float_width(c):
+    return ValueError, "halo_width must be a non-negative integer, got 1.5", lambda: credit_mpi.halo_exchange(field(4), 1.5, 0, c.manager)
+
+
+@case(2)
+def halo_reflect_needs_extra_row(c):
+    return ValueError, "halo_width=2 with boundary='reflect' does not fit", lambda: credit_mpi.halo_exchange(field(2), 2, 0, c.manager, boundary="reflect")
+
+
+@case(2)
+def halo_width_differs_on_one_rank(c):
+    w = 9 if c.r == c.n - 1 else 1
+    return ValueError, rf"do not fit together .*rank {c.n - 1}: .*halo_width 9", lambda: credit_mpi.halo_exchange(field(4), w, 0, c.manager)
+
+
+@case(2)
+def halo_dim_out_of_range(c):
+    return ValueError, "dim 4 is out of range", lambda: credit_mpi.halo_exchange(field(4), 1, 4, c.manager)
+
+
 # -- the test ---------------------------------------------------------------------
 
 
