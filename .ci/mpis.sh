@@ -51,7 +51,7 @@ v = MPI.Get_library_version()
 print("mpi4py", __import__("mpi4py").__version__, "on:", v.splitlines()[0])
 assert v.startswith("Open MPI v5"), v
 PY
-        PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec" RANKS=${CI_RANKS_OTHER:-"2 3 4"} \
+        LAYOUT_RANKS= PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec" RANKS=${CI_RANKS_OTHER:-"2 3 4"} \
             MPI_TIMEOUT=${CI_MPI_TIMEOUT:-600} tools/run-tests $(ci_subset)
     )
 }
@@ -88,7 +88,7 @@ owner = subprocess.run(["dpkg", "-S", *linked], capture_output=True, text=True).
 print(owner.strip())
 assert linked and "libopenmpi3" in owner, (libs, owner)
 PY
-        PYTHON="$venv/bin/python" MPIEXEC=/usr/bin/mpiexec.openmpi RANKS=${CI_RANKS_OTHER:-"2 3 4"} \
+        LAYOUT_RANKS= PYTHON="$venv/bin/python" MPIEXEC=/usr/bin/mpiexec.openmpi RANKS=${CI_RANKS_OTHER:-"2 3 4"} \
             MPI_TIMEOUT=${CI_MPI_TIMEOUT:-600} tools/run-tests $(ci_subset)
     )
 }
