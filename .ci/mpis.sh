@@ -10,8 +10,9 @@ PYTHON3=${PYTHON3:-python3}
 # the manager/sharding/halo tests and the reliability suites. The soak is
 # the mpich run's job (it is about memory, not about the MPI).
 CI_SUBSET=${CI_SUBSET:-"tests/test_manager.py tests/test_sharding.py tests/test_halo.py tests/test_validation.py tests/test_bad_input.py tests/test_faults.py tests/test_properties.py"}
-# Pure-Python packages the suite needs besides mpi4py and the MPI itself.
-CI_TEST_PKGS="numpy pytest>=7 pytest-mpi>=0.6 hypothesis psutil"
+# Packages the suite needs besides mpi4py and the MPI itself (the CPU build
+# of torch, as in the Makefile: the subset's test files import it).
+CI_TEST_PKGS="numpy pytest>=7 pytest-mpi>=0.6 hypothesis psutil ${TORCH:-torch==2.13.0}"
 
 # The subset files that exist in this checkout (others may not have landed).
 ci_subset() {
