@@ -62,6 +62,7 @@ __all__ = [
     "empty_described",
     "narrow",
     "send_buffer",
+    "as_torch_bytes",
     "recv_buffer",
     "release_staging_buffers",
 ]
@@ -295,7 +296,7 @@ class _TorchOps:
 
     @staticmethod
     def as_bytes(x: Any) -> Any:
-        return x.reshape(-1).view(_torch().uint8)
+        return _torch_bytes(x)
 
     @staticmethod
     def sync_stream(x: Any) -> None:
@@ -323,6 +324,25 @@ class _TorchOps:
     def from_host(owner: Any, view: np.ndarray, dst: Any) -> None:
         # Blocking too: the staging buffer may be reused right after.
         dst.copy_(owner[: view.size])
+
+
+def _torch_bytes(x: Any) -> Any:
+    """A flat uint8 view of the contiguous tensor ``x`` (shares memory).
+
+    ``as_strided`` rather than ``reshape``: torch calls a one-element tensor
+    contiguous whatever its stride, and ``view(uint8)`` refuses a stride != 1.
+    """
+    return x.as_strided((x.numel(),), (1,)).view(_torch().uint8)
+
+
+def as_torch_bytes(x: Any) -> Any:
+    """A flat uint8 torch tensor over the bytes of contiguous ``x`` (numpy, torch or CuPy; no copy)."""
+    torch = importlib.import_module("torch")
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x.reshape(-1).view(np.uint8))
+    if not _is_torch(x):  # CuPy (or any DLPack producer)
+        x = torch.from_dlpack(x)
+    return _torch_bytes(x)
 
 
 class _CupyOps:

@@ -34,7 +34,6 @@ import weakref
 from datetime import timedelta
 from typing import Any, Optional, Sequence, Union
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
@@ -244,8 +243,8 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: 
     row = math.prod(shape[axis + 1 :]) * buffers.describe(out).itemsize
     device = _group_device(group)
 
-    send = _byte_tensor(buffers.contiguous(x)).to(device)
-    target = _byte_tensor(out)
+    send = buffers.as_torch_bytes(buffers.contiguous(x)).to(device)
+    target = buffers.as_torch_bytes(out)
     total, widest = sum(sizes), max(sizes)
     per_slice = outer > 1 and total * row >= SLICE_BYTES  # large slices: one collective each
     if len(set(sizes)) == 1 and target.device == device and (outer == 1 or per_slice):
@@ -292,7 +291,7 @@ def exchange_halo_rows(out: Any, plan: Any) -> None:
     group = plan.torch_group
     device = _group_device(group)
     w, rows, outer, row = plan.width, plan.rows, plan.outer, plan.row_bytes
-    target = _byte_tensor(out)
+    target = buffers.as_torch_bytes(out)
     on_device = target if target.device == device else target.to(device)
     padded = on_device.view(outer, rows + 2 * w, row)
     ops, landing = [], []
@@ -481,15 +480,6 @@ def _gather_slices(output: torch.Tensor, input_: torch.Tensor, group: Any) -> No
     works = [gather(output[p], input_[p], group=group, async_op=True) for p in range(output.shape[0])]
     for work in works:
         work.wait()
-
-
-def _byte_tensor(x: Any) -> torch.Tensor:
-    """A flat uint8 torch view of the contiguous array ``x`` (shares memory)."""
-    if isinstance(x, np.ndarray):
-        return torch.from_numpy(x.reshape(-1).view(np.uint8))
-    if not isinstance(x, torch.Tensor):  # CuPy (or any DLPack producer)
-        x = torch.from_dlpack(x)
-    return x.reshape(-1).view(torch.uint8)
 
 
 def _shape(x: Any) -> tuple[int, ...]:

@@ -317,3 +317,13 @@ def test_gather_into_out_with_one_rank_copies(make_manager, rng):
         assert gather_tensor(t, 1, manager, out=tout) is tout and torch.equal(tout, t)
         with pytest.raises(ValueError, match="out must be a C-contiguous"):
             gather_tensor(x, 1, manager, out=np.zeros((2, 4, 4)))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_one_element_strided_tensor(make_manager):
+    """torch calls a one-element tensor contiguous whatever its stride (found by the property tests)."""
+    m = make_manager()
+    x = torch.arange(2 * m.domain_world_size, dtype=torch.float32)[::2]  # stride 2
+    band = x[m.domain_rank : m.domain_rank + 1]
+    assert band.is_contiguous() and band.stride() == (2,)
+    assert torch.equal(gather_tensor(band, 0, m), x)
