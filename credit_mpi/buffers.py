@@ -206,7 +206,7 @@ def empty(like: Any, shape: Sequence[int]) -> Any:
     if _is_cupy(like):
         with like.device:
             return _cupy().empty(tuple(shape), dtype=like.dtype)
-    return _torch().empty(tuple(shape), dtype=like.dtype, device=like.device)
+    return _torch_empty(shape, like.dtype, like.device)
 
 
 def empty_described(info: ArrayInfo, shape: Sequence[int]) -> Any:
@@ -227,7 +227,26 @@ def empty_described(info: ArrayInfo, shape: Sequence[int]) -> Any:
     torch = importlib.import_module("torch")
     dtype = getattr(torch, info.dtype.removeprefix("torch."))
     device = info.device_type if info.device_type == "cpu" else f"cuda:{_local_index('torch')}"
-    return torch.empty(tuple(shape), dtype=dtype, device=device)
+    return _torch_empty(shape, dtype, device)
+
+
+_HUGE_PAGE_BYTES = 1 << 21  # below one huge page, torch.empty is as good
+
+
+def _torch_empty(shape: Sequence[int], dtype: Any, device: Any) -> Any:
+    """``torch.empty``, but CPU tensors get numpy's allocator.
+
+    numpy asks the kernel for transparent huge pages on large buffers
+    (``madvise``), torch's CPU allocator does not: first touching a fresh
+    66 MB output costs 33 ms through torch.empty and 10 ms through numpy
+    (measured here), and a gather that returns a new tensor pays exactly that.
+    The tensor owns the numpy buffer; nothing else changes.
+    """
+    torch = _torch() or importlib.import_module("torch")
+    nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    if torch.device(device).type != "cpu" or nbytes < _HUGE_PAGE_BYTES:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).view(dtype).reshape(tuple(shape))
 
 
 def _local_index(kind: str) -> int:
