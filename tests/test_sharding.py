@@ -292,12 +292,13 @@ def test_gather_into_out(world, make_manager, rng):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("slice_bytes", [0, 1 << 40])
-def test_both_gather_strategies(world, make_manager, rng, monkeypatch, slice_bytes):
-    """Per-slice Iallgather(v) and the derived-datatype Allgather(v) give the same bits."""
+@pytest.mark.parametrize("slice_bytes,pack_bytes", [(0, 1 << 22), (1 << 40, 1 << 22), (1 << 40, 1)])
+def test_both_gather_strategies(world, make_manager, rng, monkeypatch, slice_bytes, pack_bytes):
+    """Per-slice Iallgather(v) and packed groups (one slice or several per group) give the same bits."""
     import credit_mpi.sharding as sharding
 
     monkeypatch.setattr(sharding, "SLICE_BYTES", slice_bytes)
+    monkeypatch.setattr(sharding, "PACK_BYTES", pack_bytes)
     m = make_manager()
     n = world.Get_size()
     for shape, dim in [((3, 2, 4 * n, 5), -2), ((3, 4 * n + 1, 7), 1), ((2, 3, n + 1), -1), ((4 * n + 3, 2), 0)]:
