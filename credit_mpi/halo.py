@@ -40,7 +40,6 @@ the ranks that own those rows and adds them.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +55,7 @@ from .partition import (
     halo_neighbors,
     normalize_dim,
 )
-from .validation import allgather_or_raise, comm_label
+from .validation import allgather_or_raise, check_int, comm_label
 
 __all__ = ["HALO_BOUNDARIES", "halo_exchange"]
 
@@ -270,15 +269,7 @@ def _rank(r: int | None) -> int:
 
 
 def _check_width(width: Any) -> int:
-    if isinstance(width, bool):
-        raise ValueError(f"halo_width must be a non-negative integer, got {width!r}")  # noqa: TRY004
-    try:
-        value = operator.index(width)
-    except TypeError:
-        raise ValueError(f"halo_width must be a non-negative integer, got {width!r}") from None
-    if value < 0:
-        raise ValueError(f"halo_width must be a non-negative integer, got {value}")
-    return value
+    return check_int("halo_width", width, minimum=0)
 
 
 def _check_boundary(boundary: Any, shape: tuple, axis: int) -> None:

@@ -19,12 +19,11 @@ so the library can live inside an existing MPI code.
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Optional
 
 from mpi4py import MPI
 
-from .validation import DomainParallelError, allgather_or_raise
+from .validation import DomainParallelError, allgather_or_raise, check_int
 
 __all__ = [
     "DomainParallelManager",
@@ -76,9 +75,9 @@ class DomainParallelManager:
 
         def check() -> tuple:
             args = (
-                _positive_int("world_size", size if world_size is None else world_size),
-                _positive_int("domain_parallel_size", domain_parallel_size),
-                _int("shard_dim", shard_dim),
+                check_int("world_size", size if world_size is None else world_size, minimum=1),
+                check_int("domain_parallel_size", domain_parallel_size, minimum=1),
+                check_int("shard_dim", shard_dim),
             )
             n, d, _ = args
             if n != size:
@@ -311,19 +310,3 @@ def destroy_domain_parallel() -> None:
     if _MANAGER is not None:
         _MANAGER.free()
     _MANAGER = None
-
-
-def _int(name: str, value) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
-
-
-def _positive_int(name: str, value) -> int:
-    value = _int(name, value)
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value

@@ -9,11 +9,12 @@ raises the same exception, naming the ranks that failed.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import operator
+from typing import Any, Callable, Optional, Sequence
 
 from mpi4py import MPI
 
-__all__ = ["DomainParallelError", "allgather_or_raise", "raise_on_all", "comm_label"]
+__all__ = ["DomainParallelError", "allgather_or_raise", "raise_on_all", "comm_label", "check_int"]
 
 
 class DomainParallelError(RuntimeError):
@@ -50,6 +51,19 @@ def allgather_or_raise(comm: MPI.Comm, compute: Callable[[], Any]) -> list[Any]:
     if failures:
         raise _agreed_error(failures, comm_label(comm)) from local_error
     return [value for _, value in items]
+
+
+def check_int(name: str, value: Any, *, minimum: Optional[int] = None) -> int:
+    """``value`` as an int (``bool`` refused), at least ``minimum``; else a ValueError naming both."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 def comm_label(comm: MPI.Comm) -> str:

@@ -40,6 +40,14 @@ def world():
 
 
 @pytest.fixture
+def self_comm():
+    """A fresh single-rank communicator (nothing cached on it yet, e.g. no CUDA-aware verdict)."""
+    comm = MPI.COMM_SELF.Dup()
+    yield comm
+    comm.Free()
+
+
+@pytest.fixture
 def rng():
     """The same random stream on every rank, so every rank can build the reference."""
     return np.random.default_rng(SEED)

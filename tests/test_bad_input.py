@@ -337,12 +337,12 @@ def halo_unknown_boundary(c):
 
 @case(2)
 def halo_negative_width(c):
-    return ValueError, "halo_width must be a non-negative integer, got -1", lambda: credit_mpi.halo_exchange(field(4), -1, 0, c.manager)
+    return ValueError, "halo_width must be >= 0, got -1", lambda: credit_mpi.halo_exchange(field(4), -1, 0, c.manager)
 
 
 @case(2)
 def halo_float_width(c):
-    return ValueError, "halo_width must be a non-negative integer, got 1.5", lambda: credit_mpi.halo_exchange(field(4), 1.5, 0, c.manager)
+    return ValueError, "halo_width must be an integer, got 1.5", lambda: credit_mpi.halo_exchange(field(4), 1.5, 0, c.manager)
 
 
 @case(2)

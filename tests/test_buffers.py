@@ -55,12 +55,6 @@ def transport(monkeypatch):
     buffers.release_staging_buffers()
 
 
-@pytest.fixture
-def self_comm():
-    """A fresh single-rank communicator, so no CUDA-aware verdict is cached on it yet."""
-    comm = MPI.COMM_SELF.Dup()
-    yield comm
-    comm.Free()
 
 
 def _copy_through_mpi(x, out, comm):

@@ -40,11 +40,6 @@ def fresh(world):
     comm.Free()
 
 
-@pytest.fixture
-def self_comm():
-    comm = MPI.COMM_SELF.Dup()
-    yield comm
-    comm.Free()
 
 
 def _signals(override=None, value=None, kinds=None, env=None):
