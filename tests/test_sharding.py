@@ -247,6 +247,25 @@ def test_local_error_on_one_rank_is_raised_on_every_rank(world, make_manager):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_gather_scratch_for_small_slices_is_bounded(world, make_manager, rng, monkeypatch):
+    """Small slices go through packed groups: the scratch never exceeds PACK_BYTES (one slice at least)."""
+    import credit_mpi.sharding as sharding
+
+    monkeypatch.setattr(sharding, "PACK_BYTES", 1 << 15)
+    m = make_manager()
+    band = rng.standard_normal((64, 4, 256)).astype(np.float32)  # slices of n * 4 KiB < SLICE_BYTES
+    gather_tensor(band, 1, m)  # warm up
+    tracemalloc.start()
+    try:
+        out = gather_tensor(band, 1, m)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    slice_bytes = out.nbytes // 64
+    assert peak - out.nbytes <= max(1 << 15, slice_bytes) + 8192, (peak, out.nbytes)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_gather_extra_memory_is_small(world, make_manager, rng):
     """No list of n shards and no concatenate: the output is the only big allocation."""
     m = make_manager()
