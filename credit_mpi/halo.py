@@ -55,7 +55,7 @@ from .partition import (
     halo_neighbors,
     normalize_dim,
 )
-from .validation import allgather_or_raise, check_int, comm_label
+from .validation import allgather_or_raise, check_bands_fit, check_int
 
 __all__ = ["HALO_BOUNDARIES", "halo_exchange"]
 
@@ -147,7 +147,10 @@ def _plan(x, halo_width, dim, manager, boundary, check, transport="mpi") -> _Pla
 
     if check and n > 1:
         everyone = allgather_or_raise(comm, local)
-        _check_bands_fit(everyone, comm)
+        check_bands_fit(
+            "halo_exchange", everyone, ("dim", "halo_width", "boundary"), comm,
+            note="; for 'earth' the whole longitude on every rank",
+        )
         info, axis, width, _ = everyone[rank]
         sizes = [i.shape[axis] for i, *_ in everyone]
     else:
@@ -315,26 +318,3 @@ def _check_boundary(boundary: Any, shape: tuple, axis: int) -> None:
             f"boundary='earth' rolls the halo by half the longitudes, so the longitude count "
             f"(last dimension) must be even, got {lon}"
         )
-
-
-def _check_bands_fit(everyone: list, comm: MPI.Comm) -> None:
-    first, axis, width, boundary = everyone[0]
-    same_args = all(a == axis and w == width and b == boundary for _, a, w, b in everyone)
-    kinds_ok = all(info.same_kind(first) for info, *_ in everyone)
-    rest_ok = all(
-        len(info.shape) == len(first.shape)
-        and info.shape[:axis] + info.shape[axis + 1 :] == first.shape[:axis] + first.shape[axis + 1 :]
-        for info, *_ in everyone
-    )
-    if same_args and kinds_ok and rest_ok:
-        return
-    detail = ", ".join(
-        f"rank {r}: {info.kind} {info.dtype} {info.shape}, dim {a}, halo_width {w}, boundary {b!r}"
-        for r, (info, a, w, b) in enumerate(everyone)
-    )
-    if not kinds_ok:
-        raise TypeError(f"halo_exchange: bands differ in array kind, dtype or device across {comm_label(comm)} ({detail})")
-    raise ValueError(
-        f"halo_exchange: the bands of {comm_label(comm)} do not fit together (same dim, halo_width and boundary, "
-        f"every dimension but dim equal, and for 'earth' the whole longitude on every rank): {detail}"
-    )

@@ -35,7 +35,7 @@ from mpi4py import MPI
 from . import buffers
 from .manager import DomainParallelManager, get_domain_parallel_manager
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
-from .validation import allgather_or_raise, comm_label
+from .validation import allgather_or_raise, check_bands_fit
 
 __all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
 
@@ -148,7 +148,7 @@ def gather_tensor(
 
     if check:
         shards = allgather_or_raise(comm, lambda: (*plan(), out_plan()))
-        _check_shards_fit([s[:2] for s in shards], comm)
+        check_bands_fit("gather_tensor", [s[:2] for s in shards], ("dim",), comm)
         info, axis, _ = shards[comm.Get_rank()]
         sizes = [s.shape[axis] for s, _, _ in shards]
         _check_out(info, axis, sum(sizes), [s[2] for s in shards])
@@ -395,25 +395,6 @@ def _summary(plan) -> str:
         return "{" + ", ".join(f"{k!r}: {_summary(v)}" for k, v in plan.items()) + "}"
     info, axis = plan[0], plan[1]
     return f"{info.kind} {info.dtype} {info.shape} on {info.device} dim {axis}"
-
-
-def _check_shards_fit(shards: list, comm: MPI.Comm) -> None:
-    first, axis = shards[0]
-    kinds_ok = all(info.same_kind(first) for info, _ in shards)
-    dims_ok = all(a == axis and len(info.shape) == len(first.shape) for info, a in shards)
-    rest_ok = dims_ok and all(
-        info.shape[:axis] + info.shape[axis + 1 :] == first.shape[:axis] + first.shape[axis + 1 :]
-        for info, _ in shards
-    )
-    if kinds_ok and rest_ok:
-        return
-    detail = ", ".join(f"rank {r}: {info.kind} {info.dtype} {info.shape} on {info.device}" for r, (info, _) in enumerate(shards))
-    if not kinds_ok:
-        raise TypeError(f"gather_tensor: shards differ in array kind, dtype or device type across {comm_label(comm)} ({detail})")
-    raise ValueError(
-        f"gather_tensor: shards do not fit together along dim {axis} across {comm_label(comm)} "
-        f"(every dimension but the gathered one must match): {detail}"
-    )
 
 
 def _copy_into(out: Any, x: Any, dim: int) -> Any:

@@ -14,7 +14,14 @@ from typing import Any, Callable, Optional, Sequence
 
 from mpi4py import MPI
 
-__all__ = ["DomainParallelError", "allgather_or_raise", "raise_on_all", "comm_label", "check_int"]
+__all__ = [
+    "DomainParallelError",
+    "allgather_or_raise",
+    "raise_on_all",
+    "comm_label",
+    "check_int",
+    "check_bands_fit",
+]
 
 
 class DomainParallelError(RuntimeError):
@@ -64,6 +71,38 @@ def check_int(name: str, value: Any, *, minimum: Optional[int] = None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_bands_fit(what: str, bands: Sequence[tuple], labels: Sequence[str], comm: MPI.Comm, note: str = "") -> None:
+    """Every rank's band must fit the others along the sharded axis (all ranks see the same ``bands``).
+
+    ``bands[r]`` is rank r's ``(info, axis, *more)``: an array description
+    (:class:`credit_mpi.buffers.ArrayInfo`) and the arguments that must be
+    equal on every rank, named by ``labels`` (``labels[0]`` names the axis).
+    The bands must have the same kind, dtype and device type (else
+    ``TypeError``), the same arguments and every dimension but the axis equal
+    (else ``ValueError``). Deterministic, so it raises on every rank alike.
+    """
+    first, axis = bands[0][0], bands[0][1]
+
+    def rest(shape: tuple) -> tuple:
+        return (len(shape), shape[:axis] + shape[axis + 1 :])
+
+    kinds_ok = all(band[0].same_kind(first) for band in bands)
+    fit = all(tuple(band[1:]) == tuple(bands[0][1:]) and rest(band[0].shape) == rest(first.shape) for band in bands)
+    if kinds_ok and fit:
+        return
+    detail = ", ".join(
+        f"rank {r}: {info.kind} {info.dtype} {info.shape} on {info.device}"
+        + "".join(f", {label} {value!r}" for label, value in zip(labels, args))
+        for r, (info, *args) in enumerate(bands)
+    )
+    if not kinds_ok:
+        raise TypeError(f"{what}: bands differ in array kind, dtype or device type across {comm_label(comm)} ({detail})")
+    raise ValueError(
+        f"{what}: bands do not fit together along dim {axis} across {comm_label(comm)} (the same "
+        f"{', '.join(labels)} and every dimension but dim {axis} equal on every rank{note}): {detail}"
+    )
 
 
 def comm_label(comm: MPI.Comm) -> str:
