@@ -92,7 +92,7 @@ def check_bands_fit(what: str, bands: Sequence[tuple], labels: Sequence[str], co
     fit = all(tuple(band[1:]) == tuple(bands[0][1:]) and rest(band[0].shape) == rest(first.shape) for band in bands)
     if kinds_ok and fit:
         return
-    detail = ", ".join(
+    detail = "; ".join(
         f"rank {r}: {info.kind} {info.dtype} {info.shape} on {info.device}"
         + "".join(f", {label} {value!r}" for label, value in zip(labels, args))
         for r, (info, *args) in enumerate(bands)
