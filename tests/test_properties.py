@@ -1,4 +1,4 @@
-"""Randomised round trips against single-process references (hypothesis).
+"""Randomised round trips and halo exchanges against single-process references (hypothesis).
 
 Every rank draws the same cases: ``derandomize=True`` (the seed comes from
 the test itself, not from the clock or a database), so the ranks enter the
@@ -25,6 +25,9 @@ from mpi4py import MPI
 
 import credit_mpi
 from credit_mpi import DomainParallelManager
+
+from .halo_reference import pad_numpy
+
 
 def domain_sizes(world_size: int) -> list[int]:
     return [d for d in range(1, world_size + 1) if world_size % d == 0]
@@ -294,3 +297,37 @@ def test_torch_round_trip(case, torch_dtype):
         ),
         f"torch gather {case} {torch_dtype}",
     )
+
+
+def halo_fits(sizes: list[int], width: int, boundary: str, shape: tuple, axis: int) -> bool:
+    """The documented rules, restated: when must halo_exchange accept the case?"""
+    if boundary == "earth" and (axis == len(shape) - 1 or shape[-1] % 2):
+        return False
+    if width == 0 or (len(sizes) == 1 and boundary == "zero"):
+        return True
+    n = len(sizes)
+    return all(s >= (width + 1 if boundary == "reflect" and r in (0, n - 1) else width) for r, s in enumerate(sizes))
+
+
+@pytest.mark.mpi(min_size=1)
+@settings(COLLECTIVE, max_examples=examples(120))
+@given(case=cases(), width=st.integers(0, 3), boundary=st.sampled_from(["zero", "periodic", "reflect", "earth"]))
+def test_halo_matches_the_padded_global_field(case, width, boundary):
+    """Each rank's padded band equals its window of the single-process padded field; misfits fail everywhere."""
+    seed, shape, dim, dtype, d, uneven, view = case
+    DRAWN["halo"] += 1
+    same_case(case, width, boundary)
+    manager = manager_for(d)
+    x = make_input(seed, shape, dtype, view)
+    axis = dim % len(shape)
+    part = credit_mpi.shard_tensor(x, dim, manager, uneven=uneven)
+    sizes = [len(p) for p in np.array_split(np.arange(shape[axis]), d)]
+    if not halo_fits(sizes, width, boundary, shape, axis):
+        DRAWN["halo misfit"] += 1
+        with pytest.raises(ValueError):  # on every rank: a rank that did not raise fails here
+            credit_mpi.halo_exchange(part, width, dim, manager, boundary=boundary)
+        return
+    padded = credit_mpi.halo_exchange(part, width, dim, manager, boundary=boundary)
+    start = sum(sizes[: manager.domain_rank])
+    window = np.take(pad_numpy(x, width, axis, boundary), range(start, start + sizes[manager.domain_rank] + 2 * width), axis=axis)
+    agree(lambda: same_bits(padded, window), f"halo {case} width {width} {boundary}")

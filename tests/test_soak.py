@@ -1,8 +1,8 @@
 """Soak: thousands of collectives, no growth in memory.
 
 A leak of a derived datatype, a request, a communicator or a Python buffer
-per call would show here: after a warm-up, a few thousand shard/gather/scatter
-calls must leave the process's resident memory (psutil) and the Python heap
+per call would show here: after a warm-up, a few thousand shard/gather/scatter/
+halo calls must leave the process's resident memory (psutil) and the Python heap
 (tracemalloc) where they were, on every rank.
 """
 
@@ -37,10 +37,14 @@ def one_round(i: int, manager, x: np.ndarray, xu: np.ndarray) -> None:
     whole = credit_mpi.gather_tensor(part, -2, manager)
     if i % 100 == 0:
         assert np.array_equal(whole, xu), (n, i)
+    boundary = ("zero", "periodic", "reflect", "earth")[i % 4]
+    padded = credit_mpi.halo_exchange(part, 2, -2, manager, boundary=boundary, check=(i % 2 == 1))
+    if i % 100 == 0:
+        assert padded.shape[-2] == part.shape[-2] + 4 and np.array_equal(padded[..., 2:-2, :], part), (n, i)
 
 
 @pytest.mark.mpi(min_size=2)  # on one rank nothing is communicated
-def test_thousands_of_gathers_do_not_grow_memory(make_manager):
+def test_thousands_of_gathers_and_halos_do_not_grow_memory(make_manager):
     world = MPI.COMM_WORLD
     n = world.Get_size()
     manager = make_manager(n)
@@ -65,7 +69,7 @@ def test_thousands_of_gathers_do_not_grow_memory(make_manager):
     growth = world.allgather((rss1 - rss0, heap1 - heap0))
     if os.environ.get("CREDIT_MPI_REPORT") and world.Get_rank() == 0:
         print(
-            f"\n[soak] {n} rank(s), {CALLS} rounds x (2 gathers + shard + scatter) = {2 * CALLS} gathers: "
+            f"\n[soak] {n} rank(s), {CALLS} rounds x (2 gathers + shard + scatter + halo) = {2 * CALLS} gathers, {CALLS} halos: "
             + ", ".join(f"rank {r}: RSS {d / 2**10:+.0f} KiB, heap {h / 2**10:+.1f} KiB" for r, (d, h) in enumerate(growth)),
             flush=True,
         )
