@@ -33,6 +33,7 @@ from . import halo as _halo
 from . import sharding
 from .manager import DomainParallelManager
 from .partition import normalize_dim
+from .validation import check_transport
 
 __all__ = [
     "HaloExchange",
@@ -122,8 +123,10 @@ class HaloExchange(torch.nn.Module):
 
     ``HaloExchange(halo_width, dim=-2, boundary="zero")(x)`` is
     :func:`credit_mpi.halo_exchange` with the global manager; pass
-    ``manager=`` to use another one. Typically followed by a convolution with
-    no padding along ``dim`` (and circular padding along longitude).
+    ``manager=`` to use another one and ``transport="torch"`` to move the
+    rows over the mirrored torch.distributed group. Typically followed by a
+    convolution with no padding along ``dim`` (and circular padding along
+    longitude).
     """
 
     def __init__(
@@ -132,15 +135,19 @@ class HaloExchange(torch.nn.Module):
         dim: int = -2,
         boundary: str = "zero",
         manager: DomainParallelManager | None = None,
+        *,
+        transport: str = "mpi",
     ) -> None:
         super().__init__()
-        _halo._check_width(halo_width)
-        if boundary not in _halo.HALO_BOUNDARIES:
-            raise ValueError(f"unknown boundary {boundary!r}; valid: {', '.join(map(repr, _halo.HALO_BOUNDARIES))}")
-        self.halo_width, self.dim, self.boundary, self.manager = halo_width, dim, boundary, manager
+        self.halo_width = _halo._check_width(halo_width)
+        self.boundary = _halo._check_boundary_name(boundary)
+        self.transport = check_transport(transport)
+        self.dim, self.manager = dim, manager
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _halo.halo_exchange(x, self.halo_width, self.dim, self.manager, boundary=self.boundary)
+        return _halo.halo_exchange(
+            x, self.halo_width, self.dim, self.manager, boundary=self.boundary, transport=self.transport
+        )
 
     def extra_repr(self) -> str:
-        return f"halo_width={self.halo_width}, dim={self.dim}, boundary={self.boundary!r}"
+        return f"halo_width={self.halo_width}, dim={self.dim}, boundary={self.boundary!r}, transport={self.transport!r}"

@@ -55,7 +55,7 @@ from .partition import (
     halo_neighbors,
     normalize_dim,
 )
-from .validation import allgather_or_raise, check_bands_fit, check_int
+from .validation import allgather_or_raise, check_bands_fit, check_int, check_transport
 
 __all__ = ["HALO_BOUNDARIES", "halo_exchange"]
 
@@ -105,8 +105,7 @@ def halo_exchange(
             with an odd) longitude, a halo wider than a band.
         TypeError: unsupported array type, or bands of different kinds.
     """
-    if transport not in ("mpi", "torch"):
-        raise ValueError(f"transport must be 'mpi' or 'torch', got {transport!r}")
+    check_transport(transport)
     manager = get_domain_parallel_manager() if manager is None else manager
     if buffers.requires_grad(x):
         from .autograd import halo_exchange_autograd
@@ -301,10 +300,14 @@ def _check_width(width: Any) -> int:
     return check_int("halo_width", width, minimum=0)
 
 
-def _check_boundary(boundary: Any, shape: tuple, axis: int) -> None:
+def _check_boundary_name(boundary: Any) -> str:
     if boundary not in HALO_BOUNDARIES:
         raise ValueError(f"unknown boundary {boundary!r}; valid: {', '.join(map(repr, HALO_BOUNDARIES))}")
-    if boundary != "earth":
+    return boundary
+
+
+def _check_boundary(boundary: Any, shape: tuple, axis: int) -> None:
+    if _check_boundary_name(boundary) != "earth":
         return
     if axis == len(shape) - 1:
         raise ValueError(

@@ -35,7 +35,7 @@ from mpi4py import MPI
 from . import buffers
 from .manager import DomainParallelManager, get_domain_parallel_manager
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
-from .validation import allgather_or_raise, check_bands_fit
+from .validation import allgather_or_raise, check_bands_fit, check_transport
 
 __all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
 
@@ -129,7 +129,7 @@ def gather_tensor(
         Full (gathered) tensor, identical on every rank of the domain group
         (``out`` when given).
     """
-    _check_transport(transport)
+    check_transport(transport)
     manager = _resolve(manager)
     if manager is None or manager.domain_parallel_size <= 1:
         return x if out is None else _copy_into(out, x, dim)
@@ -269,7 +269,7 @@ def shard_batch(
     Returns:
         New dict with sharded tensors.
     """
-    _check_transport(transport)
+    check_transport(transport)
     manager = _resolve(manager)
     if manager is None or manager.domain_parallel_size <= 1:
         return batch
@@ -359,11 +359,6 @@ def scatter_tensor(
         send_type.Free()
         recv_type.Free()
     return out
-
-
-def _check_transport(transport: str) -> None:
-    if transport not in ("mpi", "torch"):
-        raise ValueError(f"transport must be 'mpi' or 'torch', got {transport!r}")
 
 
 def _resolve(manager: Optional[DomainParallelManager]) -> Optional[DomainParallelManager]:

@@ -21,6 +21,7 @@ __all__ = [
     "comm_label",
     "check_int",
     "check_bands_fit",
+    "check_transport",
 ]
 
 
@@ -103,6 +104,16 @@ def check_bands_fit(what: str, bands: Sequence[tuple], labels: Sequence[str], co
         f"{what}: bands do not fit together along dim {axis} across {comm_label(comm)} (the same "
         f"{', '.join(labels)} and every dimension but dim {axis} equal on every rank{note}): {detail}"
     )
+
+
+TRANSPORTS = ("mpi", "torch")
+
+
+def check_transport(transport: Any) -> str:
+    """``transport`` if it names a way to move data (``"mpi"`` or ``"torch"``), else a ValueError."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be {' or '.join(map(repr, TRANSPORTS))}, got {transport!r}")
+    return transport
 
 
 def comm_label(comm: MPI.Comm) -> str:

@@ -459,3 +459,10 @@ def test_nccl_transport_gathers_like_mpi(make_manager, rng, nccl_ready):
     expected = credit_mpi.halo_exchange(cuda_band, 1, manager=manager, boundary="earth")
     assert padded.is_cuda and torch.equal(padded.view(torch.int16), expected.view(torch.int16))
     manager.free()
+
+
+def test_halo_module_takes_a_transport():
+    module = credit_mpi.HaloExchange(1, boundary="periodic", transport="torch")
+    assert module.transport == "torch" and "transport='torch'" in repr(module)
+    with pytest.raises(ValueError, match="transport must be 'mpi' or 'torch', got 'nccl'"):
+        credit_mpi.HaloExchange(1, transport="nccl")
