@@ -143,11 +143,9 @@ def gather_tensor(
         info = buffers.describe(x)
         return info, normalize_dim(dim, len(info.shape))
 
-    def out_plan() -> Optional[tuple]:
-        return None if out is None else (buffers.describe(out), buffers.is_contiguous(out))
 
     if check:
-        shards = allgather_or_raise(comm, lambda: (*plan(), out_plan()))
+        shards = allgather_or_raise(comm, lambda: (*plan(), _out_plan(out)))
         check_bands_fit("gather_tensor", [s[:2] for s in shards], ("dim",), comm)
         info, axis, _ = shards[comm.Get_rank()]
         sizes = [s.shape[axis] for s, _, _ in shards]
@@ -155,7 +153,7 @@ def gather_tensor(
     else:
         info, axis = plan()
         sizes = _allgather_int(comm, info.shape[axis])
-        _check_out(info, axis, sum(sizes), [out_plan()])  # local only: never write out of bounds
+        _check_out(info, axis, sum(sizes), [_out_plan(out)])  # local only: never write out of bounds
 
     shape = list(info.shape)
     shape[axis] = sum(sizes)
@@ -396,9 +394,14 @@ def _copy_into(out: Any, x: Any, dim: int) -> Any:
     """The one-rank gather into ``out``: a checked copy."""
     info = buffers.describe(x)
     axis = normalize_dim(dim, len(info.shape))
-    _check_out(info, axis, info.shape[axis], [(buffers.describe(out), buffers.is_contiguous(out))])
+    _check_out(info, axis, info.shape[axis], [_out_plan(out)])
     buffers.copy_rows(out, 0, 0, x)
     return out
+
+
+def _out_plan(out: Any) -> Optional[tuple]:
+    """What every rank tells the others about its ``out``: (description, contiguous) or None."""
+    return None if out is None else (buffers.describe(out), buffers.is_contiguous(out))
 
 
 def _check_out(info: buffers.ArrayInfo, axis: int, total: int, outs: list) -> None:

@@ -52,6 +52,17 @@ def reference_band(x, dim, n, rank):
     return x[tuple(index)]
 
 
+def gather_with_peak(band, dim, manager):
+    """gather_tensor's result and the peak of the Python-tracked memory (numpy) during it."""
+    gather_tensor(band, dim, manager)  # warm up
+    tracemalloc.start()
+    try:
+        out = gather_tensor(band, dim, manager)
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def bits_equal(a, b):
     """Bit-for-bit equality (NaN-safe, signed zeros distinguished)."""
     if isinstance(a, torch.Tensor):
@@ -254,13 +265,7 @@ def test_gather_scratch_for_small_slices_is_bounded(world, make_manager, rng, mo
     monkeypatch.setattr(sharding, "PACK_BYTES", 1 << 15)
     m = make_manager()
     band = rng.standard_normal((64, 4, 256)).astype(np.float32)  # slices of n * 4 KiB < SLICE_BYTES
-    gather_tensor(band, 1, m)  # warm up
-    tracemalloc.start()
-    try:
-        out = gather_tensor(band, 1, m)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    out, peak = gather_with_peak(band, 1, m)
     slice_bytes = out.nbytes // 64
     assert peak - out.nbytes <= max(1 << 15, slice_bytes) + 8192, (peak, out.nbytes)
 
@@ -270,13 +275,7 @@ def test_gather_extra_memory_is_small(world, make_manager, rng):
     """No list of n shards and no concatenate: the output is the only big allocation."""
     m = make_manager()
     band = rng.standard_normal((4, 64, 256)).astype(np.float32)
-    gather_tensor(band, 1, m)  # warm up
-    tracemalloc.start()
-    try:
-        out = gather_tensor(band, 1, m)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    out, peak = gather_with_peak(band, 1, m)
     assert peak - out.nbytes <= 0.25 * out.nbytes, (peak, out.nbytes)
 
 
