@@ -62,6 +62,7 @@ __all__ = [
     "narrow",
     "send_buffer",
     "as_torch_bytes",
+    "mpi_datatype",
     "recv_buffer",
     "release_staging_buffers",
 ]
@@ -552,6 +553,31 @@ def recv_buffer(out: Any, comm: Optional[MPI.Comm] = None, *, inout: bool = Fals
                 ops.to_host(data, owner, view)
             yield view
             ops.from_host(owner, view, data)
+
+
+def mpi_datatype(x: Any) -> MPI.Datatype:
+    """The predefined MPI datatype of ``x``'s elements (``MPI.Datatype.fromcode``), for reductions.
+
+    Data that only moves travels as bytes; a reduction needs MPI to know the type.
+
+    Raises:
+        TypeError: the dtype has no MPI counterpart (torch ``bfloat16``;
+            ``float16`` in MPIs without ``MPIX_C_FLOAT16``): widen to float32 first.
+    """
+    dtype = x.dtype
+    if _is_torch(x):
+        torch = _torch()
+        try:
+            dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        except TypeError:  # numpy has no such dtype (bfloat16)
+            raise TypeError(f"{dtype} has no MPI datatype; convert to torch.float32 to reduce it") from None
+    try:
+        datatype = MPI.Datatype.fromcode(np.dtype(dtype).char)
+    except (KeyError, ValueError):
+        datatype = MPI.DATATYPE_NULL
+    if datatype == MPI.DATATYPE_NULL:
+        raise TypeError(f"{dtype} has no MPI datatype in this MPI; convert to float32 to reduce it")
+    return datatype
 
 
 # -- row helpers for halo exchange and autograd (numpy, CuPy and torch) ----

@@ -10,16 +10,18 @@ plain average over all ranks equals this only when every band carries the
 same weight, which uneven bands (721 latitudes on 2 ranks) break.
 
 :func:`reduce_gradients` does both reductions in place, with one flat buffer
-per dtype and one ``Allreduce`` per group and dtype.
+per dtype and one ``Allreduce`` per group and dtype. Gradients on a GPU are
+reduced in place on the device when MPI is CUDA-aware, else staged through
+host memory (:mod:`credit_mpi.buffers` decides, as for every collective).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-import numpy as np
 from mpi4py import MPI
 
+from . import buffers
 from .manager import DomainParallelManager, get_domain_parallel_manager
 from .validation import allgather_or_raise
 
@@ -80,15 +82,15 @@ def reduce_gradients(
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         if dtype in _WIDEN:
             flat = flat.float()
-        host = flat.cpu()
-        buf = host.numpy()
-        if domain > 1:
-            manager.domain_group.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        datatype = buffers.mpi_datatype(flat)
+        for comm, size in ((manager.domain_group, domain), (manager.data_parallel_group, dp)):
+            if size > 1:  # device gradients: direct or host-staged, as buffers decides for comm
+                with buffers.recv_buffer(flat, comm, inout=True) as buf:
+                    comm.Allreduce(MPI.IN_PLACE, [buf, datatype], op=MPI.SUM)
         if dp > 1:
-            manager.data_parallel_group.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-            np.divide(buf, dp, out=buf, casting="unsafe")
+            flat.div_(dp)
         offset = 0
         for t in tensors:
             n = t.numel()
-            t.copy_(host[offset : offset + n].view_as(t))
+            t.copy_(flat[offset : offset + n].view_as(t))
             offset += n

@@ -353,3 +353,51 @@ def test_wrong_device_on_one_rank_fails_everywhere(world, monkeypatch):
 
     with pytest.raises(ValueError, match=r"cuda:1, but this rank's GPU is cuda:0"):
         allgather_or_raise(world, lambda: buffers._check_device("torch", index))
+
+
+# --------------------------------------------------------------------------- reductions through the adapter
+
+
+@pytest.mark.parametrize(
+    "dtype, name",
+    [(np.float32, "MPI_FLOAT"), (np.float64, "MPI_DOUBLE"), (np.complex64, "MPI_C_COMPLEX"), (np.int64, None)],
+)
+def test_mpi_datatype_numpy_and_torch(dtype, name):
+    for x in (np.zeros(2, dtype), torch.from_numpy(np.zeros(2, dtype))):
+        datatype = buffers.mpi_datatype(x)
+        assert datatype.is_predefined and datatype.Get_size() == np.dtype(dtype).itemsize
+        assert name is None or datatype.Get_name() == name
+
+
+def test_mpi_datatype_bfloat16_is_a_clear_error():
+    with pytest.raises(TypeError, match=r"torch\.bfloat16 has no MPI datatype.*float32"):
+        buffers.mpi_datatype(torch.zeros(2, dtype=torch.bfloat16))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("simulate", [False, True], ids=["host", "staged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64], ids=str)
+def test_reduce_gradients_through_the_adapter(dtype, simulate, transport, make_manager):
+    """Sum over the domain group, mean over the data-parallel group, on the path buffers picks.
+
+    Rank r's gradients are ``(r + 1) * base``: whatever the layout, the sum
+    over a domain group averaged over the data-parallel groups is
+    ``base * W (W + 1) / 2 / dp`` for W ranks (values exact in every dtype).
+    """
+    transport(simulate=simulate, aware="0")
+    world = MPI.COMM_WORLD.Get_size()
+    for d in [k for k in range(1, world + 1) if world % k == 0]:
+        manager = make_manager(d)
+        dp = manager.data_parallel_size
+        params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in [(3, 2), (5,), (1,)]]
+        bases = [torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape) / 4 for p in params]
+        for p, base in zip(params, bases):
+            p.grad = ((manager.rank + 1) * base).to(dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            credit_mpi.reduce_gradients(params, manager)
+        for p, base in zip(params, bases):
+            assert p.grad.dtype == dtype
+            assert torch.equal(p.grad, (base * world * (world + 1) / 2 / dp).to(dtype)), (d, p.grad)
+    if world > 1:
+        assert buffers._ROUTES["staged" if simulate else "host", "recv"] >= 1
