@@ -390,3 +390,63 @@ def test_gpu_array_on_one_rank_cpu_on_another_fails_everywhere(make_manager, wor
         credit_mpi.shard_tensor(x, dim=-1, manager=manager)
     with pytest.raises(TypeError, match="device type"):
         credit_mpi.gather_tensor(x, dim=-1, manager=manager)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("library, dtype", [("torch", "float32"), ("torch", "bfloat16"), ("cupy", "float64")])
+@pytest.mark.parametrize("boundary", ["zero", "periodic", "reflect", "earth"])
+def test_gpu_halo_exchange_matches_padded_field(library, dtype, boundary, make_manager, rng, world):
+    """halo_exchange on device arrays (outer > 1: the packed exchange) equals the padded global field."""
+    from .halo_reference import band, pad_numpy
+
+    (_torch_cuda if library == "torch" else _cupy)()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        gpu.bind_device(world, library=library)
+    manager = make_manager()
+    n = manager.domain_parallel_size
+    g = _make(library, rng.standard_normal((2, 3, 3 * n + 1, 8)).astype(np.float32), dtype)
+    host = _to_numpy(library, g)
+    start, stop = band(host.shape[-2], manager)
+    x = g[..., start:stop, :] * 1  # contiguous, made by a kernel just now
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = credit_mpi.halo_exchange(x, 2, manager=manager, boundary=boundary)
+    assert type(out) is type(x) and buffers.describe(out).device == buffers.describe(x).device
+    expected = pad_numpy(host, 2, 2, boundary)[..., start : stop + 4, :]
+    np.testing.assert_array_equal(_to_numpy(library, out), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=1)
+def test_gpu_halo_module_gradients_and_reduce_gradients(make_manager, rng, world):
+    """HaloExchange + conv on CUDA: output, input gradient and the reduced weight gradient match one GPU."""
+    torch = _torch_cuda()
+    from .halo_reference import band, pad_torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        device = gpu.bind_device(world, library="torch")
+    manager = make_manager()
+    torch.manual_seed(0)  # the same weights on every rank
+    conv = torch.nn.Conv2d(2, 2, 3, padding=(0, 1), padding_mode="circular", dtype=torch.float64).cuda(device)
+    g = torch.from_numpy(rng.standard_normal((1, 2, 4 * manager.domain_parallel_size + 1, 8))).cuda(device)
+    # one GPU: the whole field
+    whole = g.clone().requires_grad_(True)
+    reference = conv(pad_torch(whole, 1, "periodic"))
+    (reference**2).sum().backward()
+    ref_weight_grad, conv.weight.grad, conv.bias.grad = conv.weight.grad.clone(), None, None
+    # the bands
+    start, stop = band(g.shape[-2], manager)
+    x = g[..., start:stop, :].clone().requires_grad_(True)
+    halo = credit_mpi.HaloExchange(1, boundary="periodic", manager=manager)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        y = conv(halo(x))
+        (y**2).sum().backward()  # this band's share of the global loss
+        credit_mpi.reduce_gradients(conv.parameters(), manager)
+    torch.testing.assert_close(y, reference[..., start:stop, :], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, whole.grad[..., start:stop, :], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(conv.weight.grad, ref_weight_grad, rtol=1e-10, atol=1e-12)
+    assert conv.weight.grad.device == x.device
