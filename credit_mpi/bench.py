@@ -15,12 +15,22 @@ with like:
   bytes.
 * :func:`gather_extra_memory` - memory beyond the output, by ``tracemalloc``
   (numpy reports its data allocations to it; torch does not).
+* :func:`halo_exchange_fn` - :func:`credit_mpi.halo_exchange` (with or
+  without its collective check, either transport); :func:`raw_halo` - the
+  least raw mpi4py code with the same padded result (zero boundary, dim -2);
+  :func:`gloo_halo_cat` - the reference's method, ``torch.distributed``
+  ``batch_isend_irecv`` of the edge rows, then ``torch.cat``.
+* :func:`credit_gather` with ``transport="torch"`` against ``"mpi"``, and
+  :func:`raw_torch_allgather` - one raw torch.distributed all-gather of the
+  same bytes as :func:`raw_allgather` (the floor of ``transport="torch"``).
+* :func:`verify_identical` - every method's result against the expected
+  bytes, before anything is timed.
 
-Each ``*`` function returns a zero-argument callable with its set-up done,
-and :func:`time_collective` times it: every repetition starts after a
-``Barrier`` and its time is the slowest rank's (one ``allreduce(MAX)``), so
-a table row is what the job as a whole waits for. torch is imported only
-inside the functions that need it.
+Each measurement returns a zero-argument callable with its set-up done,
+whose result is what the method produces, and :func:`time_collective` times
+it: every repetition starts after a ``Barrier`` and its time is the slowest
+rank's (one ``allreduce(MAX)``), so a table row is what the job as a whole
+waits for. torch is imported only inside the functions that need it.
 """
 
 from __future__ import annotations
@@ -49,12 +59,18 @@ __all__ = [
     "gather_extra_memory",
     "gloo_all_gather_cat",
     "gloo_group",
+    "gloo_halo_cat",
+    "halo_exchange_fn",
     "local_field",
     "raw_allgather",
+    "raw_halo",
     "raw_slice_copy",
+    "raw_torch_allgather",
     "reference_extra_memory",
     "time_collective",
     "torch_available",
+    "torch_group",
+    "verify_identical",
 ]
 
 
@@ -86,23 +102,33 @@ class Timing:
 
 
 def time_collective(
-    comm: MPI.Comm, fn: Callable[[], Any], name: str, nbytes: int, *, repeats: int = 5, warmup: int = 1
+    comm: MPI.Comm,
+    fn: Callable[[], Any],
+    name: str,
+    nbytes: int,
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    number: int = 1,
 ) -> Timing:
-    """Time ``fn`` (collective over ``comm``): ``warmup`` untimed calls, then ``repeats`` timed ones.
+    """Time ``fn`` (collective over ``comm``): ``warmup`` untimed calls, then ``repeats`` timed repetitions.
 
-    Each repetition is ``Barrier``, ``fn()``, and its time is the maximum
-    over the ranks. Returns the same :class:`Timing` on every rank.
+    Each repetition is ``Barrier``, then ``number`` calls of ``fn()`` back to
+    back; its time is the mean per call, the maximum over the ranks. (Use
+    ``number > 1`` for calls so short that the barrier's skew would count.)
+    Returns the same :class:`Timing` on every rank.
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if repeats < 1 or number < 1:
+        raise ValueError(f"repeats and number must be >= 1, got {repeats} and {number}")
     for _ in range(warmup):
         fn()
     local = np.empty(repeats)
     for i in range(repeats):
         comm.Barrier()
         t0 = time.perf_counter()
-        fn()
-        local[i] = time.perf_counter() - t0
+        for _ in range(number):
+            fn()
+        local[i] = (time.perf_counter() - t0) / number
     slowest = np.empty_like(local)
     comm.Allreduce(local, slowest, op=MPI.MAX)
     return Timing(name, int(nbytes), slowest.tolist())
@@ -140,6 +166,7 @@ def raw_allgather(comm: MPI.Comm, x: Any, *, fresh: bool = False) -> Callable[[]
     nothing to describe, check or lay out. The receive buffer is allocated
     once (the floor), or with ``fresh`` on every call, as a gather that
     returns a new array must (its pages are then first touched by MPI).
+    The callable returns the ``(size, *x.shape)`` buffer.
     """
     if isinstance(x, np.ndarray):
         send = np.ascontiguousarray(x)
@@ -160,37 +187,55 @@ def raw_allgather(comm: MPI.Comm, x: Any, *, fresh: bool = False) -> Callable[[]
 
         return run
     recv = alloc()
-    return lambda: comm.Allgather(send, recv)
+
+    def run():
+        comm.Allgather(send, recv)
+        return recv
+
+    return run
 
 
 def credit_gather(
-    x: Any, manager: DomainParallelManager, dim: int = -2, *, check: bool = True, reuse: bool = False
+    x: Any,
+    manager: DomainParallelManager,
+    dim: int = -2,
+    *,
+    check: bool = True,
+    reuse: bool = False,
+    transport: str = "mpi",
 ) -> Callable[[], Any]:
     """:func:`credit_mpi.gather_tensor` of ``x`` along ``dim``.
 
     With ``reuse``, every call gathers into one output allocated up front
     (``out=``), as :func:`raw_allgather` does: no fresh allocation (and first
-    touch of its pages) per call.
+    touch of its pages) per call. ``transport="torch"`` needs the manager
+    bridged (:func:`torch_group`).
     """
+    kw = {"dim": dim, "manager": manager, "check": check, "transport": transport}
     if not reuse:
-        return lambda: gather_tensor(x, dim=dim, manager=manager, check=check)
-    out = gather_tensor(x, dim=dim, manager=manager, check=check)
-    return lambda: gather_tensor(x, dim=dim, manager=manager, check=check, out=out)
+        return lambda: gather_tensor(x, **kw)
+    out = gather_tensor(x, **kw)
+    return lambda: gather_tensor(x, out=out, **kw)
 
 
-def gloo_group(manager: DomainParallelManager):
-    """The gloo ``torch.distributed`` group that mirrors ``manager``'s domain group.
+def torch_group(manager: DomainParallelManager, backend: str | None = None):
+    """The ``torch.distributed`` group that mirrors ``manager``'s domain group.
 
     Bridges the manager with :func:`credit_mpi.torch_bridge.init_torch_distributed`
-    (backend gloo; rendezvous over MPI) unless it is bridged already;
-    ``manager.free()`` releases the groups. Collective over the manager's
-    parent communicator.
+    (``backend``; ``None``: nccl with CUDA, else gloo; rendezvous over MPI)
+    unless it is bridged already; ``manager.free()`` releases the groups.
+    Collective over the manager's parent communicator.
     """
     from . import torch_bridge
 
     if not torch_bridge.is_bridged(manager):
-        torch_bridge.init_torch_distributed(manager, "gloo")
+        torch_bridge.init_torch_distributed(manager, backend)
     return manager.torch_domain_group
+
+
+def gloo_group(manager: DomainParallelManager):
+    """:func:`torch_group` with the gloo backend (the reference's CPU baseline)."""
+    return torch_group(manager, "gloo")
 
 
 def gloo_all_gather_cat(x: Any, dim: int = -2, group=None) -> Callable[[], Any]:
@@ -209,6 +254,28 @@ def gloo_all_gather_cat(x: Any, dim: int = -2, group=None) -> Callable[[], Any]:
         parts = [torch.empty_like(t) for _ in range(n)]
         dist.all_gather(parts, t.contiguous(), group=group)
         return torch.cat(parts, dim=dim)
+
+    return run
+
+
+def raw_torch_allgather(x: Any, group=None) -> Callable[[], Any]:
+    """One raw torch.distributed all-gather of ``x``'s bytes into one tensor: the floor of ``transport="torch"``.
+
+    ``all_gather_single`` (``all_gather_into_tensor`` in older torch) of the
+    contiguous tensor into a ``(size, *x.shape)`` buffer allocated once:
+    the same bytes as :func:`raw_allgather`. ``x`` is a tensor on the
+    group's device (a numpy array is wrapped, sharing memory).
+    """
+    import torch
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    send = (torch.from_numpy(x) if isinstance(x, np.ndarray) else x).contiguous()
+    recv = send.new_empty((dist.get_world_size(group), *send.shape))
+
+    def run():
+        gather(recv.view(-1), send.view(-1), group=group)
+        return recv
 
     return run
 
@@ -288,9 +355,118 @@ def reference_extra_memory(x: np.ndarray, comm: MPI.Comm, dim: int = -2) -> tupl
     return int(extra), int(out.nbytes)
 
 
-def halo_exchange_fn(x: Any, halo_width: int, manager: DomainParallelManager, dim: int = -2, boundary: str = "zero") -> Callable[[], Any] | None:
-    """``credit_mpi.halo_exchange`` of ``x``, or ``None`` when this build has no halo exchange."""
+def halo_exchange_fn(
+    x: Any,
+    halo_width: int,
+    manager: DomainParallelManager,
+    dim: int = -2,
+    boundary: str = "zero",
+    *,
+    check: bool = True,
+    transport: str = "mpi",
+) -> Callable[[], Any] | None:
+    """``credit_mpi.halo_exchange`` of ``x``, or ``None`` when this build has no halo exchange.
+
+    ``check=False`` leaves out the collective argument check;
+    ``transport="torch"`` needs the manager bridged (:func:`torch_group`).
+    """
     if importlib.util.find_spec(f"{__package__}.halo") is None:
         return None
     halo_exchange = importlib.import_module(f"{__package__}.halo").halo_exchange
-    return lambda: halo_exchange(x, halo_width, dim=dim, manager=manager, boundary=boundary)
+    kw = {"dim": dim, "manager": manager, "boundary": boundary, "check": check, "transport": transport}
+    return lambda: halo_exchange(x, halo_width, **kw)
+
+
+def raw_halo(comm: MPI.Comm, x: np.ndarray, width: int = 1) -> Callable[[], np.ndarray]:
+    """The least raw mpi4py code giving :func:`halo_exchange_fn`'s result (zero boundary, dim -2, numpy).
+
+    A new array ``2 * width`` rows longer, the band copied in, the edge rows
+    packed contiguously, two ``Sendrecv`` (``MPI.PROC_NULL`` at the outer
+    edges, which therefore keep zeros), the received rows copied into place.
+    Neighbours are the previous and next rank of ``comm``.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    up = rank - 1 if rank > 0 else MPI.PROC_NULL
+    down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
+    rows = x.shape[-2]
+    shape = (*x.shape[:-2], rows + 2 * width, x.shape[-1])
+
+    def run():
+        out = np.empty(shape, dtype=x.dtype)
+        out[..., width : width + rows, :] = x
+        first = np.ascontiguousarray(x[..., :width, :])
+        last = np.ascontiguousarray(x[..., rows - width :, :])
+        from_up, from_down = np.zeros_like(last), np.zeros_like(first)
+        comm.Sendrecv(last, down, 0, from_up, up, 0)
+        comm.Sendrecv(first, up, 1, from_down, down, 1)
+        out[..., :width, :] = from_up
+        out[..., width + rows :, :] = from_down
+        return out
+
+    return run
+
+
+def gloo_halo_cat(x: Any, width: int = 1, group=None) -> Callable[[], Any]:
+    """The reference's halo exchange: ``batch_isend_irecv`` of the edge rows, then ``torch.cat`` (zero boundary, dim -2).
+
+    ``x`` is a torch CPU tensor (a numpy array is wrapped, sharing memory);
+    neighbours are the previous and next rank of ``group``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    t = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+
+    def peer(r: int) -> int:
+        return r if group is None else dist.get_global_rank(group, r)
+
+    prev = peer(rank - 1) if rank > 0 else None
+    nxt = peer(rank + 1) if rank < size - 1 else None
+
+    def run():
+        top = torch.zeros_like(t[..., :width, :])
+        bottom = torch.zeros_like(t[..., :width, :])
+        ops = []
+        if prev is not None:
+            ops += [dist.P2POp(dist.isend, t[..., :width, :].contiguous(), prev, group),
+                    dist.P2POp(dist.irecv, top, prev, group)]
+        if nxt is not None:
+            ops += [dist.P2POp(dist.isend, t[..., -width:, :].contiguous(), nxt, group),
+                    dist.P2POp(dist.irecv, bottom, nxt, group)]
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        return torch.cat([top, t, bottom], dim=-2)
+
+    return run
+
+
+def _as_numpy(result: Any) -> np.ndarray:
+    if isinstance(result, np.ndarray):
+        return result
+    return result.detach().cpu().numpy()
+
+
+def verify_identical(comm: MPI.Comm, expected: Any, results: dict[str, Any]) -> None:
+    """Check that every result has ``expected``'s shape, dtype and bytes, on every rank of ``comm``.
+
+    ``results`` maps a method's name to what it produced (numpy arrays or
+    torch tensors, on any device). Collective: raises the same
+    ``AssertionError`` on every rank, naming each method that differs on
+    some rank, so that no rank goes on to time while another stopped.
+    """
+    want = _as_numpy(expected)
+    bad = []
+    for name, result in results.items():
+        got = _as_numpy(result)
+        same = got.shape == want.shape and got.dtype == want.dtype and np.array_equal(
+            np.ascontiguousarray(got).view(np.uint8), np.ascontiguousarray(want).view(np.uint8)
+        )
+        if not same:
+            bad.append(name)
+    everyone = comm.allgather(bad)
+    differ = sorted({name for names in everyone for name in names})
+    if differ:
+        ranks = [r for r, names in enumerate(everyone) if names]
+        raise AssertionError(f"not bit-identical to the expected result: {', '.join(differ)} (on rank(s) {ranks})")

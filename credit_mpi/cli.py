@@ -384,37 +384,11 @@ def run_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> list[dict]:
                 padded = x.nbytes + 2 * c * w * 4  # the result: the band and its two halo rows
                 row = {"op": "halo", "size": f"{c}x{h}x{w}", "bytes": padded}
                 row["credit"] = bench.time_collective(dom, fn, "credit_mpi", padded, **rep)
-                row["raw"] = bench.time_collective(dom, _raw_halo(dom, x), "copy + Sendrecv", padded, **rep)
+                row["raw"] = bench.time_collective(dom, bench.raw_halo(dom, x, 1), "copy + Sendrecv", padded, **rep)
                 rows.append(row)
     if any(r["op"] == "halo-missing" for r in rows):
         say("note: this build has no credit_mpi.halo; halo rows are left out")
     return [r for r in rows if r["op"] != "halo-missing"]
-
-
-def _raw_halo(comm: MPI.Comm, x: np.ndarray) -> Callable[[], Any]:
-    """Raw floor of a 1-row, zero-boundary halo exchange along dim -2 with the same result.
-
-    A new array two rows longer, the band copied in, two ``Sendrecv`` of one
-    contiguous row each, the received rows (or zeros at the edges) copied into place.
-    """
-    rank, size = comm.Get_rank(), comm.Get_size()
-    up = rank - 1 if rank > 0 else MPI.PROC_NULL
-    down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
-    shape = list(x.shape)
-    shape[-2] += 2
-
-    def run():
-        out = np.empty(shape, dtype=x.dtype)
-        out[..., 1:-1, :] = x
-        first, last = np.ascontiguousarray(x[..., 0, :]), np.ascontiguousarray(x[..., -1, :])
-        from_up, from_down = np.zeros_like(first), np.zeros_like(last)
-        comm.Sendrecv(last, down, 0, from_up, up, 0)
-        comm.Sendrecv(first, up, 1, from_down, down, 1)
-        out[..., 0, :] = from_up
-        out[..., -1, :] = from_down
-        return out
-
-    return run
 
 
 def _table(rows: list[dict]) -> list[str]:

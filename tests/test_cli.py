@@ -200,7 +200,7 @@ def test_raw_halo_floor_matches_halo_exchange(make_manager):
     manager = make_manager()
     x = bench.local_field((2, 3 * manager.domain_world_size + 1, 5), -2, manager.domain_group, seed=4)
     expected = halo.halo_exchange(x, 1, dim=-2, manager=manager, boundary="zero")
-    np.testing.assert_array_equal(cli._raw_halo(manager.domain_group, x)(), expected)
+    np.testing.assert_array_equal(bench.raw_halo(manager.domain_group, x, 1)(), expected)
 
 
 def test_single_rank_under_a_foreign_launcher_is_explained(monkeypatch):

@@ -1,0 +1,111 @@
+"""credit_mpi.bench: every measurement computes what it claims to (bit for bit); never its speed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from credit_mpi import bench, shard_tensor
+from credit_mpi.partition import band_range
+
+from .halo_reference import pad_numpy
+
+
+def _field(rows: int, seed: int = 3) -> np.ndarray:
+    """A small float32 global field (2, rows, 6), the same on every rank."""
+    return np.random.default_rng(seed).standard_normal((2, rows, 6), dtype=np.float32)
+
+
+def _expected_halo(full: np.ndarray, width: int, boundary: str, manager) -> np.ndarray:
+    start, stop = band_range(full.shape[-2], manager.domain_parallel_size, manager.domain_rank, uneven=True)
+    return pad_numpy(full, width, full.ndim - 2, boundary)[..., start : stop + 2 * width, :]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("width", [1, 2])
+def test_halo_measurements_match_the_padded_field(make_manager, width):
+    manager = make_manager()
+    full = _field(3 * manager.domain_parallel_size + 1)  # uneven bands
+    x = shard_tensor(full, -2, manager, uneven=True)
+    expected = _expected_halo(full, width, "zero", manager)
+    cases = {
+        "credit": bench.halo_exchange_fn(x, width, manager),
+        "credit check=False": bench.halo_exchange_fn(x, width, manager, check=False),
+        "raw": bench.raw_halo(manager.domain_group, x, width),
+    }
+    for name, fn in cases.items():
+        np.testing.assert_array_equal(fn(), expected, err_msg=name)
+        np.testing.assert_array_equal(fn(), expected, err_msg=f"{name}, second call")
+    bench.verify_identical(manager.domain_group, expected, {name: fn() for name, fn in cases.items()})
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gloo_halo_matches_the_padded_field(make_manager):
+    torch = pytest.importorskip("torch")
+    manager = make_manager()
+    full = _field(3 * manager.domain_parallel_size + 1)
+    x = torch.from_numpy(shard_tensor(full, -2, manager, uneven=True))
+    group = bench.gloo_group(manager)  # released by manager.free() (the fixture)
+    for width in (1, 2):
+        expected = _expected_halo(full, width, "zero", manager)
+        np.testing.assert_array_equal(bench.gloo_halo_cat(x, width, group)().numpy(), expected)
+        result = bench.halo_exchange_fn(x, width, manager, check=False)()
+        assert isinstance(result, torch.Tensor)
+        np.testing.assert_array_equal(result.numpy(), expected)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_transport_measurements_match(make_manager):
+    """gather and halo with transport 'mpi' and 'torch' (with and without out=), and the raw collectives."""
+    torch = pytest.importorskip("torch")
+    manager = make_manager()
+    comm, n = manager.domain_group, manager.domain_parallel_size
+    group = bench.gloo_group(manager)
+    for rows in (2 * n, 2 * n + 1):  # even, uneven
+        full = torch.from_numpy(_field(rows, seed=rows))
+        band = shard_tensor(full, -2, manager, uneven=True)
+        for transport in ("mpi", "torch"):
+            for reuse in (False, True):
+                fn = bench.credit_gather(band, manager, reuse=reuse, transport=transport)
+                for _ in range(2):
+                    assert torch.equal(fn(), full), (rows, transport, reuse)
+        expected = _expected_halo(full.numpy(), 2, "periodic", manager)
+        for transport in ("mpi", "torch"):
+            fn = bench.halo_exchange_fn(band, 2, manager, boundary="periodic", transport=transport)
+            np.testing.assert_array_equal(fn().numpy(), expected, err_msg=transport)
+
+    band = shard_tensor(torch.from_numpy(_field(2 * n)), -2, manager)
+    stacked = torch.stack(comm.allgather(band))
+    for fn in (bench.raw_allgather(comm, band), bench.raw_torch_allgather(band, group),
+               bench.raw_allgather(comm, band.numpy(), fresh=True)):
+        result = fn()
+        result = torch.from_numpy(result) if isinstance(result, np.ndarray) else result
+        assert torch.equal(result, stacked)
+    assert group is manager.torch_domain_group and bench.torch_group(manager) is group
+
+
+@pytest.mark.mpi(min_size=2)
+def test_verify_identical_fails_on_every_rank(make_manager):
+    """One rank's wrong result stops all ranks, naming the method (no rank goes on to time alone)."""
+    manager = make_manager()
+    comm = manager.domain_group
+    x = np.arange(6, dtype=np.float32)
+    bench.verify_identical(comm, x, {"same": x.copy()})
+    wrong = x.copy()
+    if comm.Get_rank() == 1:
+        wrong[0] = -0.0 if x[0] == 0 else -x[0]  # -0.0 == 0.0, but not the same bytes
+    with pytest.raises(AssertionError, match=r"not bit-identical to the expected result: bad \(on rank\(s\) \[1\]\)"):
+        bench.verify_identical(comm, x, {"good": x.copy(), "bad": wrong})
+    with pytest.raises(AssertionError, match=r": float64 \(on rank"):
+        bench.verify_identical(comm, x, {"float64": x.astype(np.float64)})
+
+
+@pytest.mark.mpi(min_size=1)
+def test_time_collective_number_runs_every_call(make_manager):
+    manager = make_manager()
+    calls = []
+    t = bench.time_collective(manager.domain_group, lambda: calls.append(1), "count", 8, repeats=3, warmup=2, number=4)
+    assert len(calls) == 2 + 3 * 4 and len(t.times) == 3
+    with pytest.raises(ValueError, match="number"):
+        bench.time_collective(MPI.COMM_SELF, lambda: None, "x", 1, number=0)
