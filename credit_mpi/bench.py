@@ -35,8 +35,6 @@ waits for. torch is imported only inside the functions that need it.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import statistics
 import time
@@ -48,6 +46,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .halo import halo_exchange
 from .manager import DomainParallelManager
 from .partition import band_sizes
 from .sharding import gather_tensor, shard_batch
@@ -364,15 +363,12 @@ def halo_exchange_fn(
     *,
     check: bool = True,
     transport: str = "mpi",
-) -> Callable[[], Any] | None:
-    """``credit_mpi.halo_exchange`` of ``x``, or ``None`` when this build has no halo exchange.
+) -> Callable[[], Any]:
+    """``credit_mpi.halo_exchange`` of ``x``.
 
     ``check=False`` leaves out the collective argument check;
     ``transport="torch"`` needs the manager bridged (:func:`torch_group`).
     """
-    if importlib.util.find_spec(f"{__package__}.halo") is None:
-        return None
-    halo_exchange = importlib.import_module(f"{__package__}.halo").halo_exchange
     kw = {"dim": dim, "manager": manager, "boundary": boundary, "check": check, "transport": transport}
     return lambda: halo_exchange(x, halo_width, **kw)
 
