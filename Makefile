@@ -11,7 +11,7 @@ TORCH   ?= torch==2.13.0
 EXTRAS  ?= mpich,test
 PY      := $(VENV)/bin/python
 
-.PHONY: install demo test docs clean
+.PHONY: install demo test docs lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON3) -m venv $(VENV)
@@ -32,6 +32,11 @@ test: install
 docs: install
 	$(PY) -m pip install -q -e ".[docs]"
 	$(PY) -m sphinx -W --keep-going -b html -q docs docs/_build/html
+
+# Lint (ruff, rules in pyproject.toml); the version is pinned so the rules do not move
+lint: install
+	$(PY) -m pip install -q -e ".[lint]"
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info docs/_build

@@ -8,14 +8,14 @@ torch-only names (``HaloExchange``, ``init_torch_distributed``,
 """
 
 from .abort import abort_on_exception
+from .grad_sync import reduce_gradients
+from .halo import halo_exchange
 from .manager import (
     DomainParallelManager,
     destroy_domain_parallel,
     get_domain_parallel_manager,
     initialize_domain_parallel,
 )
-from .grad_sync import reduce_gradients
-from .halo import halo_exchange
 from .sharding import gather_tensor, scatter_tensor, shard_batch, shard_tensor
 from .validation import DomainParallelError
 

@@ -29,10 +29,10 @@ How bytes reach MPI, without copies where the layout allows:
   any stream see the data.
 * Device arrays when MPI is not CUDA-aware: staged through pinned host
   memory (one staging buffer per direction, grown as needed and reused
-  across calls; a :class:`RuntimeWarning` the first time). Both copies are
-  blocking and run on the array's current stream, so they are ordered after
-  the work that produced the data and complete before MPI or the caller
-  touches it.
+  across calls; a :class:`RuntimeWarning` the first time). Both copies run
+  on the array's current stream and are waited for, so they are ordered
+  after the work that produced the data and complete before MPI or the
+  caller touches it (or the staging buffer is reused).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ import importlib
 import logging
 import sys
 import warnings
-from typing import Any, Iterator, NamedTuple, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -63,6 +64,8 @@ __all__ = [
     "send_buffer",
     "as_torch_bytes",
     "mpi_datatype",
+    "in_device_memory",
+    "sync_stream",
     "recv_buffer",
     "release_staging_buffers",
 ]
@@ -100,7 +103,7 @@ class ArrayInfo(NamedTuple):
         """``"cpu"`` or ``"cuda"``: the device without its index, which may differ per rank."""
         return self.device.split(":")[0]
 
-    def same_kind(self, other: "ArrayInfo") -> bool:
+    def same_kind(self, other: ArrayInfo) -> bool:
         """Same library, dtype and device type (the device index may differ per rank)."""
         return (self.kind, self.dtype, self.device_type) == (other.kind, other.dtype, other.device_type)
 
@@ -294,6 +297,10 @@ class _NumpyOps:
         pass
 
     @staticmethod
+    def device_context(x: Any) -> Any:
+        return contextlib.nullcontext()
+
+    @staticmethod
     def host_buffer(nbytes: int, pinned: bool) -> tuple[Any, np.ndarray]:
         buf = np.empty(nbytes, dtype=np.uint8)
         return buf, buf
@@ -329,6 +336,14 @@ class _TorchOps:
     def sync_device(x: Any) -> None:
         if x.device.type == "cuda":
             _torch().cuda.synchronize(x.device)
+
+    @staticmethod
+    def device_context(x: Any) -> Any:
+        # torch exports a CUDA tensor through DLPack only while its device is
+        # torch's current one ("Can't export tensors on a different CUDA device").
+        if x.device.type == "cuda":
+            return _torch().cuda.device(x.device)
+        return contextlib.nullcontext()
 
     @staticmethod
     def host_buffer(nbytes: int, pinned: bool) -> tuple[Any, np.ndarray]:
@@ -390,6 +405,10 @@ class _CupyOps:
         x.device.synchronize()
 
     @staticmethod
+    def device_context(x: Any) -> Any:
+        return x.device
+
+    @staticmethod
     def host_buffer(nbytes: int, pinned: bool) -> tuple[Any, np.ndarray]:
         # As cupyx.empty_pinned does: a writable numpy array over page-locked memory.
         memory = _cupy().cuda.alloc_pinned_memory(nbytes)
@@ -402,8 +421,11 @@ class _CupyOps:
 
     @staticmethod
     def from_host(owner: Any, view: np.ndarray, dst: Any) -> None:
-        # ndarray.set without a stream argument is a synchronous copy.
-        dst.set(view)
+        # ndarray.set queues an asynchronous copy on the current stream;
+        # wait for it, since the staging buffer is reused right after.
+        with dst.device:
+            dst.set(view)
+            _cupy().cuda.get_current_stream().synchronize()
 
 
 def _ops(x: Any):
@@ -431,9 +453,9 @@ class _Staging:
 
     def __init__(self, direction: str) -> None:
         self.direction = direction
-        self.library: Optional[str] = None
+        self.library: str | None = None
         self.owner: Any = None
-        self.view: Optional[np.ndarray] = None
+        self.view: np.ndarray | None = None
         self.busy = False
         self.allocations = 0
 
@@ -477,7 +499,7 @@ def release_staging_buffers() -> None:
 # --------------------------------------------------------------------------- buffers for MPI
 
 
-def _route(ops, x: Any, comm: Optional[MPI.Comm]) -> str:
+def _route(ops, x: Any, comm: MPI.Comm | None) -> str:
     """"host", "direct" (device pointer to CUDA-aware MPI) or "staged"."""
     if not (ops.on_device(x) or _SIMULATE_DEVICE):
         return "host"
@@ -503,7 +525,7 @@ def _warn_staging(comm: MPI.Comm) -> None:
 
 
 @contextlib.contextmanager
-def send_buffer(x: Any, comm: Optional[MPI.Comm] = None) -> Iterator[Any]:
+def send_buffer(x: Any, comm: MPI.Comm | None = None) -> Iterator[Any]:
     """A buffer mpi4py can send (``MPI.BYTE``) holding the bytes of contiguous ``x``.
 
     For a device array the transfer path is the one ``comm``'s ranks agreed
@@ -518,8 +540,9 @@ def send_buffer(x: Any, comm: Optional[MPI.Comm] = None) -> Iterator[Any]:
     if route == "host":
         yield data
     elif route == "direct":
-        ops.sync_stream(x)  # the kernels that produced x are done before MPI reads it
-        yield data
+        with ops.device_context(x):
+            ops.sync_stream(x)  # the kernels that produced x are done before MPI reads it
+            yield data
     else:
         with _STAGING["send"].take(ops, data.shape[0]) as (owner, view):
             ops.to_host(data, owner, view)
@@ -527,7 +550,7 @@ def send_buffer(x: Any, comm: Optional[MPI.Comm] = None) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def recv_buffer(out: Any, comm: Optional[MPI.Comm] = None, *, inout: bool = False) -> Iterator[Any]:
+def recv_buffer(out: Any, comm: MPI.Comm | None = None, *, inout: bool = False) -> Iterator[Any]:
     """A buffer mpi4py can receive into (``MPI.BYTE``); its bytes end up in ``out``.
 
     ``out`` holds the data when the ``with`` block ends normally (a staged
@@ -544,15 +567,35 @@ def recv_buffer(out: Any, comm: Optional[MPI.Comm] = None, *, inout: bool = Fals
     if route == "host":
         yield data
     elif route == "direct":
-        ops.sync_stream(out)  # nothing queued still touches out's memory when MPI writes it
-        yield data
-        ops.sync_device(out)  # MPI's writes are visible to later kernels on any stream
+        with ops.device_context(out):
+            ops.sync_stream(out)  # nothing queued still touches out's memory when MPI writes it
+            yield data
+            ops.sync_device(out)  # MPI's writes are visible to later kernels on any stream
     else:
         with _STAGING["recv"].take(ops, data.shape[0]) as (owner, view):
             if inout:
                 ops.to_host(data, owner, view)
             yield view
             ops.from_host(owner, view, data)
+
+
+def in_device_memory(buf: Any) -> bool:
+    """True when ``buf`` (an array, or a buffer from :func:`send_buffer`/:func:`recv_buffer`) is GPU memory.
+
+    A staged transfer yields host memory, a direct one device memory: code
+    that must treat device pointers differently (non-blocking collectives,
+    reusing scratch) asks here.
+    """
+    return _ops(buf).on_device(buf)
+
+
+def sync_stream(x: Any) -> None:
+    """Wait for the work queued on ``x``'s current stream (nothing for host arrays).
+
+    Before MPI writes memory that device kernels queued earlier still read
+    (scratch reused across iterations), as :func:`send_buffer` does before MPI reads.
+    """
+    _ops(x).sync_stream(x)
 
 
 def mpi_datatype(x: Any) -> MPI.Datatype:

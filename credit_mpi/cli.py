@@ -412,9 +412,9 @@ def _plot(rows: list[dict], path: str, ranks: int) -> None:
         mine = [r for r in rows if r["op"] == op]
         mb = [r["bytes"] / 1e6 for r in mine]
         for key, style in (("credit", "-o"), ("raw", "--s"), ("torch", ":^")):
-            pts = [(m, r[key].gbps) for m, r in zip(mb, mine) if key in r]
+            pts = [(m, r[key].gbps) for m, r in zip(mb, mine, strict=True) if key in r]
             if pts:
-                ax.plot(*zip(*pts), style, color=f"C{i}", label=f"{op}: {mine[0][key].name}")
+                ax.plot(*zip(*pts, strict=True), style, color=f"C{i}", label=f"{op}: {mine[0][key].name}")
     ax.set_xscale("log")
     ax.set_xlabel("MB per rank (result)")
     ax.set_ylabel("GB/s (result bytes per rank / median time)")

@@ -15,12 +15,15 @@ The signals, in the order they decide (first that answers wins):
 1. ``CREDIT_MPI_CUDA_AWARE=1|0`` (``auto``, the default, detects).
 2. An environment switch that turns the library's GPU support off
    (Cray's ``MPICH_GPU_SUPPORT_ENABLED=0``, ``MPIR_CVAR_ENABLE_GPU=0``,
-   ``MV2_USE_CUDA=0``, ``OMPI_MCA_opal_cuda_support=0``, ``I_MPI_OFFLOAD=0``).
+   ``MV2_USE_CUDA=0``, ``OMPI_MCA_opal_cuda_support=0``, ``I_MPI_OFFLOAD=0``);
+   Cray MPICH without ``MPICH_GPU_SUPPORT_ENABLED=1`` counts as off (its GPU
+   support needs the switch whatever the library query says).
 3. The library itself: ``MPIX_Query_cuda_support()`` (Open MPI, MPICH) or
    ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &flag)`` (MPICH 4.1+,
    Cray MPICH), called through :mod:`ctypes` from the loaded libmpi.
 4. The MPI-4.1 info key ``mpi_memory_alloc_kinds`` of the communicator
-   (a ``cuda`` kind in it means CUDA memory is supported).
+   (``cuda`` or ``cuda:device`` in it means device memory is supported;
+   ``cuda:host`` alone does not).
 5. An environment switch that turns GPU support on where the library gave
    no answer (``MPICH_GPU_SUPPORT_ENABLED=1``, ``MV2_USE_CUDA=1``,
    ``I_MPI_OFFLOAD>=1``, ``PSP_CUDA=1``).
@@ -40,7 +43,8 @@ import re
 import socket
 import sys
 import warnings
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mpi4py import MPI
 
@@ -81,14 +85,14 @@ _MPIX_GPU_SUPPORT_CUDA = 0
 
 _LIBMPI_NAME = re.compile(r"lib(mpi|mpich|mpi_cray|mpi_gnu|mpi_intel|mpi_nvidia)[\w.-]*\.(so|dylib)")
 
-_KEYVAL: Optional[int] = None  # MPI attribute key under which a communicator caches its report
-_BOUND: Optional[int] = None  # the GPU index bind_device chose for this process
+_KEYVAL: int | None = None  # MPI attribute key under which a communicator caches its report
+_BOUND: int | None = None  # the GPU index bind_device chose for this process
 
 
 # --------------------------------------------------------------------------- detection
 
 
-def _override() -> Optional[bool]:
+def _override() -> bool | None:
     """The value of CREDIT_MPI_CUDA_AWARE: True, False, or None for ``auto``/unset."""
     raw = os.environ.get(ENV_OVERRIDE, "").strip().lower()
     if raw in ("", "auto"):
@@ -153,7 +157,7 @@ def _query_library() -> dict:
     return {"value": None, "symbol": None, "library": None}
 
 
-def _memory_alloc_kinds(comm: MPI.Comm) -> Optional[str]:
+def _memory_alloc_kinds(comm: MPI.Comm) -> str | None:
     """The MPI-4.1 ``mpi_memory_alloc_kinds`` info value of ``comm`` (or COMM_WORLD), if any."""
     for c in (comm, MPI.COMM_WORLD):
         try:
@@ -202,11 +206,16 @@ def _decide(signals: dict) -> tuple[bool, str]:
         if value.strip().lower() in _FALSE:
             return False, f"not CUDA-aware: {name}={value} turns {_ENV_SWITCHES[name]}'s GPU support off"
     lib, kinds, mpi = signals["library"], signals["memory_alloc_kinds"], signals["mpi"]
+    cray_switch = env.get("MPICH_GPU_SUPPORT_ENABLED", "").strip().lower()
+    if "cray mpich" in mpi.lower() and cray_switch not in _TRUE:
+        return False, (
+            f"not CUDA-aware: {mpi} reads device buffers only with MPICH_GPU_SUPPORT_ENABLED=1 "
+            f"(it is {'unset' if not cray_switch else repr(env['MPICH_GPU_SUPPORT_ENABLED'])})"
+        )
     if lib["value"] == 1:
         return True, f"CUDA-aware: {lib['symbol']}() reports CUDA support in {lib['library']} ({mpi})"
-    kinds_list = [k.strip().lower() for k in (kinds or "").split(",") if k.strip()]
-    if any(k.split(":")[0] == "cuda" for k in kinds_list):
-        return True, f"CUDA-aware: mpi_memory_alloc_kinds={kinds!r} names a cuda kind ({mpi})"
+    if _names_cuda_device_memory(kinds):
+        return True, f"CUDA-aware: mpi_memory_alloc_kinds={kinds!r} names cuda device memory ({mpi})"
     if lib["value"] is None:
         for name, value in env.items():
             if name in _ENV_CAN_ENABLE and value.strip().lower() not in _FALSE:
@@ -217,8 +226,23 @@ def _decide(signals: dict) -> tuple[bool, str]:
     else:
         why.append("the MPI library exports neither MPIX_Query_cuda_support nor MPIX_GPU_query_support")
     if kinds is not None:
-        why.append(f"mpi_memory_alloc_kinds={kinds!r} names no cuda kind")
+        why.append(f"mpi_memory_alloc_kinds={kinds!r} names no cuda device memory")
     return False, f"not CUDA-aware: {mpi}: " + "; ".join(why)
+
+
+def _names_cuda_device_memory(kinds: str | None) -> bool:
+    """Whether an ``mpi_memory_alloc_kinds`` value covers CUDA device memory.
+
+    MPI 4.1 writes kinds as ``kind[:restrictor...]`` separated by commas: a
+    bare ``cuda`` means every CUDA allocation, ``cuda:device`` device
+    memory; ``cuda:host`` (pinned host memory) or ``cuda:managed`` alone do
+    not let MPI read ``cudaMalloc`` pointers.
+    """
+    for kind in (kinds or "").lower().split(","):
+        name, *restrictors = [part.strip() for part in kind.split(":")]
+        if name == "cuda" and (not restrictors or "device" in restrictors):
+            return True
+    return False
 
 
 def _keyval() -> int:
@@ -228,7 +252,7 @@ def _keyval() -> int:
     return _KEYVAL
 
 
-def cuda_awareness_report(comm: Optional[MPI.Comm] = None, *, refresh: bool = False) -> dict:
+def cuda_awareness_report(comm: MPI.Comm | None = None, *, refresh: bool = False) -> dict:
     """How credit_mpi decided whether MPI is CUDA-aware on ``comm``, and why.
 
     Collective over ``comm`` (default ``MPI.COMM_WORLD``) the first time (or
@@ -287,7 +311,7 @@ def cuda_awareness_report(comm: Optional[MPI.Comm] = None, *, refresh: bool = Fa
     return report
 
 
-def is_cuda_aware(comm: Optional[MPI.Comm] = None) -> bool:
+def is_cuda_aware(comm: MPI.Comm | None = None) -> bool:
     """Whether device buffers can be handed to MPI directly on ``comm``.
 
     The verdict every rank of ``comm`` agreed on (see
@@ -304,7 +328,7 @@ def _ranks(ranks: Sequence[int]) -> str:
 # --------------------------------------------------------------------------- binding
 
 
-def local_rank(comm: Optional[MPI.Comm] = None) -> tuple[int, int]:
+def local_rank(comm: MPI.Comm | None = None) -> tuple[int, int]:
     """This rank's index among the ranks of ``comm`` on the same node, and their number.
 
     Collective over ``comm`` (one ``Split_type(COMM_TYPE_SHARED)``, freed
@@ -318,7 +342,7 @@ def local_rank(comm: Optional[MPI.Comm] = None) -> tuple[int, int]:
         node.Free()
 
 
-def _libraries(library: Optional[str]) -> list[str]:
+def _libraries(library: str | None) -> list[str]:
     if library is not None:
         names = [library] if isinstance(library, str) else list(library)
         bad = [n for n in names if n not in ("torch", "cupy")]
@@ -361,7 +385,7 @@ def _set_device(library: str, index: int) -> None:
         cupy.cuda.Device(index).use()
 
 
-def bind_device(comm: Optional[MPI.Comm] = None, *, library: Optional[str] = None) -> int:
+def bind_device(comm: MPI.Comm | None = None, *, library: str | None = None) -> int:
     """Make GPU ``local_rank % gpus_on_node`` this rank's current device.
 
     The local rank comes from ``comm.Split_type(COMM_TYPE_SHARED)``, so it is
@@ -416,6 +440,6 @@ def bind_device(comm: Optional[MPI.Comm] = None, *, library: Optional[str] = Non
     return _BOUND
 
 
-def bound_device() -> Optional[int]:
+def bound_device() -> int | None:
     """The GPU index :func:`bind_device` bound this process to, or None if it was never called."""
     return _BOUND

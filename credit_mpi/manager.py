@@ -19,7 +19,6 @@ so the library can live inside an existing MPI code.
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from mpi4py import MPI
 
@@ -35,7 +34,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 logger.addHandler(logging.NullHandler())
 
-_MANAGER: Optional["DomainParallelManager"] = None
+_MANAGER: DomainParallelManager | None = None
 
 
 class DomainParallelManager:
@@ -61,11 +60,11 @@ class DomainParallelManager:
 
     def __init__(
         self,
-        world_size: Optional[int],
+        world_size: int | None,
         domain_parallel_size: int,
         shard_dim: int = -2,
         *,
-        comm: Optional[MPI.Comm] = None,
+        comm: MPI.Comm | None = None,
     ) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
@@ -108,8 +107,8 @@ class DomainParallelManager:
         self._domain_group_idx = rank // self.domain_parallel_size
         self._domain_rank = rank % self.domain_parallel_size
         self._dp_rank = self._domain_group_idx
-        self._domain_group: Optional[MPI.Intracomm] = None
-        self._dp_group: Optional[MPI.Intracomm] = None
+        self._domain_group: MPI.Intracomm | None = None
+        self._dp_group: MPI.Intracomm | None = None
         # torch.distributed groups mirroring the two communicators; set by
         # credit_mpi.init_torch_distributed, released by free().
         self.torch_domain_group = None
@@ -175,7 +174,7 @@ class DomainParallelManager:
         """True if this is the last rank in its domain group (south edge)."""
         return self._domain_rank == self.domain_parallel_size - 1
 
-    def neighbor_ranks(self) -> tuple[Optional[int], Optional[int]]:
+    def neighbor_ranks(self) -> tuple[int | None, int | None]:
         """Returns (prev_rank, next_rank) ranks of the parent communicator for halo exchange.
 
         Returns None for non-existent neighbors at edges.
@@ -204,7 +203,7 @@ class DomainParallelManager:
         """Which domain group (0 to data_parallel_size-1) this rank belongs to."""
         return self._domain_group_idx
 
-    def domain_neighbor_ranks(self) -> tuple[Optional[int], Optional[int]]:
+    def domain_neighbor_ranks(self) -> tuple[int | None, int | None]:
         """(prev, next) ranks *inside* ``domain_group``; None at the edges."""
         prev = self._domain_rank - 1 if self._domain_rank > 0 else None
         nxt = self._domain_rank + 1 if self._domain_rank < self.domain_parallel_size - 1 else None
@@ -244,7 +243,7 @@ class DomainParallelManager:
         if _MANAGER is self:
             _MANAGER = None
 
-    def __enter__(self) -> "DomainParallelManager":
+    def __enter__(self) -> DomainParallelManager:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -257,7 +256,7 @@ class DomainParallelManager:
             f"domain_parallel_size={self.domain_parallel_size}, shard_dim={self.shard_dim}; {state})"
         )
 
-    def _live(self, comm: Optional[MPI.Intracomm]) -> MPI.Intracomm:
+    def _live(self, comm: MPI.Intracomm | None) -> MPI.Intracomm:
         if comm is None:
             raise DomainParallelError(
                 "this DomainParallelManager has been freed; create a new one "
@@ -267,11 +266,11 @@ class DomainParallelManager:
 
 
 def initialize_domain_parallel(
-    world_size: Optional[int],
+    world_size: int | None,
     domain_parallel_size: int,
     shard_dim: int = -2,
     *,
-    comm: Optional[MPI.Comm] = None,
+    comm: MPI.Comm | None = None,
 ) -> DomainParallelManager:
     """Initialize the global DomainParallelManager singleton.
 
@@ -295,7 +294,7 @@ def initialize_domain_parallel(
     return manager
 
 
-def get_domain_parallel_manager() -> Optional[DomainParallelManager]:
+def get_domain_parallel_manager() -> DomainParallelManager | None:
     """Get the global DomainParallelManager singleton.
 
     Returns:

@@ -27,7 +27,8 @@ input (device arrays move as :mod:`credit_mpi.buffers` describes).
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -43,7 +44,7 @@ __all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
 def shard_tensor(
     x: Any,
     dim: int = -2,
-    manager: Optional[DomainParallelManager] = None,
+    manager: DomainParallelManager | None = None,
     *,
     uneven: bool = False,
     check: bool = True,
@@ -92,7 +93,7 @@ def shard_tensor(
 def gather_tensor(
     x: Any,
     dim: int = -2,
-    manager: Optional[DomainParallelManager] = None,
+    manager: DomainParallelManager | None = None,
     *,
     check: bool = True,
     out: Any = None,
@@ -188,7 +189,9 @@ def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: lis
 
     * large slices (or a single one): a plain ``Iallgather(v)`` per slice
       lands every band straight in its place, at the speed of the raw call,
-      with no extra memory;
+      with no extra memory (blocking ``Allgather(v)`` calls when the buffers
+      are device memory: CUDA-aware Open MPI does not take device pointers
+      in non-blocking collectives);
     * small slices: groups of slices (at most :data:`PACK_BYTES`) are
       all-gathered rank-major into a scratch buffer with one contiguous
       ``Allgatherv``, then each rank's part is copied into place. Extra
@@ -201,20 +204,24 @@ def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: lis
     rank, total = comm.Get_rank(), sum(sizes)
     mine, even = sizes[rank], len(set(sizes)) == 1
     slice_bytes = total * row_bytes
+    on_device = buffers.in_device_memory(recv)  # a CUDA-aware MPI gets device pointers
     if outer == 1 or slice_bytes >= SLICE_BYTES:
         row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
         try:
             counts = mine if even else (sizes, band_offsets(sizes))
-            gather = comm.Iallgather if even else comm.Iallgatherv
             send_slice = mine * row_bytes
-            requests = [
-                gather(
-                    [send[p * send_slice : (p + 1) * send_slice], mine, row],
-                    [recv[p * slice_bytes : (p + 1) * slice_bytes], counts, row],
-                )
+            slices = [
+                ([send[p * send_slice : (p + 1) * send_slice], mine, row], [recv[p * slice_bytes : (p + 1) * slice_bytes], counts, row])
                 for p in range(outer)
             ]
-            MPI.Request.Waitall(requests)
+            if on_device:
+                # CUDA-aware Open MPI takes device pointers in blocking collectives only.
+                gather = comm.Allgather if even else comm.Allgatherv
+                for args in slices:
+                    gather(*args)
+            else:
+                gather = comm.Iallgather if even else comm.Iallgatherv
+                MPI.Request.Waitall([gather(*args) for args in slices])
         finally:
             row.Free()
         return
@@ -226,12 +233,14 @@ def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: lis
         counts = [k * size * row_bytes for size in sizes]
         displs = [k * offset * row_bytes for offset in offsets]
         mine_bytes = k * mine * row_bytes
+        if first and on_device:
+            buffers.sync_stream(scratch)  # the copies out of the last group have read scratch
         comm.Allgatherv(
             [send[first * mine * row_bytes : first * mine * row_bytes + mine_bytes], mine_bytes, MPI.BYTE],
             [scratch, (counts, displs), MPI.BYTE],
         )
         target = recv[first * slice_bytes : (first + k) * slice_bytes].reshape(k, slice_bytes)
-        for size, offset, displ, count in zip(sizes, offsets, displs, counts):
+        for size, offset, displ, count in zip(sizes, offsets, displs, counts, strict=True):
             if count:
                 target[:, offset * row_bytes : (offset + size) * row_bytes] = scratch[displ : displ + count].reshape(k, size * row_bytes)
 
@@ -240,7 +249,7 @@ def shard_batch(
     batch: Mapping[str, Any],
     spatial_dims_5d: int = -2,
     spatial_dims_4d: int = -2,
-    manager: Optional[DomainParallelManager] = None,
+    manager: DomainParallelManager | None = None,
     *,
     uneven: bool = False,
     check: bool = True,
@@ -300,7 +309,7 @@ def shard_batch(
 def scatter_tensor(
     x: Any,
     dim: int = -2,
-    manager: Optional[DomainParallelManager] = None,
+    manager: DomainParallelManager | None = None,
     *,
     root: int = 0,
     uneven: bool = False,
@@ -359,10 +368,10 @@ def scatter_tensor(
     return out
 
 
-def _resolve(manager: Optional[DomainParallelManager]) -> Optional[DomainParallelManager]:
+def _resolve(manager: DomainParallelManager | None) -> DomainParallelManager | None:
     manager = get_domain_parallel_manager() if manager is None else manager
     if manager is not None and manager.freed:
-        manager.domain_group  # raises DomainParallelError, also when the domain size is 1
+        _ = manager.domain_group  # raises DomainParallelError, also when the domain size is 1
     return manager
 
 
@@ -399,7 +408,7 @@ def _copy_into(out: Any, x: Any, dim: int) -> Any:
     return out
 
 
-def _out_plan(out: Any) -> Optional[tuple]:
+def _out_plan(out: Any) -> tuple | None:
     """What every rank tells the others about its ``out``: (description, contiguous) or None."""
     return None if out is None else (buffers.describe(out), buffers.is_contiguous(out))
 

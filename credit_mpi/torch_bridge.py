@@ -31,8 +31,9 @@ import math
 import os
 import socket
 import weakref
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,17 +52,17 @@ logger.addHandler(logging.NullHandler())
 
 # Managers bridged by this module, and whether this module created torch's
 # default group (then it destroys it when the last bridge goes).
-_BRIDGED: "weakref.WeakSet[DomainParallelManager]" = weakref.WeakSet()
+_BRIDGED: weakref.WeakSet[DomainParallelManager] = weakref.WeakSet()
 _OWNS_DEFAULT_GROUP = False
 
 _UP, _DOWN = 17, 18  # point-to-point tags, as in credit_mpi.halo
 
 
 def init_torch_distributed(
-    manager: Optional[DomainParallelManager] = None,
-    backend: Optional[str] = None,
+    manager: DomainParallelManager | None = None,
+    backend: str | None = None,
     *,
-    timeout: Union[timedelta, float, None] = None,
+    timeout: timedelta | float | None = None,
 ) -> DomainParallelManager:
     """Initialise torch.distributed from the MPI job and mirror the manager's groups.
 
@@ -160,7 +161,7 @@ def init_torch_distributed(
     return manager
 
 
-def destroy_torch_distributed(manager: Optional[DomainParallelManager] = None) -> None:
+def destroy_torch_distributed(manager: DomainParallelManager | None = None) -> None:
     """Destroy the torch groups that :func:`init_torch_distributed` made for ``manager``.
 
     Collective over the manager's parent communicator. Removes
@@ -267,7 +268,7 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: 
 
     on_device = target if target.device == device else torch.empty_like(target, device=device)
     placed = on_device.view(outer, total, row)
-    for r, (first, rows) in enumerate(zip(band_offsets(list(sizes)), sizes)):
+    for r, (first, rows) in enumerate(zip(band_offsets(list(sizes)), sizes, strict=True)):
         band = staging[:, r, : outer * rows * row // slices]  # (slices, outer/slices * rows * row)
         placed[:, first : first + rows].copy_(band.reshape(outer, rows, row))
     if on_device is not target:
@@ -324,7 +325,7 @@ def exchange_halo_rows(out: Any, plan: Any) -> None:
 # -- internals ---------------------------------------------------------------
 
 
-def _timeout(timeout: Union[timedelta, float, None]) -> timedelta:
+def _timeout(timeout: timedelta | float | None) -> timedelta:
     if timeout is None:
         from torch.distributed.constants import default_pg_timeout
 
@@ -340,7 +341,7 @@ def _timeout(timeout: Union[timedelta, float, None]) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _choose_backend(backend: Optional[str], initialised: bool) -> Optional[str]:
+def _choose_backend(backend: str | None, initialised: bool) -> str | None:
     """The backend for the new groups; ``None`` keeps an existing default group's backend."""
     if backend is None:
         if initialised:
@@ -371,7 +372,7 @@ def _available(name: str) -> bool:
         return False
 
 
-def _is_nccl(backend: Optional[str]) -> bool:
+def _is_nccl(backend: str | None) -> bool:
     return backend is not None and "nccl" in str(backend).lower()
 
 
@@ -420,7 +421,7 @@ def _init_default_group(comm: MPI.Comm, backend: str, timeout: timedelta) -> Non
     hosts = comm.allgather(MPI.Get_processor_name())
     store = None
 
-    def host_store() -> Optional[tuple[str, int]]:
+    def host_store() -> tuple[str, int] | None:
         nonlocal store
         if rank != 0:
             return None
@@ -445,7 +446,7 @@ def _init_default_group(comm: MPI.Comm, backend: str, timeout: timedelta) -> Non
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
 
 
-def _new_groups(layout: list[list[int]], rank: int, backend: Optional[str], timeout: timedelta, what: str) -> Any:
+def _new_groups(layout: list[list[int]], rank: int, backend: str | None, timeout: timedelta, what: str) -> Any:
     """Create every group of ``layout`` in order (collective); return the one holding ``rank``."""
     mine = None
     for ranks in layout:

@@ -10,7 +10,8 @@ raises the same exception, naming the ranks that failed.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from mpi4py import MPI
 
@@ -61,7 +62,7 @@ def allgather_or_raise(comm: MPI.Comm, compute: Callable[[], Any]) -> list[Any]:
     return [value for _, value in items]
 
 
-def check_int(name: str, value: Any, *, minimum: Optional[int] = None) -> int:
+def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
     """``value`` as an int (``bool`` refused), at least ``minimum``; else a ValueError naming both."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -95,7 +96,7 @@ def check_bands_fit(what: str, bands: Sequence[tuple], labels: Sequence[str], co
         return
     detail = "; ".join(
         f"rank {r}: {info.kind} {info.dtype} {info.shape} on {info.device}"
-        + "".join(f", {label} {value!r}" for label, value in zip(labels, args))
+        + "".join(f", {label} {value!r}" for label, value in zip(labels, args, strict=True))
         for r, (info, *args) in enumerate(bands)
     )
     if not kinds_ok:

@@ -8,7 +8,11 @@ ends promptly with a non-zero status instead of hanging until the timeout.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,3 +78,29 @@ def make_manager():
 def domain_sizes(world_size: int) -> list[int]:
     """Every domain size that divides the world size."""
     return [d for d in range(1, world_size + 1) if world_size % d == 0]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What a launcher puts in a rank's environment (MPICH's hydra, Open MPI's
+# prte, Slurm's PMI): a child process that keeps it would try to join the job.
+_LAUNCHER_VARS = re.compile(r"^(PMI_|PMIX_|HYDI_|HYDRA_|MPI_LOCAL|OMPI_COMM_WORLD|OMPI_MCA_orte|OMPI_MCA_ess|PRTE_)")
+
+
+def child_env(**extra: str) -> dict:
+    """The environment for a fresh Python process started from a test, also from inside an MPI job.
+
+    The launcher's variables are dropped (the child is a singleton MPI
+    process, not a rank of this job), and the repository is on PYTHONPATH.
+    """
+    env = {k: v for k, v in os.environ.items() if not _LAUNCHER_VARS.match(k)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def run_python(code: str, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``python -c code`` in a fresh process (see :func:`child_env`); raises if it fails."""
+    kwargs.setdefault("env", child_env())
+    kwargs.setdefault("timeout", 120)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, **kwargs)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from .halo_reference import band, free_comms, pad_torch, prefix_comms
 
 import credit_mpi
 from credit_mpi import gather_tensor, halo_exchange, shard_tensor
+
+from .halo_reference import band, free_comms, pad_torch, prefix_comms
 
 torch = pytest.importorskip("torch")
 

@@ -7,8 +7,6 @@ The same code paths on real GPUs are in tests/test_gpu.py (marker ``gpu``).
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import warnings
 
@@ -18,6 +16,8 @@ from mpi4py import MPI
 
 import credit_mpi
 from credit_mpi import buffers, gpu
+
+from .conftest import run_python
 
 torch = pytest.importorskip("torch")
 
@@ -67,11 +67,9 @@ def _copy_through_mpi(x, out, comm):
 
 
 def test_import_does_not_import_torch_or_cupy():
+    """``import credit_mpi`` (sharding, halo, grad_sync, gpu, buffers) loads neither torch nor CuPy."""
     code = "import sys, credit_mpi, credit_mpi.gpu, credit_mpi.buffers; print(sorted({'torch', 'cupy'} & set(sys.modules)))"
-    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+    assert run_python(code).stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -391,12 +389,12 @@ def test_reduce_gradients_through_the_adapter(dtype, simulate, transport, make_m
         dp = manager.data_parallel_size
         params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in [(3, 2), (5,), (1,)]]
         bases = [torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape) / 4 for p in params]
-        for p, base in zip(params, bases):
+        for p, base in zip(params, bases, strict=True):
             p.grad = ((manager.rank + 1) * base).to(dtype)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             credit_mpi.reduce_gradients(params, manager)
-        for p, base in zip(params, bases):
+        for p, base in zip(params, bases, strict=True):
             assert p.grad.dtype == dtype
             assert torch.equal(p.grad, (base * world * (world + 1) / 2 / dp).to(dtype)), (d, p.grad)
     if world > 1:

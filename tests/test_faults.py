@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from .conftest import ROOT, child_env
+
 JOB = ROOT / "tests" / "fault_job.py"
 RANKS = 3
 # Generous for a loaded 2-core CI machine; a job that aborts takes 1-3 s.
@@ -35,9 +36,7 @@ def launcher() -> list[str]:
 
 
 def run_job(mode: str, *args: str, ranks: int = RANKS) -> tuple[int, str, float]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env["MPIEXEC_TIMEOUT"] = str(BOUND_S)  # MPICH's hydra ends the job itself too
+    env = child_env(MPIEXEC_TIMEOUT=str(BOUND_S))  # MPICH's hydra ends the job itself too
     cmd = [*launcher(), "-n", str(ranks), sys.executable, str(JOB), mode, *args]
     start = time.monotonic()
     proc = subprocess.Popen(

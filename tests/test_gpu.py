@@ -42,13 +42,13 @@ def fresh(world):
 
 
 
-def _signals(override=None, value=None, kinds=None, env=None):
+def _signals(override=None, value=None, kinds=None, env=None, mpi="Some MPI 1.0"):
     return {
         "override": override,
         "library": {"value": value, "symbol": None if value is None else "MPIX_Query_cuda_support", "library": "libmpi.so"},
         "memory_alloc_kinds": kinds,
         "env": env or {},
-        "mpi": "Some MPI 1.0",
+        "mpi": mpi,
     }
 
 
@@ -100,8 +100,17 @@ def test_bad_override_is_a_clear_error(monkeypatch, self_comm):
         (_signals(value=0), False, "returned 0"),
         (_signals(value=1, env={"MPICH_GPU_SUPPORT_ENABLED": "0"}), False, "MPICH_GPU_SUPPORT_ENABLED=0"),
         (_signals(value=1, env={"MPIR_CVAR_ENABLE_GPU": "0"}), False, "MPIR_CVAR_ENABLE_GPU=0"),
-        (_signals(value=None, kinds="mpi,system,cuda:device"), True, "names a cuda kind"),
-        (_signals(value=0, kinds="mpi,system"), False, "names no cuda kind"),
+        (_signals(value=None, kinds="mpi,system,cuda:device"), True, "names cuda device memory"),
+        (_signals(value=None, kinds="mpi,system,cuda"), True, "names cuda device memory"),
+        (_signals(value=None, kinds="mpi, cuda:managed:device"), True, "names cuda device memory"),
+        (_signals(value=None, kinds="mpi,system,cuda:host"), False, "names no cuda device memory"),
+        (_signals(value=0, kinds="mpi,system"), False, "names no cuda device memory"),
+        (_signals(value=1, mpi="MPI VERSION : CRAY MPICH version 8.1.29"), False, "only with MPICH_GPU_SUPPORT_ENABLED=1 (it is unset)"),
+        (
+            _signals(value=1, mpi="MPI VERSION : CRAY MPICH version 8.1.29", env={"MPICH_GPU_SUPPORT_ENABLED": "1"}),
+            True,
+            "reports CUDA support",
+        ),
         (_signals(value=None, env={"MPICH_GPU_SUPPORT_ENABLED": "1"}), True, "Cray MPICH's GPU support on"),
         (_signals(value=0, env={"MPICH_GPU_SUPPORT_ENABLED": "1"}), False, "returned 0"),
         (_signals(value=None), False, "exports neither"),

@@ -119,7 +119,7 @@ def test_free_and_context_manager(world):
         assert not m.freed and m.domain_group.Get_size() == world.Get_size()
     assert m.freed
     with pytest.raises(credit_mpi.DomainParallelError, match="has been freed"):
-        m.domain_group
+        _ = m.domain_group
     with pytest.raises(credit_mpi.DomainParallelError, match="has been freed"):
         credit_mpi.gather_tensor(__import__("numpy").zeros((2, 2)), manager=m) if world.Get_size() > 1 else m.data_parallel_group
     m.free()  # a second free is a no-op

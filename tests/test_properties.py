@@ -18,7 +18,6 @@ import os
 
 import numpy as np
 import pytest
-
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI

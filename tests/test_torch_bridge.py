@@ -7,9 +7,6 @@ a GPU. Every test leaves torch.distributed uninitialised.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from datetime import timedelta
 
 import numpy as np
@@ -19,14 +16,14 @@ from mpi4py import MPI
 import credit_mpi
 from credit_mpi import DomainParallelError, gather_tensor, shard_batch, shard_tensor
 
-from .conftest import domain_sizes
+from .conftest import domain_sizes, run_python
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from credit_mpi import torch_bridge
+from credit_mpi import torch_bridge  # noqa: E402 (after the skips: needs torch.distributed)
 
 TIMEOUT = timedelta(seconds=60)
 
@@ -68,8 +65,7 @@ def test_import_does_not_import_torch():
         "assert f is credit_mpi.torch_bridge.init_torch_distributed; "
         "from credit_mpi import *"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    run_python(code)
 
 
 def test_bad_transport_is_a_value_error():

@@ -13,10 +13,11 @@ import copy
 
 import numpy as np
 import pytest
-from .halo_reference import free_comms, pad_torch, prefix_comms
 
 import credit_mpi
 from credit_mpi import gather_tensor, reduce_gradients, shard_tensor
+
+from .halo_reference import free_comms, pad_torch, prefix_comms
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -94,7 +95,7 @@ def test_conv_net_matches_single_process(boundary, gathered_loss, make_manager):
             reduce_gradients(net.parameters(), net.manager)
             torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(xgrad, ref_xgrad, rtol=1e-12, atol=1e-12)
-            for (name, p), ref in zip(net.named_parameters(), ref_grads):
+            for (name, p), ref in zip(net.named_parameters(), ref_grads, strict=True):
                 torch.testing.assert_close(p.grad, ref, rtol=1e-12, atol=1e-12, msg=f"{name} on {d} ranks")
     finally:
         free_comms(comms)
@@ -118,7 +119,7 @@ def test_domain_and_data_parallel_gradients(make_manager):
         i = manager.dp_rank
         _distributed(net, manager, samples[i : i + 1], targets[i : i + 1], gathered_loss=False)
         reduce_gradients(net.parameters(), manager)
-        for p, ref in zip(net.parameters(), ref_grads):
+        for p, ref in zip(net.parameters(), ref_grads, strict=True):
             torch.testing.assert_close(p.grad, ref, rtol=1e-12, atol=1e-12)
 
 
