@@ -28,12 +28,13 @@ Semantics follow torch DTensor's redistribution between ``Replicate()`` and
 from __future__ import annotations
 
 import torch
+from mpi4py import MPI
 
 from . import halo as _halo
 from . import sharding
 from .manager import DomainParallelManager
 from .partition import normalize_dim
-from .validation import check_transport
+from .validation import DomainParallelError, check_transport
 
 __all__ = [
     "HaloExchange",
@@ -41,6 +42,34 @@ __all__ = [
     "halo_exchange_autograd",
     "shard_tensor_autograd",
 ]
+
+
+_THREAD_LEVELS = {
+    MPI.THREAD_SINGLE: "THREAD_SINGLE",
+    MPI.THREAD_FUNNELED: "THREAD_FUNNELED",
+    MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED",
+    MPI.THREAD_MULTIPLE: "THREAD_MULTIPLE",
+}
+
+
+def check_backward_thread() -> None:
+    """Raise unless this thread may call MPI.
+
+    torch runs the backward of CUDA tensors on its own worker thread per
+    device, not on the thread that called ``backward()``; MPI allows that
+    from THREAD_SERIALIZED up (mpi4py asks for THREAD_MULTIPLE unless
+    ``mpi4py.rc.thread_level`` says otherwise). Checked before each backward
+    collective, so the error is a clear one instead of undefined behaviour.
+    """
+    level = MPI.Query_thread()
+    if level >= MPI.THREAD_SERIALIZED or MPI.Is_thread_main():
+        return
+    raise DomainParallelError(
+        f"a credit_mpi backward pass runs on a thread other than MPI's main thread (torch's autograd "
+        f"worker thread for CUDA tensors), but MPI was initialised with {_THREAD_LEVELS.get(level, level)}; "
+        f"it needs THREAD_SERIALIZED or THREAD_MULTIPLE (set mpi4py.rc.thread_level = 'multiple', "
+        f"mpi4py's default, before importing mpi4py.MPI)"
+    )
 
 
 class _ShardTensor(torch.autograd.Function):
@@ -52,6 +81,7 @@ class _ShardTensor(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # Replicate <- Shard: every rank gets the gradient of the whole input.
+        check_backward_thread()
         return sharding.gather_tensor(grad.contiguous(), ctx.dim, ctx.manager, check=False), None, None, None, None
 
 
@@ -80,6 +110,7 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        check_backward_thread()
         return _halo._adjoint(grad, ctx.plan), None
 
 

@@ -85,8 +85,8 @@ def init_torch_distributed(
         manager: The manager to mirror (default: the global singleton from
             :func:`~credit_mpi.initialize_domain_parallel`).
         backend: torch.distributed backend, e.g. ``"nccl"`` or ``"gloo"``.
-            ``None``: ``"nccl"`` when CUDA is available on every rank, else
-            ``"gloo"`` (when torch.distributed is already initialised,
+            ``None``: ``"nccl"`` when CUDA is available on every rank and
+            no node has more ranks than GPUs, else ``"gloo"`` (when torch.distributed is already initialised,
             ``None`` keeps the default group's backend for the new groups).
             With NCCL each rank first binds the CUDA device of its local rank
             (its rank among the ranks on its node, modulo the device count).
@@ -99,7 +99,8 @@ def init_torch_distributed(
 
     Raises:
         ValueError: no manager; the backend is unknown or not available in
-            this build of torch; the manager was already bridged (every rank).
+            this build of torch; NCCL asked for where ranks share a GPU; the
+            manager was already bridged (every rank).
         DomainParallelError: torch.distributed is initialised with a world
             size or rank order that differs from ``manager.comm`` (every rank).
     """
@@ -116,6 +117,7 @@ def init_torch_distributed(
     comm = manager.comm
     _ = manager.domain_group  # raises DomainParallelError if the manager was freed
     timeout = _timeout(timeout)
+    gpus_shared = _ranks_per_gpu_over_one(comm)  # collective: before anything may raise
 
     def check() -> tuple:
         if manager in _BRIDGED or getattr(manager, "torch_domain_group", None) is not None:
@@ -126,12 +128,14 @@ def init_torch_distributed(
         if not dist.is_available():
             raise ValueError("this build of torch has no torch.distributed (torch.distributed.is_available() is False)")
         initialised = dist.is_initialized()
-        chosen = _choose_backend(backend, initialised)
+        chosen = _choose_backend(backend, initialised, gpus_shared)
         torch_rank = dist.get_rank() if initialised else None
         torch_size = dist.get_world_size() if initialised else None
         return initialised, chosen, torch_rank, torch_size
 
     states = allgather_or_raise(comm, check)
+    if backend is None and {s[1] for s in states} == {"nccl", "gloo"}:
+        states = [(s[0], "gloo", *s[2:]) for s in states]  # the automatic choice: NCCL only if every rank can
     _check_agreement(comm, states)
     initialised, chosen, _, _ = states[comm.Get_rank()]
 
@@ -341,12 +345,28 @@ def _timeout(timeout: timedelta | float | None) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _choose_backend(backend: str | None, initialised: bool) -> str | None:
-    """The backend for the new groups; ``None`` keeps an existing default group's backend."""
+def _ranks_per_gpu_over_one(comm: MPI.Comm) -> str | None:
+    """Why NCCL cannot run here (more ranks on this node than GPUs), or None. Collective over ``comm``."""
+    from . import gpu
+
+    _, local_size = gpu.local_rank(comm)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count and local_size > count:
+        return f"{local_size} ranks on this node share {count} GPU(s), and NCCL needs one GPU per rank"
+    return None
+
+
+def _choose_backend(backend: str | None, initialised: bool, gpus_shared: str | None = None) -> str | None:
+    """The backend for the new groups; ``None`` keeps an existing default group's backend.
+
+    ``gpus_shared`` (why ranks share a GPU on this node, or None) rules NCCL
+    out: the default becomes gloo, and an explicit NCCL is an error.
+    """
     if backend is None:
         if initialised:
             return None
-        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+        nccl = torch.cuda.is_available() and dist.is_nccl_available() and gpus_shared is None
+        return "nccl" if nccl else "gloo"
     if not isinstance(backend, str) or not backend:
         raise ValueError(f"backend must be a torch.distributed backend name such as 'nccl' or 'gloo', got {backend!r}")
     name = backend.lower()
@@ -362,6 +382,8 @@ def _choose_backend(backend: str | None, initialised: bool) -> str | None:
         )
     if _is_nccl(name) and not torch.cuda.is_available():
         raise ValueError(f"backend {backend!r} needs CUDA, but torch.cuda.is_available() is False on this rank")
+    if _is_nccl(name) and gpus_shared is not None:
+        raise ValueError(f"backend {backend!r} cannot run here: {gpus_shared}; use backend='gloo' or one rank per GPU")
     return name
 
 

@@ -112,3 +112,34 @@ def test_halo_module_is_lazy_and_validates():
         credit_mpi.HaloExchange(-2)
     with pytest.raises(AttributeError):
         credit_mpi.NoSuchThing  # noqa: B018
+
+
+def _in_thread(fn):
+    """Run ``fn`` on another thread (as torch's autograd runs CUDA backward passes); its exception or None."""
+    import threading
+
+    caught = []
+
+    def run():
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - handed back to the test
+            caught.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return caught[0] if caught else None
+
+
+def test_backward_off_the_main_thread_needs_thread_serialized(monkeypatch):
+    from mpi4py import MPI
+
+    from credit_mpi.autograd import check_backward_thread
+
+    assert _in_thread(check_backward_thread) is None or MPI.Query_thread() < MPI.THREAD_SERIALIZED
+    monkeypatch.setattr(MPI, "Query_thread", lambda: MPI.THREAD_FUNNELED)
+    check_backward_thread()  # MPI's main thread: fine at any level
+    error = _in_thread(check_backward_thread)
+    assert isinstance(error, credit_mpi.DomainParallelError)
+    assert "THREAD_FUNNELED" in str(error) and "THREAD_SERIALIZED" in str(error)

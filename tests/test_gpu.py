@@ -289,6 +289,11 @@ def _make(library, host: np.ndarray, dtype: str):
     return cupy.asarray(host > 0 if dtype == "bool" else host.astype(dtype))
 
 
+def _fresh(x):
+    """A copy of ``x`` made by a kernel just now, same dtype (what MPI must wait for)."""
+    return x.clone() if hasattr(x, "clone") else x.copy()
+
+
 def _to_numpy(library, x):
     if library == "torch":
         torch = sys.modules["torch"]
@@ -317,7 +322,7 @@ def test_gpu_bytes_reach_mpi_through_dlpack_without_copy(library, rng):
 def test_gpu_staged_round_trip_uses_pinned_memory(library, dtype, rng, self_comm, monkeypatch):
     monkeypatch.setenv(gpu.ENV_OVERRIDE, "0")
     x = _make(library, rng.standard_normal((257, 33)).astype(np.float32), dtype)
-    x = x * 1  # produced by a kernel just now: the staging copy must wait for it
+    x = _fresh(x)  # the staging copy must wait for the kernel that made it
     out = buffers.empty(x, x.shape)
     with pytest.warns(RuntimeWarning, match="staged through host memory"):
         with buffers.send_buffer(x, self_comm) as send, buffers.recv_buffer(out, self_comm) as recv:
@@ -335,7 +340,8 @@ def test_gpu_staged_round_trip_uses_pinned_memory(library, dtype, rng, self_comm
 def test_gpu_direct_round_trip_when_cuda_aware(library, rng, self_comm):
     if not gpu.is_cuda_aware(self_comm):
         pytest.skip(f"MPI is not CUDA-aware here: {gpu.cuda_awareness_report(self_comm)['reason']}")
-    x = _make(library, rng.standard_normal((128, 5)).astype(np.float32), "float32") * 1
+    x = _make(library, rng.standard_normal((128, 5)).astype(np.float32), "float32")
+    x = _fresh(x)
     out = buffers.empty(x, x.shape)
     with buffers.send_buffer(x, self_comm) as send, buffers.recv_buffer(out, self_comm) as recv:
         self_comm.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
@@ -370,7 +376,7 @@ def test_gpu_shard_gather_scatter(library, dtype, make_manager, rng, world):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         shard = credit_mpi.shard_tensor(x, dim=-2, manager=manager, uneven=True)
-        gathered = credit_mpi.gather_tensor(shard * 1 if dtype != "bool" else shard, dim=-2, manager=manager)
+        gathered = credit_mpi.gather_tensor(_fresh(shard), dim=-2, manager=manager)
         scattered = credit_mpi.scatter_tensor(x if rank == 0 else None, dim=-2, manager=manager, uneven=True)
         batch = credit_mpi.shard_batch({"x": x, "meta": 3}, manager=manager, uneven=True)
     for result in (shard, gathered, scattered, batch["x"]):
@@ -418,7 +424,7 @@ def test_gpu_halo_exchange_matches_padded_field(library, dtype, boundary, make_m
     g = _make(library, rng.standard_normal((2, 3, 3 * n + 1, 8)).astype(np.float32), dtype)
     host = _to_numpy(library, g)
     start, stop = band(host.shape[-2], manager)
-    x = g[..., start:stop, :] * 1  # contiguous, made by a kernel just now
+    x = _fresh(g[..., start:stop, :])  # contiguous, made by a kernel just now
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         out = credit_mpi.halo_exchange(x, 2, manager=manager, boundary=boundary)
@@ -459,3 +465,40 @@ def test_gpu_halo_module_gradients_and_reduce_gradients(make_manager, rng, world
     torch.testing.assert_close(x.grad, whole.grad[..., start:stop, :], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(conv.weight.grad, ref_weight_grad, rtol=1e-10, atol=1e-12)
     assert conv.weight.grad.device == x.device
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("library", ["torch", "cupy"])
+def test_gpu_large_transfers_back_to_back(library, make_manager, rng, world):
+    """Transfers big enough to reuse buffers while copies may still be in flight.
+
+    A gather of many small slices (several packed groups through one
+    scratch buffer) and a halo exchange of wide edge blocks (two staged
+    receives back to back), both against the host result.
+    """
+    (_torch_cuda if library == "torch" else _cupy)()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        gpu.bind_device(world, library=library)
+    manager = make_manager()
+    n = manager.domain_parallel_size
+    from credit_mpi.sharding import PACK_BYTES, SLICE_BYTES
+
+    from .halo_reference import band, pad_numpy
+
+    field = rng.standard_normal((512, 8, 8 * n + 1, 32)).astype(np.float32)
+    slice_bytes = field.shape[2] * field.shape[3] * 4
+    assert slice_bytes < SLICE_BYTES and (n == 1 or 512 * 8 * slice_bytes > 2 * PACK_BYTES)  # packed, >= 3 groups
+    start, stop = band(field.shape[2], manager)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        gathered = credit_mpi.gather_tensor(_fresh(_make(library, field[:, :, start:stop], "float32")), manager=manager)
+    np.testing.assert_array_equal(_to_numpy(library, gathered), field)
+
+    wide = rng.standard_normal((16, 8, 4 * n + 3, 1024)).astype(np.float32)
+    start, stop = band(wide.shape[2], manager)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        padded = credit_mpi.halo_exchange(_make(library, wide[:, :, start:stop], "float32"), 3, manager=manager, boundary="periodic")
+    np.testing.assert_array_equal(_to_numpy(library, padded), pad_numpy(wide, 3, 2, "periodic")[:, :, start : stop + 6])

@@ -462,3 +462,29 @@ def test_halo_module_takes_a_transport():
     assert module.transport == "torch" and "transport='torch'" in repr(module)
     with pytest.raises(ValueError, match="transport must be 'mpi' or 'torch', got 'nccl'"):
         credit_mpi.HaloExchange(1, transport="nccl")
+
+
+# -- NCCL needs one GPU per rank (checked on CPU with CUDA faked) ---------------
+
+
+def _fake_cuda(monkeypatch, gpus: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    real = dist.is_backend_available
+    monkeypatch.setattr(dist, "is_backend_available", lambda name: name == "nccl" or real(name))
+
+
+def test_automatic_backend_avoids_nccl_when_ranks_share_a_gpu(monkeypatch):
+    _fake_cuda(monkeypatch, 1)
+    assert torch_bridge._choose_backend(None, False, None) == "nccl"
+    assert torch_bridge._choose_backend(None, False, "4 ranks on this node share 1 GPU(s)") == "gloo"
+    assert torch_bridge._choose_backend(None, True, "shared") is None  # keeps the user's default group
+
+
+@pytest.mark.mpi(min_size=2)
+def test_explicit_nccl_with_ranks_sharing_a_gpu_fails_everywhere(make_manager, monkeypatch):
+    _fake_cuda(monkeypatch, 1)  # every rank of this job is on one node with "one GPU"
+    with pytest.raises(ValueError, match=r"share 1 GPU\(s\), and NCCL needs one GPU per rank.*backend='gloo'"):
+        credit_mpi.init_torch_distributed(make_manager(), "nccl", timeout=TIMEOUT)
+    assert not dist.is_initialized()
