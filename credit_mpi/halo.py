@@ -39,7 +39,9 @@ the ranks that own those rows and adds them.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +51,6 @@ from . import buffers
 from .manager import DomainParallelManager, get_domain_parallel_manager
 from .partition import (
     HALO_BOUNDARIES,
-    cached_row_type,
     check_halo_width,
     halo_edge_rows,
     halo_neighbors,
@@ -59,7 +60,7 @@ from .validation import allgather_or_raise, check_bands_fit, check_int, check_tr
 
 __all__ = ["HALO_BOUNDARIES", "halo_exchange"]
 
-_UP, _DOWN = 17, 18  # message tags: rows travelling to the previous / next rank
+TAG_UP, TAG_DOWN = 17, 18  # message tags (MPI and torch): rows travelling to the previous / next rank
 
 
 def halo_exchange(
@@ -190,54 +191,56 @@ def _forward(x: Any, p: _Plan) -> Any:
     buffers.copy_rows(out, axis, w, x)
     if w == 0:
         return out
-    if p.outer * p.row_bytes and p.torch_group is not None:
-        from . import torch_bridge
-
-        torch_bridge.exchange_halo_rows(out, p)
-    elif p.outer > 1 and p.row_bytes:
-        _exchange_packed(x, out, p)
-    elif p.outer * p.row_bytes:
-        rb = p.row_bytes
-        row = cached_row_type(p.outer, rows + 2 * w, rb)
-        with buffers.recv_buffer(out, p.comm, inout=True) as buf:
-            # my first w rows go up, the next rank's first w rows land below my band
-            p.comm.Sendrecv(
-                [buf[w * rb :], w, row], _rank(p.prev), _UP,
-                [buf[(w + rows) * rb :], w, row], _rank(p.next), _UP,
-            )
-            # my last w rows go down, the previous rank's last w rows land above
-            p.comm.Sendrecv(
-                [buf[rows * rb :], w, row], _rank(p.next), _DOWN,
-                [buf, w, row], _rank(p.prev), _DOWN,
-            )
+    if p.prev is not None or p.next is not None:
+        # my first w rows go up and my last w rows go down; the neighbours' land below and above my band
+        from_next, from_prev = _swap_edges(buffers.narrow(x, axis, 0, w), buffers.narrow(x, axis, rows - w, w), p)
+        if from_prev is not None:
+            buffers.copy_rows(out, axis, 0, from_prev)
+        if from_next is not None:
+            buffers.copy_rows(out, axis, w + rows, from_next)
     for side, neighbour, at in (("before", p.prev, 0), ("after", p.next, w + rows)):
         if neighbour is None:
             _fill_edge(out, x, p, side, at)
     return out
 
 
-def _exchange_packed(x: Any, out: Any, p: _Plan) -> None:
-    """The interior exchange for ``outer > 1``: edge rows packed contiguously, then copied into place.
+def _swap_edges(up: Any, down: Any, p: _Plan) -> tuple[Any, Any]:
+    """Send ``up`` to the previous rank and ``down`` to the next; return ``(from_next, from_prev)``.
 
-    The halo rows of one band are ``outer`` separate blocks of the padded
-    array; a derived datatype could send them in place, but MPICH moves such
-    types several times slower than the contiguous bytes (measured: the
-    2 MiB band of benchmarks/bench_halo.py spent ~150 us more per exchange),
-    and packing ``2 * width`` rows per slice costs little.
+    What the next rank sent up and what the previous rank sent down, as new
+    arrays of ``up``'s kind and shape (None where there is no neighbour).
+    The halo exchange does this forward (a band's edge rows) and backward
+    (the halo rows' gradients, sent home), over MPI or, with
+    ``transport="torch"``, over the mirrored torch group. The edge rows
+    travel packed contiguously: a derived datatype could send them in place,
+    but MPICH moves such strided types several times slower than the same
+    contiguous bytes (measured: ~150 us more per exchange on the 2 MiB band
+    of benchmarks/bench_halo.py), and packing ``2 * width`` rows costs little.
     """
-    w, rows, axis, comm = p.width, p.rows, p.axis, p.comm
-    first, last = buffers.narrow(x, axis, 0, w), buffers.narrow(x, axis, rows - w, w)
-    from_next, from_prev = buffers.empty(first, first.shape), buffers.empty(first, first.shape)
-    with buffers.send_buffer(first, comm) as up, buffers.recv_buffer(from_next, comm) as below:
-        # my first w rows go up, the next rank's first w rows land below my band
-        comm.Sendrecv([up, MPI.BYTE], _rank(p.prev), _UP, [below, MPI.BYTE], _rank(p.next), _UP)
-    with buffers.send_buffer(last, comm) as down, buffers.recv_buffer(from_prev, comm) as above:
-        # my last w rows go down, the previous rank's last w rows land above
-        comm.Sendrecv([down, MPI.BYTE], _rank(p.next), _DOWN, [above, MPI.BYTE], _rank(p.prev), _DOWN)
-    if p.prev is not None:
-        buffers.copy_rows(out, axis, 0, from_prev)
-    if p.next is not None:
-        buffers.copy_rows(out, axis, w + rows, from_next)
+    if p.prev is None and p.next is None or p.outer * p.row_bytes == 0:
+        return None, None
+    if p.torch_group is not None:
+        from . import torch_bridge
+
+        return torch_bridge.swap_edges(up, down, p.prev, p.next, p.torch_group)
+    comm = p.comm
+    from_next = buffers.empty(up, up.shape) if p.next is not None else None
+    from_prev = buffers.empty(down, down.shape) if p.prev is not None else None
+    with buffers.send_buffer(up, comm) as send, _maybe_recv(from_next, comm) as recv:
+        comm.Sendrecv([send, MPI.BYTE], _rank(p.prev), TAG_UP, recv, _rank(p.next), TAG_UP)
+    with buffers.send_buffer(down, comm) as send, _maybe_recv(from_prev, comm) as recv:
+        comm.Sendrecv([send, MPI.BYTE], _rank(p.next), TAG_DOWN, recv, _rank(p.prev), TAG_DOWN)
+    return from_next, from_prev
+
+
+@contextlib.contextmanager
+def _maybe_recv(out: Any, comm: MPI.Comm) -> Iterator[Any]:
+    """``[buffer, MPI.BYTE]`` to receive into ``out``, or ``None`` (nothing arrives from ``MPI.PROC_NULL``)."""
+    if out is None:
+        yield None
+        return
+    with buffers.recv_buffer(out, comm) as recv:
+        yield [recv, MPI.BYTE]
 
 
 def _fill_edge(out: Any, x: Any, p: _Plan, side: str, at: int) -> None:
@@ -263,24 +266,11 @@ def _adjoint(grad: Any, p: _Plan) -> Any:
     gx = buffers.clone(buffers.narrow(grad, axis, w, rows))
     if w == 0:
         return gx
-    shape = list(p.shape)
-    shape[axis] = w
-    from_next = buffers.empty(grad, shape)
-    from_prev = buffers.empty(grad, shape)
-    if p.outer * p.row_bytes:
-        rb = p.row_bytes
-        padded, halo = cached_row_type(p.outer, rows + 2 * w, rb), cached_row_type(p.outer, w, rb)
-        with buffers.send_buffer(grad, p.comm) as g:
-            with buffers.recv_buffer(from_next, p.comm) as r:
-                p.comm.Sendrecv([g, w, padded], _rank(p.prev), _UP, [r, w, halo], _rank(p.next), _UP)
-            with buffers.recv_buffer(from_prev, p.comm) as r:
-                p.comm.Sendrecv(
-                    [g[(w + rows) * rb :], w, padded], _rank(p.next), _DOWN,
-                    [r, w, halo], _rank(p.prev), _DOWN,
-                )
-    if p.next is not None:
+    # the halo above came from the previous rank's last rows, the halo below from the next rank's first rows
+    from_next, from_prev = _swap_edges(buffers.narrow(grad, axis, 0, w), buffers.narrow(grad, axis, w + rows, w), p)
+    if from_next is not None:
         buffers.add_rows(gx, axis, rows - w, from_next)
-    if p.prev is not None:
+    if from_prev is not None:
         buffers.add_rows(gx, axis, 0, from_prev)
     if p.boundary in ("reflect", "earth"):
         for side, neighbour, at in (("before", p.prev, 0), ("after", p.next, w + rows)):

@@ -190,25 +190,3 @@ def halo_edge_rows(boundary: str, rows: int, width: int, side: str) -> int | Non
     if boundary == "earth":
         return 0 if side == "before" else rows - width
     return None
-
-
-_ROW_TYPES: dict[tuple[int, int, int], MPI.Datatype] = {}
-_ROW_TYPES_MAX = 64
-
-
-def cached_row_type(outer: int, rows: int, row_bytes: int) -> MPI.Datatype:
-    """The committed type of one row of every outer slice of a ``(outer, rows, row_bytes)`` array.
-
-    Like a half of :func:`row_datatypes`, but kept in a small cache (halo
-    exchanges repeat the same shapes every step, and building and committing
-    a type costs tens of microseconds). The caller must NOT free it.
-    """
-    key = (outer, rows, row_bytes)
-    dtype = _ROW_TYPES.get(key)
-    if dtype is None:
-        if len(_ROW_TYPES) >= _ROW_TYPES_MAX:
-            old = _ROW_TYPES.pop(next(iter(_ROW_TYPES)))
-            if not MPI.Is_finalized():
-                old.Free()
-        dtype = _ROW_TYPES[key] = _row_type(outer, rows, row_bytes)
-    return dtype

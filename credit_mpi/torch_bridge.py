@@ -40,6 +40,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from . import buffers
+from .halo import TAG_DOWN, TAG_UP
 from .manager import DomainParallelManager, get_domain_parallel_manager
 from .partition import band_offsets
 from .sharding import SLICE_BYTES
@@ -55,7 +56,6 @@ logger.addHandler(logging.NullHandler())
 _BRIDGED: weakref.WeakSet[DomainParallelManager] = weakref.WeakSet()
 _OWNS_DEFAULT_GROUP = False
 
-_UP, _DOWN = 17, 18  # point-to-point tags, as in credit_mpi.halo
 
 
 def init_torch_distributed(
@@ -280,50 +280,51 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: 
     return out
 
 
-def exchange_halo_rows(out: Any, plan: Any) -> None:
-    """Fill the halo rows of ``out`` from the neighbours over the torch domain group.
+def swap_edges(up: Any, down: Any, prev: int | None, nxt: int | None, group: Any) -> tuple[Any, Any]:
+    """Send ``up`` to domain rank ``prev`` and ``down`` to ``nxt`` over the torch group ``group``.
 
-    The torch counterpart of the two ``Sendrecv`` calls in
-    :func:`credit_mpi.halo_exchange` (``plan`` is its plan, with
-    ``plan.torch_group`` set): ``out`` is this rank's padded band with the
-    band already in place; the first ``width`` band rows go to the previous
-    rank and the next rank's land below the band, then the last ``width``
-    band rows go to the next rank and the previous rank's land above. The
-    operations are issued in that order on every rank (NCCL matches
-    point-to-point messages between two ranks in issue order, not by tag).
-    Outer edges (no neighbour) are left to the caller.
+    The torch counterpart of the two ``Sendrecv`` calls of
+    :func:`credit_mpi.halo_exchange` (forward and backward). Returns
+    ``(from_next, from_prev)``: what ``nxt`` sent up and what ``prev`` sent
+    down, as new arrays of ``up``'s kind and shape (None without that
+    neighbour). The operations are issued in the same order on every rank
+    (NCCL matches point-to-point messages between two ranks in issue order,
+    not by tag). Data not on the group's device (CPU tensors with NCCL) is
+    copied there and back.
     """
-    group = plan.torch_group
     device = _group_device(group)
-    w, rows, outer, row = plan.width, plan.rows, plan.outer, plan.row_bytes
-    target = buffers.as_torch_bytes(out)
-    on_device = target if target.device == device else target.to(device)
-    padded = on_device.view(outer, rows + 2 * w, row)
     ops, landing = [], []
 
-    def recv(peer: int, tag: int, at: int) -> None:
-        buf = torch.empty((outer, w, row), dtype=torch.uint8, device=device)
+    def on_device(x: Any) -> Any:
+        data = buffers.as_torch_bytes(buffers.contiguous(x))
+        return data if data.device == device else data.to(device)
+
+    def send(x: Any, peer: int, tag: int) -> None:
+        ops.append(dist.P2POp(dist.isend, on_device(x), dist.get_global_rank(group, peer), group, tag))
+
+    def recv(like: Any, peer: int, tag: int) -> Any:
+        result = buffers.empty(like, like.shape)
+        target = buffers.as_torch_bytes(result)
+        buf = target if target.device == device else torch.empty_like(target, device=device)
         ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, peer), group, tag))
-        landing.append((buf, at))
+        landing.append((buf, target))
+        return result
 
-    def send(peer: int, tag: int, first: int) -> None:
-        buf = padded[:, first : first + w].contiguous()
-        ops.append(dist.P2POp(dist.isend, buf, dist.get_global_rank(group, peer), group, tag))
-
-    if plan.prev is not None:
-        send(plan.prev, _UP, w)
-    if plan.next is not None:
-        recv(plan.next, _UP, w + rows)
-        send(plan.next, _DOWN, rows)
-    if plan.prev is not None:
-        recv(plan.prev, _DOWN, 0)
+    from_next = from_prev = None
+    if prev is not None:
+        send(up, prev, TAG_UP)
+    if nxt is not None:
+        from_next = recv(up, nxt, TAG_UP)
+        send(down, nxt, TAG_DOWN)
+    if prev is not None:
+        from_prev = recv(down, prev, TAG_DOWN)
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    for buf, at in landing:
-        padded[:, at : at + w].copy_(buf)
-    if on_device is not target:
-        target.copy_(on_device)
+    for buf, target in landing:
+        if buf is not target:
+            target.copy_(buf)
+    return from_next, from_prev
 
 
 # -- internals ---------------------------------------------------------------

@@ -265,7 +265,11 @@ def test_halo_torch_transport_like_mpi(make_manager, rng, boundary):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_halo_torch_transport_forward_with_grad(make_manager, rng):
+def test_halo_torch_transport_forward_with_grad(make_manager, rng, monkeypatch):
+    """Forward and backward both move rows over the torch group (the backward: halo gradients go home)."""
+    calls = []
+    real = torch_bridge.swap_edges
+    monkeypatch.setattr(torch_bridge, "swap_edges", lambda *args: calls.append(1) or real(*args))
     n = MPI.COMM_WORLD.Get_size()
     manager = credit_mpi.init_torch_distributed(make_manager(n), "gloo", timeout=TIMEOUT)
     band = shard_tensor(torch.from_numpy(rng.standard_normal((1, 2, 3 * n, 4))), -2, manager)
@@ -277,6 +281,7 @@ def test_halo_torch_transport_forward_with_grad(make_manager, rng):
     via_torch.square().sum().backward()
     via_mpi.square().sum().backward()
     assert torch.equal(x.grad, y.grad)
+    assert len(calls) == 2  # one forward, one backward
 
 
 @pytest.mark.mpi(min_size=2)
