@@ -61,12 +61,12 @@ def reduce_gradients(
         return
     grads = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
     if check:
-        signature = [(i, str(g.dtype), g.numel()) for i, g in grads]
+        signature = [(i, str(g.dtype), g.numel(), g.device.type) for i, g in grads]
         everyone = allgather_or_raise(manager.comm, lambda: signature)
         if any(s != signature for s in everyone):
             ranks = [r for r, s in enumerate(everyone) if s != everyone[0]]
             raise ValueError(
-                "reduce_gradients: ranks hold gradients for different parameters, dtypes or sizes "
+                "reduce_gradients: ranks hold gradients for different parameters, dtypes, sizes or device types "
                 f"(rank(s) {ranks} differ from rank 0); run the same model and backward pass on every rank"
             )
     groups: dict[str, list] = {}

@@ -8,9 +8,10 @@ added before and after along ``dim``:
 * between ranks, the rows come from the neighbouring bands: two
   ``Sendrecv`` calls (send up / receive from below, then send down / receive
   from above) with ``MPI.PROC_NULL`` at the outer edges, so no rank count can
-  deadlock. The rows move straight from the output buffer of one rank into
-  the output buffer of the other through an MPI derived datatype: no packing
-  copies, no concatenation;
+  deadlock. Each band's first and last ``halo_width`` rows travel packed
+  contiguously (a derived datatype could send them in place, but MPICH
+  moves strided types several times slower) and are copied into place in
+  the output: no concatenation;
 * at the two outer edges of the domain, ``boundary`` decides:
 
   ``"zero"``
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +94,8 @@ def halo_exchange(
             ``Sendrecv``; ``"torch"`` with torch.distributed point-to-point
             over ``manager.torch_domain_group`` (NCCL on GPUs; see
             :func:`credit_mpi.init_torch_distributed`). Bit-identical result.
-            The checks, and the backward pass of the differentiable exchange,
-            use MPI either way.
+            The backward pass of the differentiable exchange moves the halo
+            gradients the same way; the argument check uses MPI either way.
 
     Returns:
         A new array of ``x``'s kind, dtype and device, ``2 * halo_width``
@@ -193,7 +194,7 @@ def _forward(x: Any, p: _Plan) -> Any:
         return out
     if p.prev is not None or p.next is not None:
         # my first w rows go up and my last w rows go down; the neighbours' land below and above my band
-        from_next, from_prev = _swap_edges(buffers.narrow(x, axis, 0, w), buffers.narrow(x, axis, rows - w, w), p)
+        from_next, from_prev = _swap_edges(lambda: buffers.narrow(x, axis, 0, w), lambda: buffers.narrow(x, axis, rows - w, w), p)
         if from_prev is not None:
             buffers.copy_rows(out, axis, 0, from_prev)
         if from_next is not None:
@@ -204,11 +205,13 @@ def _forward(x: Any, p: _Plan) -> Any:
     return out
 
 
-def _swap_edges(up: Any, down: Any, p: _Plan) -> tuple[Any, Any]:
-    """Send ``up`` to the previous rank and ``down`` to the next; return ``(from_next, from_prev)``.
+def _swap_edges(up: Callable[[], Any], down: Callable[[], Any], p: _Plan) -> tuple[Any, Any]:
+    """Send ``up()`` to the previous rank and ``down()`` to the next; return ``(from_next, from_prev)``.
 
     What the next rank sent up and what the previous rank sent down, as new
-    arrays of ``up``'s kind and shape (None where there is no neighbour).
+    arrays of the edges' kind and shape (None where there is no neighbour).
+    ``up`` and ``down`` make the edge arrays (packing copies) and are called
+    only when that neighbour exists.
     The halo exchange does this forward (a band's edge rows) and backward
     (the halo rows' gradients, sent home), over MPI or, with
     ``transport="torch"``, over the mirrored torch group. The edge rows
@@ -219,28 +222,34 @@ def _swap_edges(up: Any, down: Any, p: _Plan) -> tuple[Any, Any]:
     """
     if p.prev is None and p.next is None or p.outer * p.row_bytes == 0:
         return None, None
+    up_edge = up() if p.prev is not None else None
+    down_edge = down() if p.next is not None else None
     if p.torch_group is not None:
         from . import torch_bridge
 
-        return torch_bridge.swap_edges(up, down, p.prev, p.next, p.torch_group)
+        return torch_bridge.swap_edges(up_edge, down_edge, p.prev, p.next, p.torch_group)
     comm = p.comm
-    from_next = buffers.empty(up, up.shape) if p.next is not None else None
-    from_prev = buffers.empty(down, down.shape) if p.prev is not None else None
-    with buffers.send_buffer(up, comm) as send, _maybe_recv(from_next, comm) as recv:
-        comm.Sendrecv([send, MPI.BYTE], _rank(p.prev), TAG_UP, recv, _rank(p.next), TAG_UP)
-    with buffers.send_buffer(down, comm) as send, _maybe_recv(from_prev, comm) as recv:
-        comm.Sendrecv([send, MPI.BYTE], _rank(p.next), TAG_DOWN, recv, _rank(p.prev), TAG_DOWN)
+    like = up_edge if up_edge is not None else down_edge
+    from_next = buffers.empty(like, like.shape) if p.next is not None else None
+    from_prev = buffers.empty(like, like.shape) if p.prev is not None else None
+    with _bytes(up_edge, comm, buffers.send_buffer) as send, _bytes(from_next, comm, buffers.recv_buffer) as recv:
+        comm.Sendrecv(send, _rank(p.prev), TAG_UP, recv, _rank(p.next), TAG_UP)
+    with _bytes(down_edge, comm, buffers.send_buffer) as send, _bytes(from_prev, comm, buffers.recv_buffer) as recv:
+        comm.Sendrecv(send, _rank(p.next), TAG_DOWN, recv, _rank(p.prev), TAG_DOWN)
     return from_next, from_prev
 
 
 @contextlib.contextmanager
-def _maybe_recv(out: Any, comm: MPI.Comm) -> Iterator[Any]:
-    """``[buffer, MPI.BYTE]`` to receive into ``out``, or ``None`` (nothing arrives from ``MPI.PROC_NULL``)."""
-    if out is None:
+def _bytes(x: Any, comm: MPI.Comm, buffer: Callable) -> Iterator[Any]:
+    """``[buffer, MPI.BYTE]`` for ``x`` (``buffers.send_buffer`` or ``recv_buffer``), or ``None``.
+
+    ``None`` is mpi4py's empty message: what goes to or comes from ``MPI.PROC_NULL``.
+    """
+    if x is None:
         yield None
         return
-    with buffers.recv_buffer(out, comm) as recv:
-        yield [recv, MPI.BYTE]
+    with buffer(x, comm) as data:
+        yield [data, MPI.BYTE]
 
 
 def _fill_edge(out: Any, x: Any, p: _Plan, side: str, at: int) -> None:
@@ -267,7 +276,7 @@ def _adjoint(grad: Any, p: _Plan) -> Any:
     if w == 0:
         return gx
     # the halo above came from the previous rank's last rows, the halo below from the next rank's first rows
-    from_next, from_prev = _swap_edges(buffers.narrow(grad, axis, 0, w), buffers.narrow(grad, axis, w + rows, w), p)
+    from_next, from_prev = _swap_edges(lambda: buffers.narrow(grad, axis, 0, w), lambda: buffers.narrow(grad, axis, w + rows, w), p)
     if from_next is not None:
         buffers.add_rows(gx, axis, rows - w, from_next)
     if from_prev is not None:

@@ -44,7 +44,7 @@ from .halo import TAG_DOWN, TAG_UP
 from .manager import DomainParallelManager, get_domain_parallel_manager
 from .partition import band_offsets
 from .sharding import SLICE_BYTES
-from .validation import DomainParallelError, allgather_or_raise
+from .validation import DomainParallelError, allgather_or_raise, comm_label
 
 __all__ = ["init_torch_distributed", "destroy_torch_distributed", "is_bridged"]
 
@@ -283,10 +283,12 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: 
 def swap_edges(up: Any, down: Any, prev: int | None, nxt: int | None, group: Any) -> tuple[Any, Any]:
     """Send ``up`` to domain rank ``prev`` and ``down`` to ``nxt`` over the torch group ``group``.
 
+    ``up`` is None exactly when ``prev`` is, ``down`` when ``nxt`` is.
+
     The torch counterpart of the two ``Sendrecv`` calls of
     :func:`credit_mpi.halo_exchange` (forward and backward). Returns
     ``(from_next, from_prev)``: what ``nxt`` sent up and what ``prev`` sent
-    down, as new arrays of ``up``'s kind and shape (None without that
+    down, as new arrays of the edges' kind and shape (None without that
     neighbour). The operations are issued in the same order on every rank
     (NCCL matches point-to-point messages between two ranks in issue order,
     not by tag). Data not on the group's device (CPU tensors with NCCL) is
@@ -311,13 +313,14 @@ def swap_edges(up: Any, down: Any, prev: int | None, nxt: int | None, group: Any
         return result
 
     from_next = from_prev = None
+    like = up if up is not None else down
     if prev is not None:
         send(up, prev, TAG_UP)
     if nxt is not None:
-        from_next = recv(up, nxt, TAG_UP)
+        from_next = recv(like, nxt, TAG_UP)
         send(down, nxt, TAG_DOWN)
     if prev is not None:
-        from_prev = recv(down, prev, TAG_DOWN)
+        from_prev = recv(like, prev, TAG_DOWN)
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -347,13 +350,29 @@ def _timeout(timeout: timedelta | float | None) -> timedelta:
 
 
 def _ranks_per_gpu_over_one(comm: MPI.Comm) -> str | None:
-    """Why NCCL cannot run here (more ranks on this node than GPUs), or None. Collective over ``comm``."""
+    """Why NCCL cannot run here (two ranks of a node on one GPU), or None. Collective over ``comm``.
+
+    Each rank names the GPU it would bind (its local rank modulo the GPUs it
+    sees, as :func:`credit_mpi.gpu.bind_device` picks) by the device's UUID,
+    so ranks that each see a different single GPU (``CUDA_VISIBLE_DEVICES``
+    per rank, ``srun --gpus-per-task=1``) do not count as sharing.
+    """
     from . import gpu
 
-    _, local_size = gpu.local_rank(comm)
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count and local_size > count:
-        return f"{local_size} ranks on this node share {count} GPU(s), and NCCL needs one GPU per rank"
+    local, _ = gpu.local_rank(comm)
+    uuid = None
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        try:
+            uuid = str(torch.cuda.get_device_properties(local % torch.cuda.device_count()).uuid)
+        except Exception:  # noqa: BLE001 - no UUID: cannot tell, assume not shared
+            uuid = None
+    devices = comm.allgather((MPI.Get_processor_name(), uuid))
+    mine = devices[comm.Get_rank()]
+    if mine[1] is None:
+        return None
+    sharing = [r for r, d in enumerate(devices) if d == mine]
+    if len(sharing) > 1:
+        return f"ranks {sharing} of {comm_label(comm)} share GPU {mine[1]} on {mine[0]}, and NCCL needs one GPU per rank"
     return None
 
 

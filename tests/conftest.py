@@ -83,8 +83,9 @@ def domain_sizes(world_size: int) -> list[int]:
 ROOT = Path(__file__).resolve().parent.parent
 
 # What a launcher puts in a rank's environment (MPICH's hydra, Open MPI's
-# prte, Slurm's PMI): a child process that keeps it would try to join the job.
-_LAUNCHER_VARS = re.compile(r"^(PMI_|PMIX_|HYDI_|HYDRA_|MPI_LOCAL|OMPI_COMM_WORLD|OMPI_MCA_orte|OMPI_MCA_ess|PRTE_)")
+# prte, Slurm's PMI): a child process that keeps it would try to join the
+# job. The user's MCA settings (OMPI_MCA_*, PRTE_MCA_*, PMIX_MCA_*) stay.
+_LAUNCHER_VARS = re.compile(r"^(PMI_|PMIX_(?!MCA_)|HYDI_|MPI_LOCAL|OMPI_(?!MCA_|ALLOW_)|PRTE_(?!MCA_)|OPAL_USER_PARAMS_GIVEN$)")
 
 
 def child_env(**extra: str) -> dict:
@@ -103,4 +104,6 @@ def run_python(code: str, **kwargs) -> subprocess.CompletedProcess:
     """Run ``python -c code`` in a fresh process (see :func:`child_env`); raises if it fails."""
     kwargs.setdefault("env", child_env())
     kwargs.setdefault("timeout", 120)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, **kwargs)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, **kwargs)
+    assert result.returncode == 0, f"python -c {code!r} exited {result.returncode}:\n{result.stderr}"
+    return result

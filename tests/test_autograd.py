@@ -143,3 +143,18 @@ def test_backward_off_the_main_thread_needs_thread_serialized(monkeypatch):
     error = _in_thread(check_backward_thread)
     assert isinstance(error, credit_mpi.DomainParallelError)
     assert "THREAD_FUNNELED" in str(error) and "THREAD_SERIALIZED" in str(error)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_backward_passes_that_call_mpi_check_the_thread_level(rng, make_manager, monkeypatch):
+    import credit_mpi.autograd as autograd
+
+    calls = []
+    monkeypatch.setattr(autograd, "check_backward_thread", lambda: calls.append(1))
+    manager = make_manager()
+    x = torch.from_numpy(rng.standard_normal((2, 3 * manager.domain_parallel_size, 4))).requires_grad_()
+    shard_tensor(x, 1, manager).sum().backward()  # backward: an MPI all-gather
+    assert len(calls) == 1
+    band_ = x.detach()[:, :3].clone().requires_grad_()
+    halo_exchange(band_, 1, 1, manager).sum().backward()  # backward: MPI Sendrecv
+    assert len(calls) == 2

@@ -289,6 +289,15 @@ def _make(library, host: np.ndarray, dtype: str):
     return cupy.asarray(host > 0 if dtype == "bool" else host.astype(dtype))
 
 
+def _bound_manager(library, make_manager, world):
+    """Skip without ``library``'s GPU; else bind this rank's GPU and make a manager over the world."""
+    (_torch_cuda if library == "torch" else _cupy)()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        gpu.bind_device(world, library=library)
+    return make_manager()
+
+
 def _fresh(x):
     """A copy of ``x`` made by a kernel just now, same dtype (what MPI must wait for)."""
     return x.clone() if hasattr(x, "clone") else x.copy()
@@ -365,11 +374,7 @@ def test_gpu_array_on_another_device_is_refused(monkeypatch):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("library, dtype", CASES)
 def test_gpu_shard_gather_scatter(library, dtype, make_manager, rng, world):
-    (_torch_cuda if library == "torch" else _cupy)()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        gpu.bind_device(world, library=library)
-    manager = make_manager()
+    manager = _bound_manager(library, make_manager, world)
     n, rank = manager.domain_parallel_size, manager.domain_rank
     host = rng.standard_normal((2, 3, 4 * n + 1, 6)).astype(np.float32)
     x = _make(library, host, dtype)
@@ -415,11 +420,7 @@ def test_gpu_halo_exchange_matches_padded_field(library, dtype, boundary, make_m
     """halo_exchange on device arrays (outer > 1: the packed exchange) equals the padded global field."""
     from .halo_reference import band, pad_numpy
 
-    (_torch_cuda if library == "torch" else _cupy)()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        gpu.bind_device(world, library=library)
-    manager = make_manager()
+    manager = _bound_manager(library, make_manager, world)
     n = manager.domain_parallel_size
     g = _make(library, rng.standard_normal((2, 3, 3 * n + 1, 8)).astype(np.float32), dtype)
     host = _to_numpy(library, g)
@@ -477,11 +478,7 @@ def test_gpu_large_transfers_back_to_back(library, make_manager, rng, world):
     scratch buffer) and a halo exchange of wide edge blocks (two staged
     receives back to back), both against the host result.
     """
-    (_torch_cuda if library == "torch" else _cupy)()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        gpu.bind_device(world, library=library)
-    manager = make_manager()
+    manager = _bound_manager(library, make_manager, world)
     n = manager.domain_parallel_size
     from credit_mpi.sharding import PACK_BYTES, SLICE_BYTES
 
@@ -502,3 +499,14 @@ def test_gpu_large_transfers_back_to_back(library, make_manager, rng, world):
         warnings.simplefilter("ignore", RuntimeWarning)
         padded = credit_mpi.halo_exchange(_make(library, wide[:, :, start:stop], "float32"), 3, manager=manager, boundary="periodic")
     np.testing.assert_array_equal(_to_numpy(library, padded), pad_numpy(wide, 3, 2, "periodic")[:, :, start : stop + 6])
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=2)
+def test_gpu_gradients_on_one_rank_cpu_on_another_fail_everywhere(make_manager, world):
+    torch = _torch_cuda()
+    manager = _bound_manager("torch", make_manager, world)
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.ones(3, device="cuda" if world.Get_rank() == 1 else "cpu")
+    with pytest.raises(ValueError, match="device types"):
+        credit_mpi.reduce_gradients([weight], manager)

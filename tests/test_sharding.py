@@ -10,6 +10,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
+from mpi4py import MPI
 
 import credit_mpi
 from credit_mpi import gather_tensor, scatter_tensor, shard_batch, shard_tensor
@@ -329,6 +330,38 @@ def test_both_gather_strategies(world, make_manager, rng, monkeypatch, slice_byt
         outer = int(np.prod(shape[: dim % len(shape)]))
         packed_groups = outer if (slice_bytes, pack_bytes) == (1 << 40, 1) and outer > 1 else 1
         assert len(syncs) == (packed_groups - 1 if device else 0), (shape, len(syncs))
+
+
+class _BlockingOnly(MPI.Intracomm):
+    """A communicator whose non-blocking all-gathers fail (what CUDA-aware Open MPI does with device pointers)."""
+
+    def Iallgather(self, *args, **kwargs):
+        raise AssertionError("Iallgather on device memory")
+
+    def Iallgatherv(self, *args, **kwargs):
+        raise AssertionError("Iallgatherv on device memory")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("uneven", [False, True])
+def test_device_memory_slices_use_blocking_collectives(world, rng, monkeypatch, uneven):
+    import credit_mpi.sharding as sharding
+    from credit_mpi import buffers
+
+    monkeypatch.setattr(sharding, "SLICE_BYTES", 0)  # one all-gather per outer slice
+    monkeypatch.setattr(buffers, "in_device_memory", lambda buf: True)
+    comm = _BlockingOnly(world)
+    n, rank = world.Get_size(), world.Get_rank()
+    sizes = [3 + (uneven and r == 0) for r in range(n)]
+    x = rng.standard_normal((4, sum(sizes), 5)).astype(np.float32)
+    start = sum(sizes[:rank])
+    send = np.ascontiguousarray(x[:, start : start + sizes[rank]]).reshape(-1).view(np.uint8)
+    out = np.empty_like(x)
+    sharding._allgather_rows(comm, send, out.reshape(-1).view(np.uint8), 4, sizes, 5 * 4)
+    assert bits_equal(out, x)
+    monkeypatch.setattr(buffers, "in_device_memory", lambda buf: False)
+    with pytest.raises(AssertionError, match="on device memory"):  # the host path is non-blocking
+        sharding._allgather_rows(comm, send, out.reshape(-1).view(np.uint8), 4, sizes, 5 * 4)
 
 
 @pytest.mark.mpi(min_size=1)

@@ -8,6 +8,7 @@ a GPU. Every test leaves torch.distributed uninitialised.
 from __future__ import annotations
 
 from datetime import timedelta
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -472,9 +473,11 @@ def test_halo_module_takes_a_transport():
 # -- NCCL needs one GPU per rank (checked on CPU with CUDA faked) ---------------
 
 
-def _fake_cuda(monkeypatch, gpus: int) -> None:
+def _fake_cuda(monkeypatch, gpus: int, uuid=lambda index: f"GPU-{index}") -> None:
+    """torch sees ``gpus`` CUDA devices; device ``i`` has UUID ``uuid(i)``."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(uuid=uuid(index)))
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
     real = dist.is_backend_available
     monkeypatch.setattr(dist, "is_backend_available", lambda name: name == "nccl" or real(name))
@@ -489,7 +492,18 @@ def test_automatic_backend_avoids_nccl_when_ranks_share_a_gpu(monkeypatch):
 
 @pytest.mark.mpi(min_size=2)
 def test_explicit_nccl_with_ranks_sharing_a_gpu_fails_everywhere(make_manager, monkeypatch):
-    _fake_cuda(monkeypatch, 1)  # every rank of this job is on one node with "one GPU"
-    with pytest.raises(ValueError, match=r"share 1 GPU\(s\), and NCCL needs one GPU per rank.*backend='gloo'"):
+    _fake_cuda(monkeypatch, 1)  # every rank of this job is on one node that has one GPU
+    with pytest.raises(ValueError, match=r"ranks \[0, 1.*share GPU GPU-0 on .*NCCL needs one GPU per rank.*backend='gloo'"):
         credit_mpi.init_torch_distributed(make_manager(), "nccl", timeout=TIMEOUT)
     assert not dist.is_initialized()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_each_see_their_own_gpu_do_not_share(world, monkeypatch):
+    """One visible GPU per rank (CUDA_VISIBLE_DEVICES per rank): different devices, NCCL is fine."""
+    _fake_cuda(monkeypatch, 1, uuid=lambda index: f"GPU-of-rank-{world.Get_rank()}")
+    assert torch_bridge._ranks_per_gpu_over_one(world) is None
+    _fake_cuda(monkeypatch, 2)  # two GPUs on the node: ranks r and r + 2 share GPU-(r % 2)
+    rank, size = world.Get_rank(), world.Get_size()
+    reason = torch_bridge._ranks_per_gpu_over_one(world)
+    assert (reason is None) == (rank + 2 >= size and rank - 2 < 0), reason
