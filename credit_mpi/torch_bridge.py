@@ -79,7 +79,9 @@ def init_torch_distributed(
     group, in the same order, and the groups this rank belongs to are set on
     the manager as ``torch_domain_group`` / ``torch_data_parallel_group``,
     together with ``device_mesh``. :func:`destroy_torch_distributed` (or
-    ``manager.free()``) releases them.
+    ``manager.free()``) releases them. If building the groups fails after
+    this call created the default group, the default group is destroyed
+    again, so torch.distributed is left as it was.
 
     Args:
         manager: The manager to mirror (default: the global singleton from
@@ -141,14 +143,21 @@ def init_torch_distributed(
 
     if chosen is not None and _is_nccl(chosen):
         _bind_local_device(comm)
-    if not initialised:
+    created_default = not initialised
+    if created_default:
         _init_default_group(comm, chosen, timeout)
         _OWNS_DEFAULT_GROUP = True
 
-    device_type = "cuda" if _is_nccl(chosen or dist.get_backend()) else "cpu"
-    domain = _new_groups(manager.domain_groups(), comm.Get_rank(), chosen, timeout, "domain")
-    data_parallel = _new_groups(manager.data_parallel_groups(), comm.Get_rank(), chosen, timeout, "data_parallel")
-    mesh = _device_mesh(manager, data_parallel, domain, device_type)
+    try:
+        device_type = "cuda" if _is_nccl(chosen or dist.get_backend()) else "cpu"
+        domain = _new_groups(manager.domain_groups(), comm.Get_rank(), chosen, timeout, "domain")
+        data_parallel = _new_groups(manager.data_parallel_groups(), comm.Get_rank(), chosen, timeout, "data_parallel")
+        mesh = _device_mesh(manager, data_parallel, domain, device_type)
+    except BaseException:
+        if created_default and not _BRIDGED and dist.is_initialized():
+            dist.destroy_process_group()  # torch as it was before this call, so that a retry can initialise it
+            _OWNS_DEFAULT_GROUP = False
+        raise
 
     manager.torch_domain_group = domain
     manager.torch_data_parallel_group = data_parallel

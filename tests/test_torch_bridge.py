@@ -360,6 +360,24 @@ def test_nccl_without_cuda(make_manager):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_failure_while_building_groups_leaves_torch_as_it_was(make_manager, monkeypatch):
+    """An error after the default group was made (here: in the device mesh) destroys it, so a retry works."""
+    manager = make_manager()
+
+    def broken(*args):
+        raise RuntimeError("injected failure while building the device mesh")
+
+    monkeypatch.setattr(torch_bridge, "_device_mesh", broken)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        credit_mpi.init_torch_distributed(manager, "gloo", timeout=TIMEOUT)
+    assert not dist.is_initialized() and manager.torch_domain_group is None
+    monkeypatch.undo()
+    assert credit_mpi.init_torch_distributed(manager, "gloo", timeout=TIMEOUT).torch_domain_group is not None
+    credit_mpi.destroy_torch_distributed(manager)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.mpi(min_size=1)
 def test_init_twice(make_manager):
     manager = credit_mpi.init_torch_distributed(make_manager(1), "gloo", timeout=TIMEOUT)
     group = manager.torch_domain_group
