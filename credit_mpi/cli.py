@@ -351,7 +351,7 @@ def run_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> list[dict]:
     rows: list[dict] = []
     with DomainParallelManager(None, d, comm=comm) as manager:
         dom = manager.domain_group
-        group = bench.gloo_group(manager) if use_torch and "gather" in ops else None
+        group = bench.gloo_group(manager) if use_torch and {"gather", "halo"} & set(ops) else None
         rep = {"repeats": args.repeats, "warmup": 1}
         for c, h, w in sizes:
             total = c * h * w * 4
@@ -376,6 +376,8 @@ def run_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> list[dict]:
                 row = {"op": "halo", "size": f"{c}x{h}x{w}", "bytes": padded}
                 row["credit"] = bench.time_collective(dom, fn, "credit_mpi", padded, **rep)
                 row["raw"] = bench.time_collective(dom, bench.raw_halo(dom, x, 1), "copy + Sendrecv", padded, **rep)
+                if use_torch:
+                    row["torch"] = bench.time_collective(dom, bench.gloo_halo_cat(x, 1, group), "gloo", padded, **rep)
                 rows.append(row)
     return rows
 
@@ -443,7 +445,8 @@ def cmd_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
             say(line)
         say("raw: gather = mpi4py Allgather of the same bytes (contiguous, reused buffer); "
             "shard_batch = numpy slice copy of the band; halo = a padded copy of the band + two Sendrecv of one row (zero at the edges). "
-            "gloo = torch.distributed all_gather into a list + torch.cat (the reference's method)")
+            "gloo = the reference's methods over torch.distributed: gather = all_gather into a list + torch.cat, "
+            "halo = batch_isend_irecv of the edge rows + torch.cat")
     if args.plot:
         try:
             _plot(rows, args.plot, comm.Get_size())

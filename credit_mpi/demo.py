@@ -7,7 +7,7 @@ domain group), and then, with progress printed as it goes:
 
 1. **shard**: each rank keeps its latitude band (``shard_tensor(...,
    uneven=True)``: 721 rows do not split evenly over 2, 4 or 8 ranks);
-2. **halo + convolution** (when this build has ``credit_mpi.halo``): each
+2. **halo + convolution**: each
    band gets one row of halo from its neighbours (zero at the poles) and goes
    through a 3 x 3 depthwise convolution, periodic in longitude; the gathered
    result is compared with the same convolution of the whole field in one
@@ -23,8 +23,6 @@ rank 0 only. The exit status is 0 when every check passed on every rank.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
+from .halo import halo_exchange
 from .manager import DomainParallelManager
 from .partition import band_sizes
 from .sharding import gather_tensor, shard_tensor
@@ -74,13 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lat", type=int, default=ERA5_LAT, help=f"latitudes (default: {ERA5_LAT}, ERA5 0.25 deg)")
     parser.add_argument("--lon", type=int, default=ERA5_LON, help=f"longitudes (default: {ERA5_LON})")
     parser.add_argument("--steps", type=int, default=5, help="repetitions of each step to time (default: 5)")
-
-
-def _halo_exchange() -> Callable | None:
-    """credit_mpi's halo exchange, or None when this build has none (a broken one raises)."""
-    if importlib.util.find_spec(f"{__package__}.halo") is None:
-        return None
-    return importlib.import_module(f"{__package__}.halo").halo_exchange
 
 
 def _timed(comm: MPI.Comm, fn: Callable, steps: int):
@@ -140,26 +132,22 @@ def run(args: argparse.Namespace, comm: MPI.Comm | None = None, say: Callable[..
         say(f"{t_shard * 1e3:.2f} ms", flush=True)
         summary.append(("shard_tensor", 0, t_shard))
 
-        halo_exchange = _halo_exchange()
-        if halo_exchange is None:
-            say("[2/3] halo + convolution: skipped (this build has no credit_mpi.halo)", flush=True)
-        else:
-            say("[2/3] halo exchange (1 row, zero at the poles) + 3x3 convolution ...", end=" ", flush=True)
-            weights = np.random.default_rng(1).standard_normal((args.channels, 3, 3)).astype(np.float32) / 9
-            padded, t_halo = _timed(
-                dom, lambda: halo_exchange(band, 1, dim=-2, manager=manager, boundary="zero"), args.steps
-            )
-            conv, t_conv = _timed(dom, lambda: conv3x3(padded, weights), args.steps)
-            out = gather_tensor(conv, dim=-2, manager=manager)
-            pad = np.zeros_like(field[..., :1, :])
-            expected = conv3x3(np.concatenate([pad, field, pad], axis=-2), weights)
-            err = float(np.max(np.abs(out - expected))) if out.shape == expected.shape else float("inf")
-            err = dom.allreduce(err, op=MPI.MAX)
-            checks["halo + convolution"] = err <= 1e-5
-            say(f"halo {t_halo * 1e3:.2f} ms, conv {t_conv * 1e3:.2f} ms; max |error| vs one process {err:.1e}", flush=True)
-            # every interior boundary moves one row each way
-            summary.append(("halo_exchange", 2 * (d - 1) * row_bytes, t_halo))
-            summary.append(("3x3 convolution (local)", 0, t_conv))
+        say("[2/3] halo exchange (1 row, zero at the poles) + 3x3 convolution ...", end=" ", flush=True)
+        weights = np.random.default_rng(1).standard_normal((args.channels, 3, 3)).astype(np.float32) / 9
+        padded, t_halo = _timed(
+            dom, lambda: halo_exchange(band, 1, dim=-2, manager=manager, boundary="zero"), args.steps
+        )
+        conv, t_conv = _timed(dom, lambda: conv3x3(padded, weights), args.steps)
+        out = gather_tensor(conv, dim=-2, manager=manager)
+        pad = np.zeros_like(field[..., :1, :])
+        expected = conv3x3(np.concatenate([pad, field, pad], axis=-2), weights)
+        err = float(np.max(np.abs(out - expected))) if out.shape == expected.shape else float("inf")
+        err = dom.allreduce(err, op=MPI.MAX)
+        checks["halo + convolution"] = err <= 1e-5
+        say(f"halo {t_halo * 1e3:.2f} ms, conv {t_conv * 1e3:.2f} ms; max |error| vs one process {err:.1e}", flush=True)
+        # every interior boundary moves one row each way
+        summary.append(("halo_exchange", 2 * (d - 1) * row_bytes, t_halo))
+        summary.append(("3x3 convolution (local)", 0, t_conv))
 
         say("[3/3] gather: bands back into the global field on every rank ...", end=" ", flush=True)
         gathered, t_gather = _timed(dom, lambda: gather_tensor(band, dim=-2, manager=manager), args.steps)
