@@ -65,6 +65,7 @@ __all__ = [
     "as_torch_bytes",
     "mpi_datatype",
     "in_device_memory",
+    "after_torch_wrote",
     "sync_stream",
     "recv_buffer",
     "release_staging_buffers",
@@ -596,6 +597,18 @@ def sync_stream(x: Any) -> None:
     (scratch reused across iterations), as :func:`send_buffer` does before MPI reads.
     """
     _ops(x).sync_stream(x)
+
+
+def after_torch_wrote(x: Any) -> None:
+    """torch (a torch.distributed collective and copies on torch's current stream) wrote ``x``'s memory.
+
+    For a CuPy array wait for that work: CuPy's current stream need not be
+    torch's, so its next kernel could otherwise read the memory too early.
+    numpy arrays and torch tensors need nothing (host copies block; torch
+    orders its own streams).
+    """
+    if _is_cupy(x):
+        _torch().cuda.current_stream(x.device.id).synchronize()
 
 
 def mpi_datatype(x: Any) -> MPI.Datatype:

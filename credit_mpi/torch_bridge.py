@@ -265,6 +265,7 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: 
         # Each outer slice of out holds the bands of all ranks contiguously and
         # in rank order: gather every slice straight into place.
         _gather_slices(target.view(outer, total * row), send.view(outer, widest * row), group)
+        buffers.after_torch_wrote(out)
         return out
 
     # Staging: (slices, n, width) bytes, every band padded to the widest.
@@ -286,6 +287,7 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: 
         placed[:, first : first + rows].copy_(band.reshape(outer, rows, row))
     if on_device is not target:
         target.copy_(on_device)
+    buffers.after_torch_wrote(out)
     return out
 
 
@@ -336,6 +338,9 @@ def swap_edges(up: Any, down: Any, prev: int | None, nxt: int | None, group: Any
     for buf, target in landing:
         if buf is not target:
             target.copy_(buf)
+    for result in (from_next, from_prev):
+        if result is not None:
+            buffers.after_torch_wrote(result)
     return from_next, from_prev
 
 
