@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 from mpi4py import MPI
 
@@ -42,23 +44,22 @@ def pad_torch(g, width: int, boundary: str):
     return F.pad(flat, (0, 0, width, width), mode=TORCH_MODES[boundary]).reshape(*shape[:-2], -1, shape[-1])
 
 
-def prefix_comms():
-    """(d, comm) for d = 1..world size: comm holds world ranks 0..d-1 (None on the others).
+@contextlib.contextmanager
+def prefix_managers(make_manager):
+    """``[(d, manager)]`` for d = 1..world size, each over world ranks 0..d-1 (only those this rank is in).
 
-    Collective over COMM_WORLD. The caller frees the comms (``free_comms``).
+    Collective over COMM_WORLD (every rank creates its managers in the same
+    ascending order). The sub-communicators are freed afterwards; the
+    managers by ``make_manager``'s fixture.
     """
     world = MPI.COMM_WORLD
-    out = []
-    for d in range(1, world.Get_size() + 1):
-        sub = world.Split(0 if world.Get_rank() < d else MPI.UNDEFINED, world.Get_rank())
-        out.append((d, None if sub == MPI.COMM_NULL else sub))
-    return out
-
-
-def free_comms(comms) -> None:
-    for _, comm in comms:
-        if comm is not None:
-            comm.Free()
+    comms = [world.Split(0 if world.Get_rank() < d else MPI.UNDEFINED, world.Get_rank()) for d in range(1, world.Get_size() + 1)]
+    try:
+        yield [(d, make_manager(d, comm=comm)) for d, comm in enumerate(comms, start=1) if comm != MPI.COMM_NULL]
+    finally:
+        for comm in comms:
+            if comm != MPI.COMM_NULL:
+                comm.Free()
 
 
 def band(total: int, manager: credit_mpi.DomainParallelManager) -> tuple[int, int]:

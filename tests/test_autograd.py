@@ -8,7 +8,7 @@ import pytest
 import credit_mpi
 from credit_mpi import gather_tensor, halo_exchange, shard_tensor
 
-from .halo_reference import band, free_comms, pad_torch, prefix_comms
+from .halo_reference import band, pad_torch, prefix_managers
 
 torch = pytest.importorskip("torch")
 
@@ -82,20 +82,14 @@ def band_of(total, d, r):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("boundary", BOUNDARIES)
 def test_halo_backward_sends_gradients_home(boundary, make_manager):
-    comms = prefix_comms()
-    try:
-        for d, comm in comms:
-            if comm is None:
-                continue
-            manager = make_manager(d, comm=comm)
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
             for total in (4 * d, 4 * d + d - 1):
                 for width in (0, 1, 2, 3):
                     if width + (boundary == "reflect") > total // d:
                         continue
                     _halo_case(manager, d, boundary, width, total)
             _halo_case(manager, d, boundary, 2, 4 * d + 1, module=True)
-    finally:
-        free_comms(comms)
 
 
 def test_halo_gradcheck_single_process():

@@ -7,7 +7,7 @@ import pytest
 
 from credit_mpi import halo_exchange
 
-from .halo_reference import band, free_comms, pad_numpy, pad_torch, prefix_comms
+from .halo_reference import band, pad_numpy, pad_torch, prefix_managers
 
 BOUNDARIES = ["zero", "periodic", "reflect", "earth"]
 
@@ -102,16 +102,10 @@ def _check_all(rng, d, manager, shape_fn, axes, widths, kind="numpy"):
 
 @pytest.mark.mpi(min_size=1)
 def test_every_boundary_on_ranks(make_manager):
-    comms = prefix_comms()
-    try:
-        for d, comm in comms:
-            if comm is None:
-                continue
-            manager = make_manager(d, comm=comm)
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
             rng = np.random.default_rng(d)  # ranks outside earlier sub-communicators drew nothing
             _check_all(rng, d, manager, lambda axis, total: tuple(total if a == axis else s for a, s in enumerate((3, 5, 2, 6))), (0, 1, 2), (0, 1, 3))
-    finally:
-        free_comms(comms)
 
 
 @pytest.mark.mpi(min_size=1)

@@ -17,7 +17,7 @@ import pytest
 import credit_mpi
 from credit_mpi import gather_tensor, reduce_gradients, shard_tensor
 
-from .halo_reference import free_comms, pad_torch, prefix_comms
+from .halo_reference import pad_torch, prefix_managers
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -84,21 +84,16 @@ def test_conv_net_matches_single_process(boundary, gathered_loss, make_manager):
     x = torch.from_numpy(rng.standard_normal((2, 2, H, W)))
     target = torch.from_numpy(rng.standard_normal((2, 2, H, W)))
     ref_out, ref_xgrad, ref_grads = _reference(model, x, target)
-    comms = prefix_comms()
-    try:
-        for d, comm in comms:
-            if comm is None:
-                continue
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
             net = copy.deepcopy(model)
-            net.manager = make_manager(d, comm=comm)
+            net.manager = manager
             out, xgrad = _distributed(net, net.manager, x, target, gathered_loss=gathered_loss)
             reduce_gradients(net.parameters(), net.manager)
             torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(xgrad, ref_xgrad, rtol=1e-12, atol=1e-12)
             for (name, p), ref in zip(net.named_parameters(), ref_grads, strict=True):
                 torch.testing.assert_close(p.grad, ref, rtol=1e-12, atol=1e-12, msg=f"{name} on {d} ranks")
-    finally:
-        free_comms(comms)
 
 
 @pytest.mark.mpi(min_size=2)
