@@ -135,18 +135,8 @@ def gather_tensor_autograd(
     return _GatherTensor.apply(x, dim, manager, check, transport, out)
 
 
-def halo_exchange_autograd(
-    x: torch.Tensor,
-    halo_width: int,
-    dim: int = -2,
-    manager: DomainParallelManager | None = None,
-    *,
-    boundary: str = "zero",
-    check: bool = True,
-    transport: str = "mpi",
-) -> torch.Tensor:
-    """Differentiable :func:`credit_mpi.halo_exchange` (backward: halo gradients go home)."""
-    plan = _halo._plan(x, halo_width, dim, manager, boundary, check, transport)
+def halo_exchange_autograd(x: torch.Tensor, plan: _halo._Plan) -> torch.Tensor:
+    """Differentiable :func:`credit_mpi.halo_exchange` of ``x`` with its agreed ``plan`` (backward: halo gradients go home)."""
     return _HaloExchange.apply(x, plan)
 
 

@@ -109,11 +109,12 @@ def halo_exchange(
     """
     check_transport(transport)
     manager = get_domain_parallel_manager() if manager is None else manager
-    if buffers.requires_grad(x):
+    plan = _plan(x, halo_width, dim, manager, boundary, check, transport)
+    if buffers.requires_grad(x):  # differentiable path (torch autograd)
         from .autograd import halo_exchange_autograd
 
-        return halo_exchange_autograd(x, halo_width, dim, manager, boundary=boundary, check=check, transport=transport)
-    return _forward(x, _plan(x, halo_width, dim, manager, boundary, check, transport))
+        return halo_exchange_autograd(x, plan)
+    return _forward(x, plan)
 
 
 @dataclass(frozen=True)
