@@ -49,27 +49,26 @@ def main(argv=None) -> int:
     with DomainParallelManager(None, world.Get_size()) as manager:
         comm = manager.domain_group
         rep = {"repeats": args.repeats, "warmup": 2}
-        x = bench.local_field((c, h, w), -2, comm)
         nbytes = c * h * w * 4
-        t = {}
-        t["raw_numpy"] = bench.time_collective(comm, bench.raw_allgather(comm, x), "raw Allgather numpy", nbytes, **rep)
-        t["raw_numpy_fresh"] = bench.time_collective(
-            comm, bench.raw_allgather(comm, x, fresh=True), "raw Allgather numpy, new buf", nbytes, **rep
-        )
-        t["credit_numpy"] = bench.time_collective(comm, bench.credit_gather(x, manager), "gather_tensor numpy", nbytes, **rep)
-        t["credit_numpy_out"] = bench.time_collective(
-            comm, bench.credit_gather(x, manager, reuse=True), "gather_tensor numpy out=", nbytes, **rep
-        )
+
+        def gather_timings(kind: str, x) -> dict:
+            """The four gather measurements of one array kind (each set up just before it is timed)."""
+            return {
+                f"raw_{kind}": bench.time_collective(comm, bench.raw_allgather(comm, x), f"raw Allgather {kind}", nbytes, **rep),
+                f"raw_{kind}_fresh": bench.time_collective(
+                    comm, bench.raw_allgather(comm, x, fresh=True), f"raw Allgather {kind}, new buf", nbytes, **rep
+                ),
+                f"credit_{kind}": bench.time_collective(comm, bench.credit_gather(x, manager), f"gather_tensor {kind}", nbytes, **rep),
+                f"credit_{kind}_out": bench.time_collective(
+                    comm, bench.credit_gather(x, manager, reuse=True), f"gather_tensor {kind} out=", nbytes, **rep
+                ),
+            }
+
+        x = bench.local_field((c, h, w), -2, comm)
+        t = gather_timings("numpy", x)
         if have_torch:
             xt = bench.local_field((c, h, w), -2, comm, kind="torch")
-            t["raw_torch"] = bench.time_collective(comm, bench.raw_allgather(comm, xt), "raw Allgather torch", nbytes, **rep)
-            t["raw_torch_fresh"] = bench.time_collective(
-                comm, bench.raw_allgather(comm, xt, fresh=True), "raw Allgather torch, new buf", nbytes, **rep
-            )
-            t["credit_torch"] = bench.time_collective(comm, bench.credit_gather(xt, manager), "gather_tensor torch", nbytes, **rep)
-            t["credit_torch_out"] = bench.time_collective(
-                comm, bench.credit_gather(xt, manager, reuse=True), "gather_tensor torch out=", nbytes, **rep
-            )
+            t.update(gather_timings("torch", xt))
             group = bench.gloo_group(manager)
             t["reference_gloo"] = bench.time_collective(
                 comm, bench.gloo_all_gather_cat(xt, -2, group), "gloo all_gather+cat", nbytes, **rep
