@@ -2,13 +2,16 @@
 
 Imported only when a torch tensor that requires grad reaches a collective
 (or when :class:`HaloExchange` is used), so ``import credit_mpi`` never
-imports torch. The plain functions route here by themselves: with grad mode
-on and ``x.requires_grad``, :func:`credit_mpi.shard_tensor`,
-:func:`credit_mpi.gather_tensor` and :func:`credit_mpi.halo_exchange` return
-a tensor with a ``grad_fn``. Each ``torch.autograd.Function`` below calls the
-plain implementation forward (autograd is off inside ``forward``), and its
-backward is itself a collective over the domain group, so every rank of the
-group must run the backward pass (as in any data- or model-parallel code).
+imports torch. The public functions route here by themselves after the ranks
+have agreed on the call (whether autograd records it is part of that
+agreement for the halo exchange, whose backward is a collective): with grad
+mode on and ``x.requires_grad``, :func:`credit_mpi.gather_tensor` and
+:func:`credit_mpi.halo_exchange` return a tensor with a ``grad_fn``. Each
+``torch.autograd.Function`` below runs the same kernel as the plain call
+forward, so both paths make the same MPI calls. Backward passes that
+communicate are collectives over the domain group: every rank of the group
+must run the backward pass (as in any data- or model-parallel code).
+Every backward is itself differentiable (double backward is exact).
 
 Semantics follow torch DTensor's redistribution between ``Replicate()`` and
 ``Shard(dim)`` placements:
@@ -17,8 +20,11 @@ Semantics follow torch DTensor's redistribution between ``Replicate()`` and
   tensor is taken to be replicated (the same on every rank, as when every
   rank computes the same loss from the gathered field); the backward returns
   this rank's slice of it, with no communication.
-* ``shard_tensor`` (Replicate -> Shard): the backward all-gathers the shard
-  gradients, so every rank gets the gradient of the whole input.
+* ``shard_tensor`` / ``shard_batch`` are slices (as in the reference), so
+  autograd differentiates them like any slice: the input's gradient is this
+  rank's band's gradient, zeros elsewhere; no communication. (Summed over the
+  domain group, as :func:`credit_mpi.reduce_gradients` does for parameters,
+  these give the gradient of the whole input.)
 * ``halo_exchange``: each halo row is a copy of a row of some band (or a
   constant at a ``"zero"`` edge); the backward sends the halo gradients back
   to the ranks that own those rows and adds them there (for ``"reflect"``
@@ -33,15 +39,9 @@ from mpi4py import MPI
 from . import halo as _halo
 from . import sharding
 from .manager import DomainParallelManager
-from .partition import normalize_dim
 from .validation import DomainParallelError, check_transport
 
-__all__ = [
-    "HaloExchange",
-    "gather_tensor_autograd",
-    "halo_exchange_autograd",
-    "shard_tensor_autograd",
-]
+__all__ = ["HaloExchange", "gather_autograd", "halo_autograd"]
 
 
 _THREAD_LEVELS = {
@@ -72,70 +72,57 @@ def check_backward_thread() -> None:
     )
 
 
-class _ShardTensor(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, manager, uneven, check):
-        ctx.dim, ctx.manager = dim, manager
-        return sharding.shard_tensor(x, dim, manager, uneven=uneven, check=check)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # Replicate <- Shard: every rank gets the gradient of the whole input.
-        check_backward_thread()
-        return sharding.gather_tensor(grad.contiguous(), ctx.dim, ctx.manager, check=False), None, None, None, None
-
-
 class _GatherTensor(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, manager, check, transport, out):
-        # The gather agrees on the arguments on every rank first; only then
-        # is it safe to run another collective (the exscan of band starts).
-        gathered = sharding.gather_tensor(x, dim, manager, check=check, transport=transport, out=out)
-        ctx.axis = normalize_dim(dim, x.ndim)
-        ctx.rows = x.shape[ctx.axis]
-        ctx.start = manager.domain_group.exscan(ctx.rows) or 0
+    def forward(ctx, x, plan, out):
+        gathered = sharding.gather_kernel(x, plan)
+        if out is not None:
+            ctx.mark_dirty(out)  # written in place: autograd moves its version on, as for torch's in-place ops
+        ctx.axis, ctx.rows, ctx.start = plan.axis, plan.sizes[plan.rank], sum(plan.sizes[: plan.rank])
         return gathered
 
     @staticmethod
     def backward(ctx, grad):
-        # Shard <- Replicate: this rank's slice of the (replicated) gradient.
-        return grad.narrow(ctx.axis, ctx.start, ctx.rows).contiguous(), None, None, None, None, None
+        # Shard <- Replicate: this rank's slice of the (replicated) gradient,
+        # a differentiable torch op (double backward works), no communication.
+        return grad.narrow(ctx.axis, ctx.start, ctx.rows), None, None
 
 
 class _HaloExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan):
         ctx.plan = plan
-        return _halo._forward(x, plan)
+        return _halo.halo_kernel(x, plan)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.plan.torch_group is None:  # over MPI (transport="torch" calls no MPI here)
+        # The exchange is linear; its backward is its adjoint, itself a
+        # differentiable Function (whose backward is the exchange again), so
+        # double backward (a gradient penalty through a halo) is exact.
+        return _HaloAdjoint.apply(grad, ctx.plan), None
+
+
+class _HaloAdjoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, grad, plan):
+        ctx.plan = plan
+        if plan.torch_group is None:  # over MPI (transport="torch" calls no MPI here)
             check_backward_thread()
-        return _halo._adjoint(grad, ctx.plan), None
+        return _halo.halo_adjoint(grad, plan)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.plan.torch_group is None:
+            check_backward_thread()
+        return _HaloExchange.apply(grad, ctx.plan), None
 
 
-def shard_tensor_autograd(
-    x: torch.Tensor, dim: int, manager: DomainParallelManager, *, uneven: bool = False, check: bool = True
-) -> torch.Tensor:
-    """Differentiable :func:`credit_mpi.shard_tensor` (backward: all-gather)."""
-    return _ShardTensor.apply(x, dim, manager, uneven, check)
+def gather_autograd(x: torch.Tensor, plan: sharding._Gather) -> torch.Tensor:
+    """Differentiable :func:`credit_mpi.gather_tensor` of ``x`` with its agreed ``plan`` (backward: this rank's slice)."""
+    return _GatherTensor.apply(x, plan, plan.out)
 
 
-def gather_tensor_autograd(
-    x: torch.Tensor,
-    dim: int,
-    manager: DomainParallelManager,
-    *,
-    check: bool = True,
-    transport: str = "mpi",
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Differentiable :func:`credit_mpi.gather_tensor` (backward: this rank's slice)."""
-    return _GatherTensor.apply(x, dim, manager, check, transport, out)
-
-
-def halo_exchange_autograd(x: torch.Tensor, plan: _halo._Plan) -> torch.Tensor:
+def halo_autograd(x: torch.Tensor, plan: _halo._Plan) -> torch.Tensor:
     """Differentiable :func:`credit_mpi.halo_exchange` of ``x`` with its agreed ``plan`` (backward: halo gradients go home)."""
     return _HaloExchange.apply(x, plan)
 

@@ -61,6 +61,10 @@ __all__ = [
     "empty",
     "empty_described",
     "narrow",
+    "dtype_of",
+    "shares_memory",
+    "check_writable",
+    "mark_written",
     "send_buffer",
     "as_torch_bytes",
     "mpi_datatype",
@@ -216,23 +220,26 @@ def empty(like: Any, shape: Sequence[int]) -> Any:
     return _torch_empty(shape, like.dtype, like.device)
 
 
-def empty_described(info: ArrayInfo, shape: Sequence[int]) -> Any:
+def empty_described(info: ArrayInfo, shape: Sequence[int], dtype: Any = None) -> Any:
     """A new array of ``shape`` of the kind and dtype that ``info`` describes.
 
     For ranks that must allocate like an array they do not hold (the
     receivers of a scatter). Device arrays go to this rank's GPU (the bound
     one, else the current one), not to the device index in ``info``, which
     is another rank's. torch or CuPy is imported here only because the data
-    is of that kind.
+    is of that kind. ``dtype`` is the dtype object itself (:func:`dtype_of`
+    on the rank that holds the array, sent along): a record dtype cannot be
+    rebuilt from ``info.dtype``, its text.
     """
     if info.kind == "numpy":
-        return np.empty(shape, dtype=np.dtype(info.dtype))
+        return np.empty(shape, dtype=np.dtype(info.dtype) if dtype is None else dtype)
     if info.kind == "cupy":
         cupy = importlib.import_module("cupy")
         with cupy.cuda.Device(_local_index("cupy")):
-            return cupy.empty(tuple(shape), dtype=np.dtype(info.dtype))
+            return cupy.empty(tuple(shape), dtype=np.dtype(info.dtype) if dtype is None else dtype)
     torch = importlib.import_module("torch")
-    dtype = getattr(torch, info.dtype.removeprefix("torch."))
+    if dtype is None:
+        dtype = getattr(torch, info.dtype.removeprefix("torch."))
     device = info.device_type if info.device_type == "cpu" else f"cuda:{_local_index('torch')}"
     return _torch_empty(shape, dtype, device)
 
@@ -259,6 +266,51 @@ def _torch_empty(shape: Sequence[int], dtype: Any, device: Any) -> Any:
 def _local_index(kind: str) -> int:
     bound = gpu.bound_device()
     return bound if bound is not None else _current_device(kind)
+
+
+def dtype_of(x: Any) -> Any:
+    """``x``'s dtype object (``numpy.dtype`` or ``torch.dtype``): it pickles, record dtypes included."""
+    return x.dtype
+
+
+def shares_memory(a: Any, b: Any) -> bool:
+    """True when ``a`` and ``b`` may overlap in memory (same kind of array; conservative)."""
+    xp = _numpy_like(a)
+    if xp is not None:
+        return _numpy_like(b) is xp and bool(xp.may_share_memory(a, b))
+    if not _is_torch(b) or a.device != b.device:
+        return False
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    a0, b0 = sa.data_ptr(), sb.data_ptr()
+    return a0 < b0 + sb.nbytes() and b0 < a0 + sa.nbytes()
+
+
+def check_writable(x: Any, what: str) -> None:
+    """Raise ``ValueError`` unless a collective may write into ``x`` in place.
+
+    Refused: read-only numpy arrays, torch tensors that require grad (an
+    in-place write into a leaf of the graph), torch inference tensors outside
+    inference mode.
+    """
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise ValueError(f"{what} is a read-only numpy array (flags.writeable is False); pass a writable array")
+    if _is_torch(x):
+        torch = _torch()
+        if x.requires_grad:
+            raise ValueError(f"{what} requires grad: a collective cannot write into it in place; pass a tensor without requires_grad")
+        if x.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(f"{what} is an inference tensor and cannot be written outside torch.inference_mode()")
+
+
+def mark_written(x: Any) -> None:
+    """Tell torch autograd that ``x`` was written in place (its version counter moves on).
+
+    A tensor that autograd saved for a backward pass and that a collective
+    then overwrote is then an error at ``backward()``, as after torch's own
+    in-place operations, instead of a silently wrong gradient.
+    """
+    if _is_torch(x) and not x.is_inference():
+        _torch().autograd.graph.increment_version(x)
 
 
 def narrow(x: Any, dim: int, start: int, length: int) -> Any:

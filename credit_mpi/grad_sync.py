@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from . import buffers
 from .manager import DomainParallelManager, get_domain_parallel_manager
-from .validation import allgather_or_raise
+from .validation import Local, agree
 
 __all__ = ["reduce_gradients"]
 
@@ -48,9 +48,11 @@ def reduce_gradients(
             model on every rank.
         manager: DomainParallelManager (the global singleton if None; with
             none, nothing happens).
-        check: Agree first across all ranks on which gradients exist and on
-            their dtypes and sizes (one small allgather), so a mismatch is
-            one ``ValueError`` on every rank instead of garbage.
+        check: Kept for the API's symmetry: the ranks always agree first
+            (one ``Allgather`` of a few integers over the parent communicator)
+            on which gradients exist and on their dtypes, sizes and device
+            types, since these decide the reductions, so a mismatch is one
+            ``ValueError`` on every rank instead of garbage or a hang.
 
     Raises:
         ValueError: ranks hold gradients for different parameters.
@@ -60,15 +62,20 @@ def reduce_gradients(
     if manager is None:
         return
     grads = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
-    if check:
-        signature = [(i, str(g.dtype), g.numel(), g.device.type) for i, g in grads]
-        everyone = allgather_or_raise(manager.comm, lambda: signature)
-        if any(s != signature for s in everyone):
-            ranks = [r for r, s in enumerate(everyone) if s != everyone[0]]
-            raise ValueError(
-                "reduce_gradients: ranks hold gradients for different parameters, dtypes, sizes or device types "
-                f"(rank(s) {ranks} differ from rank 0); run the same model and backward pass on every rank"
-            )
+
+    def local() -> Local:
+        # Which gradients exist, their dtypes, sizes and device types decide
+        # the Allreduce calls: agreed whatever ``check`` says.
+        return Local(None, tuple((i, str(g.dtype), g.numel(), g.device.type) for i, g in grads))
+
+    def explain(locals_: list[Local]) -> None:
+        ranks = [r for r, loc in enumerate(locals_) if loc.calls != locals_[0].calls]
+        raise ValueError(
+            "reduce_gradients: ranks hold gradients for different parameters, dtypes, sizes or device types "
+            f"(rank(s) {ranks} differ from rank 0); run the same model and backward pass on every rank"
+        )
+
+    agree(manager.comm, "reduce_gradients", local, check=check, explain=explain)
     groups: dict[str, list] = {}
     for _, g in grads:
         groups.setdefault(str(g.dtype), []).append(g)

@@ -49,7 +49,7 @@ from typing import Any
 from mpi4py import MPI
 
 from . import buffers
-from .manager import DomainParallelManager, get_domain_parallel_manager
+from .manager import Domain, DomainParallelManager, domain_of
 from .partition import (
     HALO_BOUNDARIES,
     check_halo_width,
@@ -57,7 +57,7 @@ from .partition import (
     halo_neighbors,
     normalize_dim,
 )
-from .validation import allgather_or_raise, check_bands_fit, check_int, check_transport
+from .validation import Local, agree, check_bands_fit, check_int, check_transport
 
 __all__ = ["HALO_BOUNDARIES", "halo_exchange"]
 
@@ -86,16 +86,19 @@ def halo_exchange(
             none, or a domain size of 1, the whole field is on this rank).
         boundary: ``"zero"``, ``"periodic"``, ``"reflect"`` or ``"earth"``
             (see the module docstring).
-        check: Agree across the domain group on the arguments and the bands
-            (kind, dtype, every dimension but ``dim``) and check that the halo
-            fits every band, so a mistake is the same exception on every rank
-            (one small allgather). With ``False`` only local checks run.
+        check: Agree across the domain group on the bands' kind, dtype and
+            every dimension but ``dim``, so a mismatch is the same exception
+            on every rank. With ``False`` the ranks still agree (in the same
+            single ``Allgather`` of a few integers) on everything that decides
+            the MPI calls: the width, the boundary, the transport, the bytes
+            per row, whether autograd records the exchange, and every band's
+            rows (so a halo wider than a band is always caught).
         transport: ``"mpi"`` (default) moves the halo rows with MPI
             ``Sendrecv``; ``"torch"`` with torch.distributed point-to-point
             over ``manager.torch_domain_group`` (NCCL on GPUs; see
             :func:`credit_mpi.init_torch_distributed`). Bit-identical result.
             The backward pass of the differentiable exchange moves the halo
-            gradients the same way; the argument check uses MPI either way.
+            gradients the same way; the agreement uses MPI either way.
 
     Returns:
         A new array of ``x``'s kind, dtype and device, ``2 * halo_width``
@@ -103,18 +106,18 @@ def halo_exchange(
 
     Raises:
         ValueError: negative or non-integer ``halo_width``, ``dim`` out of
-            range, unknown ``boundary``, ``"earth"`` without the whole (or
-            with an odd) longitude, a halo wider than a band.
+            range, unknown ``boundary`` or ``transport``, ``"earth"`` without
+            the whole (or with an odd) longitude, a halo wider than a band.
         TypeError: unsupported array type, or bands of different kinds.
+        DomainParallelError: ranks made different calls (a different width,
+            boundary, transport, or a band that requires grad on some ranks only).
     """
-    check_transport(transport)
-    manager = get_domain_parallel_manager() if manager is None else manager
-    plan = _plan(x, halo_width, dim, manager, boundary, check, transport)
-    if buffers.requires_grad(x):  # differentiable path (torch autograd)
-        from .autograd import halo_exchange_autograd
+    plan = _plan(x, halo_width, dim, domain_of(manager), boundary, check, transport)
+    if plan.autograd:  # differentiable path (torch autograd); the same MPI calls
+        from .autograd import halo_autograd
 
-        return halo_exchange_autograd(x, plan)
-    return _forward(x, plan)
+        return halo_autograd(x, plan)
+    return halo_kernel(x, plan)
 
 
 @dataclass(frozen=True)
@@ -131,42 +134,39 @@ class _Plan:
     lon_axis: int  # last dimension (earth only)
     lon: int
     shape: tuple  # this rank's band
+    autograd: bool  # torch autograd records the exchange (agreed: its backward is collective too)
     torch_group: Any = None  # transport="torch": the mirrored torch domain group
 
 
-def _plan(x, halo_width, dim, manager, boundary, check, transport="mpi") -> _Plan:
-    if manager is None or manager.domain_parallel_size <= 1:
-        comm, n, rank = MPI.COMM_SELF, 1, 0
-    else:
-        comm, n, rank = manager.domain_group, manager.domain_parallel_size, manager.domain_rank
+def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi") -> _Plan:
+    comm, n, rank = domain.comm, domain.size, domain.rank
 
-    def local() -> tuple:
+    def local() -> Local:
+        check_transport(transport)
         info = buffers.describe(x)
         width = _check_width(halo_width)
         axis = normalize_dim(dim, len(info.shape))
         _check_boundary(boundary, info.shape, axis)
-        return info, axis, width, boundary
+        if transport == "torch" and n > 1:
+            _torch_group(domain)  # a clear error when the bridge is missing
+        rest = info.shape[:axis] + info.shape[axis + 1 :]
+        calls = (width, boundary, transport, buffers.requires_grad(x), math.prod(info.shape[:axis]),
+                 math.prod(info.shape[axis + 1 :]) * info.itemsize)
+        same = (info.kind, info.dtype, info.device_type, len(info.shape), rest, axis)
+        return Local((info, axis, width, boundary), calls, same, info.shape[axis])
 
-    if check and n > 1:
-        everyone = allgather_or_raise(comm, local)
-        check_bands_fit(
-            "halo_exchange", everyone, ("dim", "halo_width", "boundary"), comm,
-            note="; for 'earth' the whole longitude on every rank",
-        )
-        info, axis, width, _ = everyone[rank]
-        sizes = [i.shape[axis] for i, *_ in everyone]
-    else:
-        info, axis, width, _ = local()
-        # local checks only: this band is checked, the others are assumed to fit
-        sizes = [info.shape[axis] if r == rank else max(info.shape[axis], width + 1) for r in range(n)]
-    check_halo_width(sizes, width, boundary, axis)
+    def explain(locals_: list[Local]) -> None:  # name each rank's band when they do not fit
+        check_bands_fit("halo_exchange", [loc.plan for loc in locals_], ("dim", "halo_width", "boundary"), comm,
+                        note="; for 'earth' the whole longitude on every rank")
+
+    if n > 1:
+        (info, axis, width, _), sizes = agree(comm, "halo_exchange", local, check=check, explain=explain)
+    else:  # the whole field is here: nothing to agree on
+        info, axis, width, _ = local().plan
+        sizes = [info.shape[axis]]
+    check_halo_width(sizes, width, boundary, axis)  # every rank's rows are agreed: every rank raises alike
     prev, nxt = halo_neighbors(rank, n, boundary == "periodic")
     shape = info.shape
-    torch_group = None
-    if transport == "torch" and n > 1:
-        from . import torch_bridge
-
-        torch_group = torch_bridge.domain_group(manager)
     return _Plan(
         comm=comm,
         axis=axis,
@@ -180,13 +180,21 @@ def _plan(x, halo_width, dim, manager, boundary, check, transport="mpi") -> _Pla
         lon_axis=len(shape) - 1,
         lon=shape[-1],
         shape=shape,
-        torch_group=torch_group,
+        autograd=buffers.requires_grad(x),
+        torch_group=_torch_group(domain) if transport == "torch" and n > 1 else None,
     )
 
 
-def _forward(x: Any, p: _Plan) -> Any:
-    """The padded band (plain arrays, no autograd)."""
+def _torch_group(domain: Domain) -> Any:
+    from . import torch_bridge
+
+    return torch_bridge.domain_group(domain.manager)
+
+
+def halo_kernel(x: Any, p: _Plan) -> Any:
+    """The padded band of an agreed exchange (plain arrays, no autograd)."""
     w, rows, axis = p.width, p.rows, p.axis
+    x = buffers.contiguous(x)  # detached; lazy conjugate / negative views resolved (DLPack cannot carry them)
     shape = list(p.shape)
     shape[axis] = rows + 2 * w
     out = buffers.empty(x, shape)
@@ -264,8 +272,8 @@ def _fill_edge(out: Any, x: Any, p: _Plan, side: str, at: int) -> None:
     buffers.copy_rows(out, p.axis, at, halo)
 
 
-def _adjoint(grad: Any, p: _Plan) -> Any:
-    """Backward of :func:`_forward`: the band's gradient, with halo gradients sent home and added.
+def halo_adjoint(grad: Any, p: _Plan) -> Any:
+    """The adjoint of :func:`halo_kernel`: the band's gradient, with halo gradients sent home and added.
 
     ``grad`` has the padded shape. Every halo row of the forward pass is a
     copy of some band row (or a constant); its gradient is added to that

@@ -19,6 +19,9 @@ so the library can live inside an existing MPI code.
 from __future__ import annotations
 
 import logging
+import sys
+import warnings
+from typing import Any, NamedTuple
 
 from mpi4py import MPI
 
@@ -29,12 +32,19 @@ __all__ = [
     "initialize_domain_parallel",
     "get_domain_parallel_manager",
     "destroy_domain_parallel",
+    "Domain",
+    "domain_of",
 ]
 
 logger = logging.getLogger(__name__)
 logger.addHandler(logging.NullHandler())
 
 _MANAGER: DomainParallelManager | None = None
+_LEAKED = 0  # managers garbage-collected without free()
+
+
+class ResourceLeakWarning(UserWarning):
+    """A manager was garbage-collected without ``free()`` (shown by default, unlike ResourceWarning)."""
 
 
 class DomainParallelManager:
@@ -243,6 +253,23 @@ class DomainParallelManager:
         if _MANAGER is self:
             _MANAGER = None
 
+    def __del__(self) -> None:
+        # Freeing a communicator is collective, and garbage collection runs at
+        # a different moment on every rank, so a forgotten manager cannot be
+        # freed here; say so, before the MPI library runs out of communicators.
+        if getattr(self, "_domain_group", None) is None or sys.is_finalizing() or MPI.Is_finalized():
+            return
+        global _LEAKED
+        _LEAKED += 1
+        warnings.warn(
+            f"a DomainParallelManager was garbage-collected without free(): its 2 communicators stay allocated "
+            f"({_LEAKED} manager(s) leaked in this process; MPI libraries allow a few thousand communicators). "
+            f"Call manager.free(), use `with DomainParallelManager(...) as manager:`, or "
+            f"credit_mpi.destroy_domain_parallel() for the singleton",
+            ResourceLeakWarning,
+            stacklevel=2,
+        )
+
     def __enter__(self) -> DomainParallelManager:
         return self
 
@@ -301,6 +328,65 @@ def get_domain_parallel_manager() -> DomainParallelManager | None:
         DomainParallelManager or None if not initialized.
     """
     return _MANAGER
+
+
+class Domain(NamedTuple):
+    """This rank's place in its domain group: what every operation asks first.
+
+    ``size`` and ``rank`` come from any manager-like object with
+    ``domain_parallel_size`` and ``domain_rank`` (the reference's unit tests
+    use plain objects and mocks); no manager means a domain of one.
+    """
+
+    size: int
+    rank: int
+    manager: Any = None
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        """The domain group's communicator (``MPI.COMM_SELF`` for a domain of one).
+
+        Raises:
+            TypeError: the manager has no mpi4py ``domain_group`` (a stand-in
+                that only supports the local functions).
+        """
+        if self.size <= 1:
+            return MPI.COMM_SELF
+        group = getattr(self.manager, "domain_group", None)
+        if not isinstance(group, MPI.Intracomm):
+            raise TypeError(
+                f"this operation communicates over the manager's domain_group, but the manager "
+                f"{type(self.manager).__name__} has domain_group={group!r} (need an mpi4py intracommunicator: "
+                f"use credit_mpi.DomainParallelManager); only shard_tensor and shard_batch (local) work "
+                f"with a manager stand-in"
+            )
+        return group
+
+
+def domain_of(manager: Any = None) -> Domain:
+    """``Domain(size, rank, manager)`` of ``manager`` (the singleton when None; size 1 when there is none).
+
+    Works with any object that has ``domain_parallel_size`` and
+    ``domain_rank``. A freed :class:`DomainParallelManager` raises
+    :class:`~credit_mpi.DomainParallelError`.
+    """
+    manager = _MANAGER if manager is None else manager
+    if manager is None:
+        return Domain(1, 0, None)
+    if isinstance(manager, DomainParallelManager):
+        manager._live(manager._domain_group)  # raises once freed
+        return Domain(manager.domain_parallel_size, manager._domain_rank, manager)
+    for name in ("domain_parallel_size", "domain_rank"):
+        if not hasattr(manager, name):
+            raise TypeError(
+                f"manager must be a DomainParallelManager or an object with domain_parallel_size and "
+                f"domain_rank; {type(manager).__name__} has no {name}"
+            )
+    size = check_int("manager.domain_parallel_size", manager.domain_parallel_size, minimum=1)
+    rank = check_int("manager.domain_rank", manager.domain_rank, minimum=0)
+    if rank >= size:
+        raise ValueError(f"manager.domain_rank={rank} is out of range for domain_parallel_size={size}")
+    return Domain(size, rank, manager)
 
 
 def destroy_domain_parallel() -> None:

@@ -48,13 +48,15 @@ def normalize_dim(dim: int, ndim: int) -> int:
     return dim % ndim
 
 
-def band_sizes(total: int, n: int, uneven: bool = False) -> list[int]:
+def band_sizes(total: int, n: int, uneven: bool = False, *, dim: int | None = None) -> list[int]:
     """Rows owned by each of ``n`` ranks when ``total`` rows are split.
 
     Args:
         total: Global size of the sharded dimension.
         n: Number of ranks in the domain group.
         uneven: Allow ``total % n != 0`` (``numpy.array_split`` layout).
+        dim: The dimension being split, as the caller named it (for the
+            message; the reference's words: ``Cannot shard dim {dim} ...``).
 
     Raises:
         ValueError: ``n < 1``, ``total < 0``, or ``total`` is not divisible by
@@ -66,8 +68,9 @@ def band_sizes(total: int, n: int, uneven: bool = False) -> list[int]:
         raise ValueError(f"size must be >= 0, got {total}")
     base, extra = divmod(total, n)
     if extra and not uneven:
+        what = "a dimension" if dim is None else f"dim {dim}"
         raise ValueError(
-            f"cannot shard a dimension of size {total} evenly across {n} "
+            f"Cannot shard {what} of size {total} evenly across {n} "
             f"domain-parallel ranks ({total} % {n} = {extra}); pass uneven=True "
             f"to split it like numpy.array_split (the first {extra} rank(s) get "
             f"{base + 1} rows, the others {base})"

@@ -3,42 +3,57 @@
 Provides functions to split tensors along a spatial dimension across
 domain-parallel ranks, and to gather them back for metrics/output.
 
-CREDIT's ``credit.domain_parallel.sharding`` API on MPI. Additions to the
-reference, all keyword-only with defaults that keep its behaviour:
+CREDIT's ``credit.domain_parallel.sharding`` API on MPI. Which calls
+communicate:
 
-* ``uneven=True`` splits like :func:`numpy.array_split` (the first
-  ``size % n`` ranks get one extra row); :func:`gather_tensor` reassembles
-  uneven shards by itself.
-* ``check=True`` agrees on the arrays' metadata across the domain group
-  before anything moves, so a mistake on one rank is the same exception on
-  every rank instead of a hang or garbage. The check is one small
-  ``allgather`` of (kind, shape, dtype, device) per call: tens of
-  microseconds on one node, independent of the array size. ``check=False``
-  skips it for code that has already checked; ``gather_tensor`` then still
-  exchanges one integer per rank (the band sizes).
+* :func:`shard_tensor` and :func:`shard_batch` are **local**, as in the
+  reference: each rank validates its own arguments and slices its band; no
+  MPI call. ``check="collective"`` makes them agree across the domain group
+  first (one small ``Allgather``), so that ranks that passed different
+  arrays get the same exception instead of silently different bands. They
+  work with any manager-like object that has ``domain_parallel_size`` and
+  ``domain_rank`` (the reference's unit tests use plain objects and mocks).
+* :func:`gather_tensor` and :func:`scatter_tensor` move data, so they are
+  collective over the domain group. Each starts with
+  :func:`credit_mpi.validation.agree`: one ``Allgather`` of a few integers
+  per rank (the operation, the check mode, a digest of the arrays'
+  metadata and arguments, the band rows), so a mistake on one rank is the
+  same exception on every rank, never a hang or garbage.
 
-Every function is collective over the manager's domain group (unless the
-domain size is 1 or there is no manager, in which case the input comes back
-unchanged and nothing is communicated). Arrays are numpy arrays or torch
-tensors (CPU or CUDA) or CuPy arrays; results have the kind, dtype and device of the
-input (device arrays move as :mod:`credit_mpi.buffers` describes).
+Additions to the reference, all keyword-only with defaults that keep its
+behaviour: ``uneven=True`` splits like :func:`numpy.array_split` (the first
+``size % n`` ranks get one extra row), and :func:`gather_tensor`
+reassembles uneven shards by itself; ``out=`` and ``transport=`` for the
+gather; :func:`scatter_tensor`.
+
+With no manager, or a domain of size 1, the input comes back unchanged and
+nothing is communicated. Arrays are numpy arrays, torch tensors (CPU or
+CUDA) or CuPy arrays; results have the kind, dtype and device of the input
+(device arrays move as :mod:`credit_mpi.buffers` describes).
+
+Gradients (torch tensors that require grad): a shard is a slice, so its
+gradient is the slice's (this rank's rows, zeros elsewhere; no
+communication), for :func:`shard_tensor` and :func:`shard_batch` alike; the
+gradient of a gather is this rank's rows of the gathered gradient (see
+:mod:`credit_mpi.autograd`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
-import numpy as np
 from mpi4py import MPI
 
 from . import buffers
-from .manager import DomainParallelManager, get_domain_parallel_manager
+from .manager import Domain, DomainParallelManager, domain_of
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
-from .validation import allgather_or_raise, check_bands_fit, check_transport
+from .validation import Local, agree, check_bands_fit, check_transport
 
 __all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
+
+CHECK_MODES = ("local", "collective")
 
 
 def shard_tensor(
@@ -47,47 +62,65 @@ def shard_tensor(
     manager: DomainParallelManager | None = None,
     *,
     uneven: bool = False,
-    check: bool = True,
+    check: str | bool = "local",
 ) -> Any:
     """Shard a tensor along the given dimension across domain-parallel ranks.
 
     Splits the tensor into equal chunks and returns only this rank's chunk.
-    Every rank of the domain group passes the same global tensor.
+    Every rank of the domain group passes the same global tensor. Local (no
+    communication), as in the reference.
 
     Args:
-        x: Input tensor (numpy array or torch tensor).
+        x: Input tensor (numpy array, torch tensor or CuPy array).
         dim: Dimension to shard along (default: -2 for H in BCHW or BCTHW).
-        manager: DomainParallelManager instance (uses global singleton if None).
+        manager: DomainParallelManager instance (uses global singleton if None),
+            or any object with ``domain_parallel_size`` and ``domain_rank``.
         uneven: Allow a size that the domain size does not divide
-            (``numpy.array_split`` layout).
-        check: Agree across the domain group that every rank passed the same
-            shape, dtype and kind (one small allgather).
+            (``numpy.array_split`` layout: the first ``size % n`` ranks get
+            one extra row).
+        check: ``"local"`` (default): validate this rank's arguments only.
+            ``"collective"``: also agree across the domain group that every
+            rank passed the same shape, dtype, kind and arguments (one small
+            ``Allgather``; needs a real manager, and every rank of the group
+            must call). ``True``/``False`` mean ``"collective"``/``"local"``.
 
     Returns:
         Local shard of the tensor (contiguous; it shares memory with ``x``
-        when the band is contiguous already, as in the reference).
+        when the band is contiguous already). For torch tensors that require
+        grad it is differentiable like a slice.
 
     Raises:
         ValueError: ``dim`` out of range, or the size is not divisible and
-            ``uneven`` is false (on every rank when ``check``).
+            ``uneven`` is false (``"Cannot shard dim ..."``, as the reference).
         TypeError: unsupported array type.
     """
-    manager = _resolve(manager)
-    if manager is None or manager.domain_parallel_size <= 1:
+    collective = _collective(check)
+    domain = domain_of(manager)
+    if domain.size <= 1:
         return x
-    if buffers.requires_grad(x):  # differentiable path (torch autograd); it calls back in here
-        from .autograd import shard_tensor_autograd
 
-        return shard_tensor_autograd(x, dim, manager, uneven=uneven, check=check)
-    n, rank = manager.domain_parallel_size, manager.domain_rank
-
-    def plan() -> tuple:
+    def local() -> Local:
         info = buffers.describe(x)
         axis = normalize_dim(dim, len(info.shape))
-        return info, axis, band_sizes(info.shape[axis], n, uneven)
+        sizes = band_sizes(info.shape[axis], domain.size, uneven, dim=dim)
+        return Local((info, axis, sizes), (axis, uneven), (info.kind, info.shape, info.dtype, info.device_type))
 
-    info, axis, sizes = _agreed(manager, plan, "shard_tensor") if check else plan()
-    return buffers.narrow(x, axis, sum(sizes[:rank]), sizes[rank])
+    plan = _agree(domain, "shard_tensor", local, _different_arrays("shard_tensor")) if collective else local().plan
+    _, axis, sizes = plan
+    return buffers.narrow(x, axis, sum(sizes[: domain.rank]), sizes[domain.rank])
+
+
+class _Gather(NamedTuple):
+    """What every rank agreed on before a gather moves data."""
+
+    comm: MPI.Comm
+    info: buffers.ArrayInfo
+    axis: int
+    sizes: list  # every rank's rows along axis
+    rank: int
+    out: Any  # the output array, or None (allocated by the gather)
+    transport: str
+    manager: Any
 
 
 def gather_tensor(
@@ -106,7 +139,9 @@ def gather_tensor(
     per outer slice straight into place for large fields; packed groups of
     at most 4 MiB copied into place for small ones): no list of shards and
     no concatenate, so the only memory beyond the output is at most 4 MiB of
-    scratch and a contiguous copy of a non-contiguous input. Shards may have different sizes along ``dim`` (uneven splits).
+    scratch and a contiguous copy of a non-contiguous input. Shards may have
+    different sizes along ``dim`` (uneven splits). Collective over the
+    domain group.
 
     Args:
         x: Local shard tensor.
@@ -114,62 +149,86 @@ def gather_tensor(
         manager: DomainParallelManager instance (uses global singleton if None).
         check: Agree first that the shards fit together (same kind, dtype,
             ndim and every dimension but ``dim``); a mismatch raises the same
-            exception on every rank, naming each rank's shape. Costs one small
-            allgather; with ``False`` only the band sizes are exchanged.
-        out: Optional C-contiguous array of the global shape, kind and dtype
-            to gather into (reused across calls, it saves allocating and
-            first-touching the output each time). Checked on every rank
-            together with the shards when ``check`` is true.
+            exception on every rank, naming each rank's shape. With
+            ``False`` the ranks still agree on what decides the MPI calls
+            (the band rows, the bytes per row, ``out`` and ``transport``),
+            so nothing hangs, but not on dtypes of the same size or the
+            dimensions' split. Either way one ``Allgather`` of a few integers.
+        out: Optional C-contiguous, writable array of the global shape, kind
+            and dtype to gather into (reused across calls, it saves
+            allocating and first-touching the output each time); agreed on
+            every rank. ``x`` may be a view into ``out`` (an in-place gather).
         transport: ``"mpi"`` (default) moves the data with MPI; ``"torch"``
             with a torch.distributed collective over the mirrored group
             ``manager.torch_domain_group`` (NCCL on GPUs, for MPIs that are
             not CUDA-aware; see :func:`credit_mpi.init_torch_distributed`).
-            The result is bit-identical; the metadata check uses MPI either way.
+            The result is bit-identical; the agreement uses MPI either way.
 
     Returns:
         Full (gathered) tensor, identical on every rank of the domain group
         (``out`` when given).
     """
-    check_transport(transport)
-    manager = _resolve(manager)
-    if manager is None or manager.domain_parallel_size <= 1:
+    domain = domain_of(manager)
+    if domain.size <= 1:
+        check_transport(transport)
         return x if out is None else _copy_into(out, x, dim)
-    if buffers.requires_grad(x):  # differentiable path (torch autograd); it calls back in here
-        from .autograd import gather_tensor_autograd
+    plan = _gather_plan(x, dim, domain, check, out, transport)
+    if buffers.requires_grad(x):  # differentiable: the same MPI calls, inside an autograd.Function
+        from .autograd import gather_autograd
 
-        return gather_tensor_autograd(x, dim, manager, check=check, transport=transport, out=out)
-    comm = manager.domain_group
+        return gather_autograd(x, plan)
+    return gather_kernel(x, plan)
 
-    def plan() -> tuple:
+
+def _gather_plan(x: Any, dim: int, domain: Domain, check: bool, out: Any, transport: str) -> _Gather:
+    comm = domain.comm
+
+    def local() -> Local:
+        check_transport(transport)
         info = buffers.describe(x)
-        return info, normalize_dim(dim, len(info.shape))
+        axis = normalize_dim(dim, len(info.shape))
+        rest = info.shape[:axis] + info.shape[axis + 1 :]
+        out_rows = None if out is None else _check_out(out, info, axis)
+        if transport == "torch":
+            from . import torch_bridge
+
+            torch_bridge.domain_group(domain.manager)  # a clear error when the bridge is missing
+        calls = (transport, math.prod(info.shape[:axis]), math.prod(info.shape[axis + 1 :]) * info.itemsize, out_rows)
+        outs = None if out is None else buffers.describe(out)
+        return Local((info, axis, outs), calls, (info.kind, info.dtype, info.device_type, len(info.shape), rest, axis), info.shape[axis])
+
+    def explain(locals_: list[Local]) -> None:  # name each rank's shard (and out) when they do not fit
+        check_bands_fit("gather_tensor", [loc.plan[:2] for loc in locals_], ("dim",), comm)
+        outs = [loc.plan[2] for loc in locals_]
+        if any((o is None) != (outs[0] is None) or (o is not None and o.shape != outs[0].shape) for o in outs):
+            detail = ", ".join(f"rank {r}: " + ("None" if o is None else f"{o.kind} {o.dtype} {o.shape}") for r, o in enumerate(outs))
+            raise ValueError(f"gather_tensor: out must have the gathered shape on every rank (or None on every rank); got {detail}")
+
+    (info, axis, _), sizes = agree(comm, "gather_tensor", local, check=check, explain=explain)
+    if out is not None:  # out's rows are agreed (a call argument): every rank raises alike
+        _check_out(out, info, axis, sum(sizes))
+    return _Gather(comm, info, axis, sizes, domain.rank, out, transport, domain.manager)
 
 
-    if check:
-        shards = allgather_or_raise(comm, lambda: (*plan(), _out_plan(out)))
-        check_bands_fit("gather_tensor", [s[:2] for s in shards], ("dim",), comm)
-        info, axis, _ = shards[comm.Get_rank()]
-        sizes = [s.shape[axis] for s, _, _ in shards]
-        _check_out(info, axis, sum(sizes), [s[2] for s in shards])
-    else:
-        info, axis = plan()
-        sizes = _allgather_int(comm, info.shape[axis])
-        _check_out(info, axis, sum(sizes), [_out_plan(out)])  # local only: never write out of bounds
-
-    shape = list(info.shape)
-    shape[axis] = sum(sizes)
-    if out is None:
-        out = buffers.empty(x, shape)
+def gather_kernel(x: Any, p: _Gather) -> Any:
+    """Move the bands of an agreed gather (no checks, no autograd): returns the output."""
+    shape = _gathered_shape(p.info.shape, p.axis, sum(p.sizes))
+    out = buffers.empty(x, shape) if p.out is None else p.out
     if math.prod(shape) == 0:
         return out
-    if transport == "torch":
+    if p.out is not None and buffers.shares_memory(x, out):
+        x = buffers.clone(x)  # an in-place gather: MPI forbids aliased send and receive buffers
+    if p.transport == "torch":
         from . import torch_bridge
 
-        return torch_bridge.allgather_bands(x, out, axis, sizes, manager)
-    outer = math.prod(shape[:axis])
-    row_bytes = math.prod(shape[axis + 1 :]) * info.itemsize
-    with buffers.send_buffer(buffers.contiguous(x), comm) as send, buffers.recv_buffer(out, comm) as recv:
-        _allgather_rows(comm, send, recv, outer, sizes, row_bytes)
+        torch_bridge.allgather_bands(x, out, p.axis, p.sizes, p.manager)
+    else:
+        outer = math.prod(shape[: p.axis])
+        row_bytes = math.prod(shape[p.axis + 1 :]) * p.info.itemsize
+        with buffers.send_buffer(buffers.contiguous(x), p.comm) as send, buffers.recv_buffer(out, p.comm) as recv:
+            _allgather_rows(p.comm, send, recv, outer, p.sizes, row_bytes)
+    if p.out is not None:
+        buffers.mark_written(out)  # autograd sees the write (a tensor it saved is now stale)
     return out
 
 
@@ -252,57 +311,60 @@ def shard_batch(
     manager: DomainParallelManager | None = None,
     *,
     uneven: bool = False,
-    check: bool = True,
+    check: str | bool = "local",
     transport: str = "mpi",
 ) -> dict:
     """Shard all spatial tensors in a training batch dictionary.
 
     Handles both 5D (B, C, T, H, W) and 4D (B, C, H, W) tensors.
-    Non-tensor entries and 1D/2D/3D tensors are left unchanged.
+    Non-tensor entries and 1D/2D/3D tensors are left unchanged. Local (no
+    communication), as in the reference.
 
     Args:
         batch: Dictionary of batch data (from dataloader).
         spatial_dims_5d: Dimension to shard in 5D tensors (default: -2 for H).
         spatial_dims_4d: Dimension to shard in 4D tensors (default: -2 for H).
-        manager: DomainParallelManager instance (uses global singleton if None).
+        manager: DomainParallelManager instance (uses global singleton if None),
+            or any object with ``domain_parallel_size`` and ``domain_rank``.
         uneven: As in :func:`shard_tensor`.
-        check: As in :func:`shard_tensor`; one allgather for the whole batch.
+        check: As in :func:`shard_tensor`; ``"collective"`` agrees on the
+            whole batch with one ``Allgather``.
         transport: ``"mpi"`` or ``"torch"``, as in :func:`gather_tensor`.
-            Sharding moves no array data (each rank slices its own band), so
-            the result is the same either way; ``"torch"`` only requires the
-            torch bridge to be initialised, so a training loop can pass one
-            transport everywhere.
+            Sharding moves no array data, so the result is the same either
+            way; ``"torch"`` checks that the torch bridge is initialised, so
+            a training loop can pass one transport everywhere.
 
     Returns:
-        New dict with sharded tensors.
+        New dict with sharded tensors (each differentiable like a slice).
     """
+    collective = _collective(check)
     check_transport(transport)
-    manager = _resolve(manager)
-    if manager is None or manager.domain_parallel_size <= 1:
+    domain = domain_of(manager)
+    if domain.size <= 1:
         return batch
-    if transport == "torch":
-        from . import torch_bridge
-
-        torch_bridge.domain_group(manager)  # a clear error when the bridge is missing
-    n, rank = manager.domain_parallel_size, manager.domain_rank
     dims = {5: spatial_dims_5d, 4: spatial_dims_4d}
 
-    def plan() -> dict:
+    def local() -> Local:
+        if transport == "torch":
+            from . import torch_bridge
+
+            torch_bridge.domain_group(domain.manager)  # a clear error when the bridge is missing
         bands = {}
         for key, value in batch.items():
             if buffers.is_array(value) and value.ndim in dims:
                 try:
                     info = buffers.describe(value)
                     axis = normalize_dim(dims[value.ndim], value.ndim)
-                    bands[key] = (info, axis, band_sizes(info.shape[axis], n, uneven))
+                    bands[key] = (info, axis, band_sizes(info.shape[axis], domain.size, uneven, dim=dims[value.ndim]))
                 except (TypeError, ValueError) as exc:
-                    raise type(exc)(f"batch[{key!r}]: {exc}") from None
-        return bands
+                    raise type(exc)(f"{exc} (in batch[{key!r}])") from None
+        same = tuple((key, info.kind, info.shape, info.dtype, info.device_type, axis) for key, (info, axis, _) in bands.items())
+        return Local(bands, (uneven, transport), same)
 
-    bands = _agreed(manager, plan, "shard_batch") if check else plan()
+    bands = _agree(domain, "shard_batch", local, _different_arrays("shard_batch")) if collective else local().plan
     sharded = dict(batch)
     for key, (_, axis, sizes) in bands.items():
-        sharded[key] = buffers.narrow(batch[key], axis, sum(sizes[:rank]), sizes[rank])
+        sharded[key] = buffers.narrow(batch[key], axis, sum(sizes[: domain.rank]), sizes[domain.rank])
     return sharded
 
 
@@ -319,37 +381,39 @@ def scatter_tensor(
     Like :func:`shard_tensor`, but only ``root`` (a domain rank) needs the
     global tensor; the other ranks pass ``None`` (their argument is ignored)
     and receive their band with one ``Scatterv``, without ever holding the
-    global field. Not in the reference.
+    global field. Collective over the domain group. Not in the reference.
 
     Returns:
         This rank's band, of the root's kind and dtype (numpy on ranks other
         than the root when the root holds numpy; the root's device type).
+        Not differentiable.
     """
-    manager = _resolve(manager)
-    if manager is None or manager.domain_parallel_size <= 1:
+    domain = domain_of(manager)
+    if domain.size <= 1:
         return x
-    comm, n, rank = manager.domain_group, manager.domain_parallel_size, manager.domain_rank
+    comm, n, rank = domain.comm, domain.size, domain.rank
 
-    def plan() -> tuple:
-        # The root is checked inside the collective agreement: a bad or
-        # different root on one rank must not leave the others in Scatterv.
+    def local() -> Local:
         if isinstance(root, bool) or not (isinstance(root, int) and 0 <= root < n):
             raise ValueError(f"root must be a domain rank in 0..{n - 1}, got {root!r}")
-        if rank != root:
-            return root, None
-        info = buffers.describe(x)
-        axis = normalize_dim(dim, len(info.shape))
-        return root, (info, axis, band_sizes(info.shape[axis], n, uneven))
+        plan = None
+        if rank == root:
+            info = buffers.describe(x)
+            axis = normalize_dim(dim, len(info.shape))
+            plan = (info, buffers.dtype_of(x), axis, band_sizes(info.shape[axis], n, uneven, dim=dim))
+        return Local(plan, (root, uneven))
 
-    plans = allgather_or_raise(comm, plan)
-    roots = [r for r, _ in plans]
-    if len(set(roots)) != 1:
-        detail = ", ".join(f"rank {r}: root={v}" for r, v in enumerate(roots))
-        raise ValueError(f"scatter_tensor: ranks of the domain group passed different roots ({detail})")
-    info, axis, sizes = plans[root][1]
+    def explain(locals_: list[Local]) -> None:
+        detail = ", ".join(f"rank {r}: root={loc.calls[0]}, uneven={loc.calls[1]}" for r, loc in enumerate(locals_))
+        raise ValueError(f"scatter_tensor: ranks of the domain group passed different roots or uneven ({detail})")
+
+    plan = _agree(domain, "scatter_tensor", local, explain)
+    # Every rank agreed on the root, which described the array: it tells the
+    # others (the dtype itself travels, so record dtypes work on every rank).
+    info, dtype, axis, sizes = comm.bcast(plan, root=root)
     shape = list(info.shape)
     shape[axis] = sizes[rank]
-    out = buffers.empty(x, shape) if rank == root else buffers.empty_described(info, shape)
+    out = buffers.empty(x, shape) if rank == root else buffers.empty_described(info, shape, dtype)
     outer = math.prod(shape[:axis])
     row_bytes = math.prod(shape[axis + 1 :]) * info.itemsize
     if outer * row_bytes * info.shape[axis] == 0:
@@ -368,28 +432,28 @@ def scatter_tensor(
     return out
 
 
-def _resolve(manager: DomainParallelManager | None) -> DomainParallelManager | None:
-    manager = get_domain_parallel_manager() if manager is None else manager
-    if manager is not None and manager.freed:
-        _ = manager.domain_group  # raises DomainParallelError, also when the domain size is 1
-    return manager
+def _collective(check: Any) -> bool:
+    """shard_tensor/shard_batch's ``check``: True for ``"collective"``/True, False for ``"local"``/False."""
+    if check is True or check == "collective":
+        return True
+    if check is False or check == "local":
+        return False
+    raise ValueError(f"check must be 'local' or 'collective' (or True / False), got {check!r}")
 
 
-def _agreed(manager: DomainParallelManager, plan, what: str):
-    """Run ``plan`` on every rank; every rank must have produced the same plan."""
-    plans = allgather_or_raise(manager.domain_group, plan)
-    if any(_signature(p) != _signature(plans[0]) for p in plans):
-        detail = "; ".join(f"rank {r}: {_summary(p)}" for r, p in enumerate(plans))
+def _agree(domain: Domain, operation: str, local, explain):
+    """The plan this rank agreed on with the rest of its domain group."""
+    return agree(domain.comm, operation, local, explain=explain)[0]
+
+
+def _different_arrays(what: str):
+    """``explain`` for the sharding calls: name each rank's array(s)."""
+
+    def explain(locals_: list[Local]) -> None:
+        detail = "; ".join(f"rank {r}: {_summary(loc.plan)}" for r, loc in enumerate(locals_))
         raise ValueError(f"{what}: ranks of the domain group passed different arrays ({detail})")
-    return plans[manager.domain_rank]
 
-
-def _signature(plan):
-    """What must agree across ranks: everything but the device index."""
-    if isinstance(plan, dict):
-        return {key: _signature(value) for key, value in plan.items()}
-    info, *rest = plan
-    return (info.kind, info.shape, info.dtype, info.device_type, *rest)
+    return explain
 
 
 def _summary(plan) -> str:
@@ -399,36 +463,31 @@ def _summary(plan) -> str:
     return f"{info.kind} {info.dtype} {info.shape} on {info.device} dim {axis}"
 
 
+def _gathered_shape(shape: tuple, axis: int, total: int) -> tuple:
+    return shape[:axis] + (total,) + shape[axis + 1 :]
+
+
+def _check_out(out: Any, info: buffers.ArrayInfo, axis: int, total: int | str = "all the bands' rows") -> int:
+    """This rank's ``out`` must fit the gather (every dim but ``axis``, and ``total`` rows when known); its rows."""
+    o = buffers.describe(out)
+    rest = info.shape[:axis] + info.shape[axis + 1 :]
+    fits = o.same_kind(info) and len(o.shape) == len(info.shape) and o.shape[:axis] + o.shape[axis + 1 :] == rest
+    if not fits or not buffers.is_contiguous(out) or (isinstance(total, int) and o.shape[axis] != total):
+        raise ValueError(
+            f"gather_tensor: out must be a C-contiguous {info.kind} {info.dtype} array of shape "
+            f"{_gathered_shape(info.shape, axis, total)} on {info.device_type}, got {o.kind} {o.dtype} "
+            f"{o.shape} on {o.device}" + ("" if buffers.is_contiguous(out) else " (non-contiguous)")
+        )
+    buffers.check_writable(out, "gather_tensor's out")
+    return o.shape[axis]
+
+
 def _copy_into(out: Any, x: Any, dim: int) -> Any:
     """The one-rank gather into ``out``: a checked copy."""
     info = buffers.describe(x)
     axis = normalize_dim(dim, len(info.shape))
-    _check_out(info, axis, info.shape[axis], [_out_plan(out)])
-    buffers.copy_rows(out, 0, 0, x)
+    _check_out(out, info, axis, info.shape[axis])
+    if not buffers.shares_memory(x, out) or x.shape != out.shape:
+        buffers.copy_rows(out, 0, 0, x)
+    buffers.mark_written(out)
     return out
-
-
-def _out_plan(out: Any) -> tuple | None:
-    """What every rank tells the others about its ``out``: (description, contiguous) or None."""
-    return None if out is None else (buffers.describe(out), buffers.is_contiguous(out))
-
-
-def _check_out(info: buffers.ArrayInfo, axis: int, total: int, outs: list) -> None:
-    """Every rank's ``out`` (or None everywhere) must have the gathered shape, kind and dtype."""
-    shape = info.shape[:axis] + (total,) + info.shape[axis + 1 :]
-    bad = {
-        r: o for r, o in enumerate(outs)
-        if (o is None) != (outs[0] is None) or (o is not None and (o[0].shape != shape or not o[0].same_kind(info) or not o[1]))
-    }
-    if bad:
-        detail = ", ".join(f"rank {r}: " + ("None" if o is None else f"{o[0].kind} {o[0].dtype} {o[0].shape}" + ("" if o[1] else " non-contiguous")) for r, o in bad.items())
-        raise ValueError(
-            f"gather_tensor: out must be a C-contiguous {info.kind} {info.dtype} array of shape "
-            f"{shape} on every rank (or None on every rank); got {detail}"
-        )
-
-
-def _allgather_int(comm: MPI.Comm, value: int) -> list[int]:
-    values = np.empty(comm.Get_size(), dtype=np.int64)
-    comm.Allgather(np.array([value], dtype=np.int64), values)
-    return values.tolist()

@@ -5,18 +5,34 @@ not leave the other ranks waiting in a collective. The pattern used across
 credit_mpi: each rank does its local checks, then one small ``allgather``
 shares either its metadata or its error; if any rank failed, every rank
 raises the same exception, naming the ranks that failed.
+
+The rule every collective operation follows (:func:`agree`): **anything that
+changes which MPI calls a rank will make is agreed before the first MPI call
+of the operation**. Each rank validates its own arguments locally, without
+raising; then one fixed-size ``Allgather`` of a small integer header (the
+operation, the check mode, "my local validation failed", a 64-bit digest of
+everything that must be equal on every rank, and one count such as the band
+rows) tells every rank what every rank is about to do. Only when all headers
+agree does the operation move data; otherwise every rank takes the same
+second, pickled ``allgather`` that names what each rank did, and every rank
+raises the same exception. Validation that could fail on one rank happens
+inside this agreement, never before or after it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 from mpi4py import MPI
 
 __all__ = [
     "DomainParallelError",
+    "Local",
+    "agree",
     "allgather_or_raise",
     "raise_on_all",
     "comm_label",
@@ -60,6 +76,115 @@ def allgather_or_raise(comm: MPI.Comm, compute: Callable[[], Any]) -> list[Any]:
     if failures:
         raise _agreed_error(failures, comm_label(comm)) from local_error
     return [value for _, value in items]
+
+
+class Local(NamedTuple):
+    """What one rank brings to :func:`agree`.
+
+    Attributes:
+        plan: What the operation needs on this rank afterwards (any object;
+            pickled only when ranks disagree, to name what each one did).
+        calls: Plain values (str, int, float, bool, None, tuples of them)
+            that decide which MPI calls this rank will make, with which byte
+            counts: arguments, the transport, whether autograd records the
+            call, ``out``. Always compared.
+        same: Plain values that must be equal for the result to be right
+            (kinds, dtypes, dims); compared when the operation's ``check``
+            is true. Both are compared through one 64-bit digest, so the
+            common case moves a few integers.
+        count: One integer every rank learns from every other rank (the band
+            rows along the sharded dim, for instance).
+    """
+
+    plan: Any
+    calls: tuple
+    same: tuple = ()
+    count: int = 0
+
+
+# Every operation that starts with an agreement has a code, so that a rank in
+# one operation never pairs silently with a rank in another.
+OPERATIONS = (
+    "shard_tensor", "shard_batch", "gather_tensor", "scatter_tensor", "halo_exchange", "reduce_gradients",
+    "collective",  # agree()'s default, for code outside the core operations
+)
+_HEADER = 5  # operation, check, failed, digest, count
+
+
+def agree(
+    comm: MPI.Comm,
+    operation: str,
+    local: Callable[[], Local],
+    *,
+    check: bool = True,
+    explain: Callable[[list[Local]], None] | None = None,
+) -> tuple[Any, list[int]]:
+    """The collective start of an operation: every rank agrees on what happens next, or every rank raises.
+
+    ``local()`` runs on this rank and may raise (a bad argument or array);
+    its exception is not raised here but carried into the agreement. Then
+    one ``Allgather`` of five int64 per rank compares the operation, the
+    ``check`` mode, the failure flags and the digest of ``local().calls``
+    (and of ``local().same`` when ``check``) across ``comm``. If anything differs, a second,
+    pickled ``allgather`` (taken by every rank, since every rank sees the
+    same table) shares each rank's :class:`Local` or error, and every rank
+    raises the same exception: the failing ranks' error (as in
+    :func:`allgather_or_raise`), else what ``explain(locals)`` raises for
+    ranks in the same operation (a precise message), else a
+    :class:`DomainParallelError` that names each rank's call.
+
+    Args:
+        comm: The communicator the operation runs on.
+        operation: One of :data:`OPERATIONS`.
+        local: This rank's validation; returns a :class:`Local`.
+        check: Compare ``same`` across ranks too (the operation's ``check``
+            argument). ``False`` still agrees on the operation, the check
+            mode itself, failures and ``calls``: ranks never make different calls.
+        explain: Called with every rank's :class:`Local` when the ranks are
+            in the same operation but differ; raises the operation's own
+            message (deterministic, so every rank raises the same).
+
+    Returns:
+        ``(plan, counts)``: this rank's plan and every rank's count.
+    """
+    error: Exception | None = None
+    mine: Local | None = None
+    try:
+        mine = local()
+        digest = _digest((mine.calls, mine.same) if check else mine.calls)
+        count = int(mine.count)
+    except Exception as exc:  # noqa: BLE001 - every rank raises it below
+        error, digest, count = exc, 0, 0
+    header = np.array([OPERATIONS.index(operation), bool(check), error is not None, digest, count], dtype=np.int64)
+    table = np.empty((comm.Get_size(), _HEADER), dtype=np.int64)
+    comm.Allgather(header, table)
+    if not table[:, 2].any() and (table[:, :4] == table[0, :4]).all():
+        return mine.plan, table[:, 4].tolist()
+    # Some rank failed or differs: every rank saw the same table, so every rank is here.
+    if error is not None:
+        item = (False, (type(error) if isinstance(error, _PORTABLE) else None, str(error)))
+    else:
+        item = (True, (operation, bool(check), mine))
+    items = comm.allgather(item)
+    failures = {rank: info for rank, (ok, info) in enumerate(items) if not ok}
+    where = comm_label(comm)
+    if failures:
+        raise _agreed_error(failures, where) from error
+    calls = [info for _, info in items]
+    if explain is not None and len({(op, chk) for op, chk, _ in calls}) == 1:
+        explain([loc for _, _, loc in calls])
+    detail = "; ".join(
+        f"rank {r}: {op}(check={chk}, {loc.calls!r}, {loc.same!r})" for r, (op, chk, loc) in enumerate(calls)
+    )
+    raise DomainParallelError(
+        f"ranks of {where} made different calls (every rank must call the same operation with the same "
+        f"arguments, check mode, transport and autograd state): {detail}"
+    )
+
+
+def _digest(values: tuple) -> int:
+    """A 64-bit digest of plain values, the same on every rank (``hash()`` of a str is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:

@@ -27,6 +27,7 @@ MODES = ["none", "raise", "raise-all", "thread", "sys-exit", "os-exit", "kill", 
 
 
 def fail(mode: str, x: np.ndarray, manager) -> None:
+    print(f"rank {MPI.COMM_WORLD.Get_rank()}: failing with {mode}", flush=True)
     if mode == "raise":
         raise RuntimeError(f"injected failure on rank {MPI.COMM_WORLD.Get_rank()}")
     if mode == "thread":
@@ -62,7 +63,7 @@ def main() -> None:
                 # One rank passes a wrong shape: the library raises on every rank.
                 bad = x[:, :-1] if rank == args.rank else x
                 try:
-                    credit_mpi.shard_tensor(bad, -2, manager)
+                    credit_mpi.shard_tensor(bad, -2, manager, check="collective")
                 except ValueError:
                     if args.mode != "caught":
                         raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import credit_mpi
 from credit_mpi import gather_tensor, halo_exchange, shard_tensor
@@ -31,16 +32,30 @@ def test_gather_backward_is_this_ranks_slice(rng, make_manager):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_shard_backward_all_gathers(rng, make_manager):
+@pytest.mark.parametrize("how", ["shard_tensor", "shard_batch"])
+def test_shard_backward_is_the_slices(rng, make_manager, how):
+    """A shard is a slice (as in the reference): this rank's rows get their gradient, the others zero.
+
+    The same for shard_tensor and shard_batch; summed over the domain group
+    (what reduce_gradients does for parameters) it is the whole gradient.
+    """
     manager = make_manager()
     total = 3 * manager.domain_parallel_size + 1
-    weight = torch.from_numpy(rng.standard_normal((2, total, 4)))
-    x = torch.from_numpy(rng.standard_normal((2, total, 4))).requires_grad_()
+    weight = torch.from_numpy(rng.standard_normal((2, 1, total, 4)))
+    x = torch.from_numpy(rng.standard_normal((2, 1, total, 4))).requires_grad_()
     start, stop = band(total, manager)
-    local = shard_tensor(x, 1, manager, uneven=True)
-    torch.testing.assert_close(local.detach(), x.detach()[:, start:stop], rtol=0, atol=0)
-    (local * weight[:, start:stop]).sum().backward()  # each rank's loss covers its band
-    torch.testing.assert_close(x.grad, weight, rtol=0, atol=0)
+    if how == "shard_tensor":
+        local = shard_tensor(x, -2, manager, uneven=True)
+    else:
+        local = credit_mpi.shard_batch({"x": x}, manager=manager, uneven=True)["x"]
+    torch.testing.assert_close(local.detach(), x.detach()[..., start:stop, :], rtol=0, atol=0)
+    (local * weight[..., start:stop, :]).sum().backward()  # each rank's loss covers its band
+    expected = torch.zeros_like(weight)
+    expected[..., start:stop, :] = weight[..., start:stop, :]
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+    summed = x.grad.numpy().copy()
+    manager.domain_group.Allreduce(MPI.IN_PLACE, summed)
+    np.testing.assert_array_equal(summed, weight.numpy())
 
 
 @pytest.mark.mpi(min_size=1)
@@ -127,11 +142,13 @@ def _in_thread(fn):
 
 
 def test_backward_off_the_main_thread_needs_thread_serialized(monkeypatch):
-    from mpi4py import MPI
-
     from credit_mpi.autograd import check_backward_thread
 
-    assert _in_thread(check_backward_thread) is None or MPI.Query_thread() < MPI.THREAD_SERIALIZED
+    error = _in_thread(check_backward_thread)  # at the level this process really has
+    if MPI.Query_thread() >= MPI.THREAD_SERIALIZED:
+        assert error is None
+    else:
+        assert isinstance(error, credit_mpi.DomainParallelError)
     monkeypatch.setattr(MPI, "Query_thread", lambda: MPI.THREAD_FUNNELED)
     check_backward_thread()  # MPI's main thread: fine at any level
     error = _in_thread(check_backward_thread)
@@ -147,8 +164,9 @@ def test_backward_passes_that_call_mpi_check_the_thread_level(rng, make_manager,
     monkeypatch.setattr(autograd, "check_backward_thread", lambda: calls.append(1))
     manager = make_manager()
     x = torch.from_numpy(rng.standard_normal((2, 3 * manager.domain_parallel_size, 4))).requires_grad_()
-    shard_tensor(x, 1, manager).sum().backward()  # backward: an MPI all-gather
-    assert len(calls) == 1
+    shard_tensor(x, 1, manager).sum().backward()  # a slice: no MPI in the backward pass
+    gather_tensor(x.detach()[:, :3].clone().requires_grad_(), 1, manager).sum().backward()  # a slice again
+    assert calls == []
     band_ = x.detach()[:, :3].clone().requires_grad_()
     halo_exchange(band_, 1, 1, manager).sum().backward()  # backward: MPI Sendrecv
-    assert len(calls) == 2
+    assert len(calls) == 1

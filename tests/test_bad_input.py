@@ -177,31 +177,31 @@ def shard_dim_not_int(c):
 @case(2)
 def shard_indivisible(c):
     rows = 2 * c.n + 1
-    return ValueError, f"size {rows} evenly across {c.n} .*uneven=True", lambda: credit_mpi.shard_tensor(field(rows), 0, c.manager)
+    return ValueError, f"^Cannot shard dim 0 of size {rows} evenly across {c.n} .*uneven=True", lambda: credit_mpi.shard_tensor(field(rows), 0, c.manager)
 
 
 @case(2)
 def shard_shape_differs(c):
     rows = 2 * c.n if c.r == 0 else 4 * c.n
-    return ValueError, rf"different arrays .*rank 0: numpy float32 \({2 * c.n}, 3\)", lambda: credit_mpi.shard_tensor(field(rows), 0, c.manager)
+    return ValueError, rf"different arrays .*rank 0: numpy float32 \({2 * c.n}, 3\)", lambda: credit_mpi.shard_tensor(field(rows), 0, c.manager, check="collective")
 
 
 @case(2)
 def shard_dtype_differs(c):
     dtype = np.float64 if c.r == 0 else np.float32
-    return ValueError, "different arrays .*rank 0: numpy float64", lambda: credit_mpi.shard_tensor(field(2 * c.n, dtype=dtype), 0, c.manager)
+    return ValueError, "different arrays .*rank 0: numpy float64", lambda: credit_mpi.shard_tensor(field(2 * c.n, dtype=dtype), 0, c.manager, check="collective")
 
 
 @case(2)
 def shard_ndim_differs(c):
     x = field(2 * c.n)[None] if c.r == 1 else field(2 * c.n)
-    return ValueError, rf"different arrays .*rank 1: numpy float32 \(1, {2 * c.n}, 3\)", lambda: credit_mpi.shard_tensor(x, -2, c.manager)
+    return ValueError, rf"different arrays .*rank 1: numpy float32 \(1, {2 * c.n}, 3\)", lambda: credit_mpi.shard_tensor(x, -2, c.manager, check="collective")
 
 
 @case(2)
 def shard_dim_differs(c):
     x = field(2 * c.n, 2 * c.n)
-    return ValueError, "different arrays .*dim 0.*dim 1", lambda: credit_mpi.shard_tensor(x, 0 if c.r == 0 else 1, c.manager)
+    return ValueError, "different arrays .*dim 0.*dim 1", lambda: credit_mpi.shard_tensor(x, 0 if c.r == 0 else 1, c.manager, check="collective")
 
 
 @case(2)
@@ -212,7 +212,7 @@ def shard_unsupported_type(c):
 @case(2)
 def shard_list_on_one_rank(c):
     x = field(2 * c.n).tolist() if c.r == 0 else field(2 * c.n)
-    return TypeError, r"builtins.list.* \[on rank\(s\) 0 of", lambda: credit_mpi.shard_tensor(x, 0, c.manager)
+    return TypeError, r"builtins.list.* \[on rank\(s\) 0 of", lambda: credit_mpi.shard_tensor(x, 0, c.manager, check="collective")
 
 
 @case(2)
@@ -230,13 +230,13 @@ def shard_scalar_array(c):
 def shard_torch_on_one_rank(c):
     torch = torch_or_skip()
     x = torch.zeros(2 * c.n, 3) if c.r == 0 else np.zeros((2 * c.n, 3), np.float32)
-    return ValueError, "different arrays .*rank 0: torch torch.float32", lambda: credit_mpi.shard_tensor(x, 0, c.manager)
+    return ValueError, "different arrays .*rank 0: torch torch.float32", lambda: credit_mpi.shard_tensor(x, 0, c.manager, check="collective")
 
 
 @case(2)
 def shard_batch_indivisible(c):
     batch = {"x": np.zeros((1, 1, 2 * c.n + 1, 3), np.float32), "meta": "ok"}
-    return ValueError, rf"batch\['x'\]: cannot shard a dimension of size {2 * c.n + 1}", lambda: credit_mpi.shard_batch(batch, manager=c.manager)
+    return ValueError, rf"^Cannot shard dim -2 of size {2 * c.n + 1} .*\(in batch\['x'\]\)", lambda: credit_mpi.shard_batch(batch, manager=c.manager)
 
 
 @case(2)
@@ -244,7 +244,7 @@ def shard_batch_keys_differ(c):
     batch = {"x": np.zeros((1, 1, 2 * c.n, 3), np.float32)}
     if c.r == 0:
         batch["y"] = np.zeros((1, 1, 2 * c.n, 3), np.float32)
-    return ValueError, "different arrays .*rank 0: {'x'.*'y'", lambda: credit_mpi.shard_batch(batch, manager=c.manager)
+    return ValueError, "different arrays .*rank 0: {'x'.*'y'", lambda: credit_mpi.shard_batch(batch, manager=c.manager, check="collective")
 
 
 # -- gather_tensor ---------------------------------------------------------------
@@ -301,7 +301,7 @@ def scatter_root_string(c):
 
 @case(2)
 def scatter_roots_differ(c):
-    return ValueError, "different roots .*rank 0: root=0, rank 1: root=1", lambda: credit_mpi.scatter_tensor(field(2 * c.n), 0, c.manager, root=c.r)
+    return ValueError, "different roots .*rank 0: root=0, uneven=False, rank 1: root=1", lambda: credit_mpi.scatter_tensor(field(2 * c.n), 0, c.manager, root=c.r)
 
 
 @case(2)

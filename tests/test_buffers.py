@@ -326,7 +326,7 @@ def test_cpu_array_on_one_rank_and_gpu_array_on_another_fails_everywhere(make_ma
 
         monkeypatch.setattr(buffers, "describe", on_gpu)
     with pytest.raises(ValueError, match=r"rank 0: torch torch.float32 \(2, \d+\) on cpu.*rank 1: .* on cuda:0"):
-        credit_mpi.shard_tensor(x, dim=-1, manager=manager)
+        credit_mpi.shard_tensor(x, dim=-1, manager=manager, check="collective")
     with pytest.raises(TypeError, match="device type"):
         credit_mpi.gather_tensor(x, dim=-1, manager=manager)
 
@@ -339,7 +339,7 @@ def test_unsupported_type_on_one_rank_fails_everywhere(make_manager, rng):
     with pytest.raises(TypeError, match=r"builtins\.list.*on rank\(s\) " + str(manager.domain_parallel_size - 1)):
         credit_mpi.gather_tensor(mine, dim=-1, manager=manager)
     with pytest.raises(TypeError, match=r"builtins\.list"):
-        credit_mpi.shard_tensor(mine, dim=-1, manager=manager)
+        credit_mpi.shard_tensor(mine, dim=-1, manager=manager, check="collective")
 
 
 @pytest.mark.mpi(min_size=2)

@@ -58,10 +58,10 @@ FAILURES = [
     ("raise", ["--rank", "2", "--step", "9"], "injected failure on rank 2"),
     ("raise-all", ["--step", "3"], "injected failure"),
     ("thread", ["--rank", "1"], "ZeroDivisionError"),
-    ("library-error", ["--rank", "2"], "cannot shard a dimension"),
-    ("sys-exit", ["--rank", "1"], ""),
-    ("os-exit", ["--rank", "1"], ""),
-    ("kill", ["--rank", "2"], ""),
+    ("library-error", ["--rank", "2"], "Cannot shard dim -2 of size"),
+    ("sys-exit", ["--rank", "1"], "rank 1: failing with sys-exit"),
+    ("os-exit", ["--rank", "1"], "rank 1: failing with os-exit"),
+    ("kill", ["--rank", "2"], "rank 2: failing with kill"),
 ]
 
 

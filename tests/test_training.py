@@ -13,6 +13,7 @@ import copy
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import credit_mpi
 from credit_mpi import gather_tensor, reduce_gradients, shard_tensor
@@ -71,7 +72,12 @@ def _distributed(net, manager, x, target, *, gathered_loss):
         start = manager.domain_group.exscan(rows) or 0
         loss = ((out - target[..., start : start + rows, :]) ** 2).sum() / target.numel()
     loss.backward()
-    return gather_tensor(out.detach(), -2, manager), x.grad
+    # shard_tensor is a slice: x.grad holds this band's rows (halo gradients
+    # already sent home); summed over the domain group it is the whole gradient.
+    xgrad = x.grad.numpy().copy()
+    if manager.domain_parallel_size > 1:
+        manager.domain_group.Allreduce(MPI.IN_PLACE, xgrad)
+    return gather_tensor(out.detach(), -2, manager), torch.from_numpy(xgrad)
 
 
 @pytest.mark.mpi(min_size=1)
