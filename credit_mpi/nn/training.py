@@ -169,7 +169,7 @@ def _global_latitudes(latitudes: Any) -> np.ndarray:
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise ValueError(
-            f"latitude_weights: latitudes must be finite degrees in [-90, 90], got {lat[i]!r} at index {i}"
+            f"latitude_weights: latitudes must be finite degrees in [-90, 90], got {float(lat[i])!r} at index {i}"
         )
     if np.abs(lat).min() == 90.0:
         raise ValueError("latitude_weights: every latitude is at a pole, where cos(lat) = 0: the weights are undefined")
