@@ -319,6 +319,20 @@ def test_global_loss_refusal_raises_on_every_rank(make_manager):
     with pytest.raises(ValueError, match="1 rank"):
         cnn.global_loss(loss, manager)
     assert cnn.global_loss(torch.tensor(float(manager.rank)), manager) == sum(range(manager.comm.Get_size()))
+    with pytest.raises(ValueError, match="data_parallel=True, the others False"):
+        cnn.global_loss(torch.tensor(1.0), manager, data_parallel=manager.rank == 0)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_global_loss_per_sample_and_batch(make_manager):
+    """data_parallel=False: this domain group's sum (its sample); True: the mean over the domain groups."""
+    with layouts(make_manager) as managers:
+        for manager in managers:
+            share = torch.tensor(float(manager.rank + 1))
+            groups = manager.domain_groups()
+            mine = sum(r + 1 for r in groups[manager.domain_group_index])
+            assert cnn.global_loss(share, manager, data_parallel=False) == mine
+            assert cnn.global_loss(share, manager) == sum(sum(r + 1 for r in g) for g in groups) / len(groups)
 
 
 # -- metrics -------------------------------------------------------------------
@@ -426,6 +440,9 @@ def test_metrics_refusals_raise_on_every_rank(make_manager):
             if comm.Get_size() > 1:  # ranks disagree on the channels: one ValueError everywhere
                 with pytest.raises(ValueError, match="disagree"):
                     cnn.latitude_weighted_metrics(p, p, w, manager, channel_dim=None if last else 1)
+            if manager.comm.Get_size() > 1:  # one rank asks for data_parallel: the others must not wait elsewhere
+                with pytest.raises(ValueError, match="disagree"):
+                    cnn.latitude_weighted_metrics(p, p, w, manager, data_parallel=manager.rank == 0)
             with pytest.raises(ValueError, match="different dimensions"):
                 cnn.latitude_weighted_metrics(p, p, w, manager, channel_dim=2)
             with pytest.raises(TypeError, match="climatology must be a torch tensor"):

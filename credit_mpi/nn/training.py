@@ -274,11 +274,12 @@ def global_loss(
 ) -> float:
     """The global loss value for logging: the sum of the bands' shares, averaged over the samples.
 
-    Collective over the manager's parent communicator (``data_parallel``)
-    or its domain group: one ``Allreduce`` of two doubles, so even a
-    non-scalar loss on one rank is one ``ValueError`` on every rank. The
-    result is the same float on every rank; it carries no gradient (the
-    gradient path is the share itself).
+    Collective over the manager's parent communicator: one ``Allreduce``
+    of ``data_parallel_size + 2`` doubles (a sum per domain group and two
+    counters), so a non-scalar loss or a different ``data_parallel`` on one
+    rank is one ``ValueError`` on every rank. The result is the same float on
+    every rank (of the domain group, without ``data_parallel``); it carries
+    no gradient (the gradient path is the share itself).
 
     Args:
         loss: This rank's share (a scalar tensor or a number), e.g. from
@@ -305,16 +306,30 @@ def global_loss(
         if error is not None:
             raise error
         return value
-    comm = manager.comm if data_parallel else manager.domain_group
-    buf = np.array([value, 0.0 if error is None else 1.0])
+    if not isinstance(data_parallel, bool) and error is None:
+        error = ValueError(f"data_parallel must be True or False, got {data_parallel!r}")
+    # One Allreduce over every rank: slot g sums domain group g's shares (that sample's loss), and two
+    # counters carry the errors and the data_parallel flags, so a mistake on one rank raises everywhere.
+    comm, groups = manager.comm, manager.data_parallel_size
+    buf = np.zeros(groups + 2)
+    buf[manager.domain_group_index] = value
+    buf[groups] = error is not None
+    buf[groups + 1] = data_parallel is True
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-    if buf[1]:
-        mine = f"this rank: {error}" if error is not None else "this rank's loss was fine"
+    if buf[groups]:
+        mine = f"this rank: {error}" if error is not None else "this rank's arguments were fine"
         raise ValueError(
-            f"global_loss: {int(buf[1])} rank(s) of {comm_label(comm)} passed a loss that is not a single "
-            f"number ({mine}); pass each rank's scalar loss share"
+            f"global_loss: {int(buf[groups])} rank(s) of {comm_label(comm)} passed a loss that is not a single "
+            f"number or a bad data_parallel ({mine}); pass each rank's scalar loss share"
         )
-    return float(buf[0] / manager.data_parallel_size) if data_parallel else float(buf[0])
+    if 0 < buf[groups + 1] < comm.Get_size():
+        raise ValueError(
+            f"global_loss: {int(buf[groups + 1])} of the {comm.Get_size()} ranks of {comm_label(comm)} passed "
+            "data_parallel=True, the others False; pass the same on every rank"
+        )
+    if data_parallel:
+        return float(buf[:groups].sum() / groups)
+    return float(buf[manager.domain_group_index])
 
 
 def _scalar(loss: Any) -> float:
@@ -364,10 +379,11 @@ def latitude_weighted_metrics(
 
     Without ``per_sample`` the samples are pooled (one RMSE over all points
     of all samples). CREDIT and WeatherBench 2 average per-sample RMSEs
-    instead: take ``per_sample=True`` and average the rows yourself. Collective
-    over the domain group (the parent communicator with ``data_parallel``);
-    the results are identical on every rank of it. Not differentiable (the
-    values are for logging and validation).
+    instead: take ``per_sample=True`` and average the rows yourself.
+    Collective over the manager's parent communicator (the agreement of
+    ``check``; the sums go over the domain group, or every rank with
+    ``data_parallel``); the results are identical on every rank that shares
+    them. Not differentiable (the values are for logging and validation).
 
     Args:
         pred: This rank's band of the prediction (e.g. ``(B, C, lat, lon)``
@@ -392,10 +408,11 @@ def latitude_weighted_metrics(
             communicator instead of the domain group).
         centered_acc: ACC around the weighted mean anomaly (Pearson) instead
             of the uncentered anomaly correlation.
-        check: Agree first (one small allgather) on the shapes of the
-            statistics, so a mistake on one rank is one exception on every
-            rank. ``False`` saves that collective; a local mistake then
-            raises on that rank only.
+        check: Agree first (one small allgather over the parent
+            communicator) on the flags and the shapes of the statistics, so a
+            mistake on one rank is one exception on every rank. ``False``
+            saves that collective; a local mistake then raises on that rank
+            only, and the others wait in the ``Allreduce``.
 
     Returns:
         ``{"mse", "rmse"[, "acc"]}``: float64 CPU tensors of shape ``(C,)``
@@ -427,18 +444,21 @@ def latitude_weighted_metrics(
         stats = _sufficient_stats(pred, target, weights, climatology, dim, channel_dim, batch_dim, per_sample)
         return stats, (tuple(stats.shape), climatology is not None, per_sample, data_parallel, centered_acc)
 
-    if comm is not None and comm.Get_size() > 1 and check:
+    if manager is not None and manager.comm.Get_size() > 1 and check:
+        # agree over every rank (ranks that disagreed on data_parallel would reduce over different
+        # communicators); the statistics' shapes must match within each domain group
         box: list = []
-        everyone = allgather_or_raise(comm, lambda: box.append(local()) or box[0][1])
-        if any(e != everyone[0] for e in everyone):
+        everyone = allgather_or_raise(manager.comm, lambda: box.append(local()) or box[0][1])
+        members = range(len(everyone)) if data_parallel else manager.domain_groups()[manager.domain_group_index]
+        if any(e[1:] != everyone[0][1:] for e in everyone) or any(everyone[r] != everyone[members[0]] for r in members):
             detail = "; ".join(
                 f"rank {r}: statistics {e[0]}, climatology {e[1]}, per_sample {e[2]}, data_parallel {e[3]}, "
                 f"centered_acc {e[4]}"
                 for r, e in enumerate(everyone)
             )
             raise ValueError(
-                f"latitude_weighted_metrics: ranks of {comm_label(comm)} disagree (the same channels, the same "
-                f"samples with per_sample, a climatology on all or none, the same flags): {detail}"
+                f"latitude_weighted_metrics: ranks of {comm_label(manager.comm)} disagree (the same channels, the "
+                f"same samples with per_sample, a climatology on all or none, the same flags): {detail}"
             )
         stats = box[0][0]
     else:
