@@ -381,6 +381,18 @@ def test_metrics_match_single_process(nlat, per_sample, data_parallel, centered,
                 agreed(manager, got[key], manager.comm if data_parallel else manager.domain_group)
 
 
+def test_metrics_of_float32_fields_accumulate_in_float64():
+    rng = np.random.default_rng(15)
+    t = torch.from_numpy(rng.standard_normal((2, 3, 181, 360)))
+    p = t + 0.1 * torch.from_numpy(rng.standard_normal(t.shape))
+    clim = torch.from_numpy(rng.standard_normal((3, 181, 360)))
+    want = _reference_metrics(p, t, clim, global_weights(181), (0, 2, 3), False)
+    got = cnn.latitude_weighted_metrics(p.float(), t.float(), cnn.latitude_weights(181), climatology=clim.float())
+    for key in want:
+        assert got[key].dtype == torch.float64
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0, msg=key)  # float32 inputs, not sums
+
+
 def _weighted_corr(a, b, w):
     """Independent check of the centered ACC: numpy's weighted covariance."""
     c = np.cov(a.ravel(), b.ravel(), aweights=w.ravel(), bias=True)

@@ -364,11 +364,13 @@ def latitude_weighted_metrics(
 ) -> dict[str, torch.Tensor]:
     """Latitude-weighted MSE, RMSE and ACC per channel, equal to the single-process values.
 
-    Each rank sums its band's weighted sufficient statistics in float64
+    Each rank sums its band's weighted sufficient statistics
     (``sum w``, ``sum w e^2`` and, with a climatology, ``sum w a_p``,
     ``sum w a_t``, ``sum w a_p^2``, ``sum w a_t^2``, ``sum w a_p a_t`` for
     the anomalies ``a = x - climatology``) over every dimension but the
-    channel (and the batch, with ``per_sample``); one fused ``Allreduce``
+    channel (and the batch, with ``per_sample``), accumulated in float64
+    (the elementwise products in the fields' dtype, float32 at least, so no
+    float64 copy of a field is made); one fused ``Allreduce``
     adds them over the domain group (or over every rank, with
     ``data_parallel``), and the metrics are formed from the global sums:
 
@@ -510,22 +512,29 @@ def _sufficient_stats(pred, target, weights, climatology, dim, channel_dim, batc
                 f"{name}: climatology of shape {tuple(climatology.shape)} does not broadcast to this band's "
                 f"shape {tuple(pred.shape)}; shard it along dim {dim} like the fields"
             )
-    reduce = [i for i in range(ndim) if i not in keep]
-    order = sorted(keep)  # sums keep the kept dims in their order; put batch first, channel last
-    p, t = pred.detach().double(), target.detach().double()
-    wf = w.detach().double().expand(pred.shape)
+    # Sum over every dimension but the kept ones and the latitude (in float64), then weight the rows:
+    # one product with the weights per statistic, not per element. Elementwise work stays in the
+    # fields' dtype (float32 at least), so no float64 copies of the fields are made.
+    other = [i for i in range(ndim) if i not in keep and i != axis]
+    left = sorted([*keep, axis])  # the dims a sum over `other` leaves, in order
+    wv = w.detach().reshape(-1).double()
+    work = torch.promote_types(pred.dtype, torch.float32)
+    p, t = pred.detach().to(work), target.detach().to(work)
 
     def total(x: torch.Tensor) -> torch.Tensor:
-        x = x.sum(dim=reduce) if reduce else x
-        if per_sample and channel_dim is not None and order[0] != keep[0]:
-            x = x.transpose(0, 1)
+        x = x.sum(dim=other, dtype=torch.float64) if other else x.double()
+        x = x.movedim(left.index(axis), -1) @ wv  # the kept dims remain, in their order
+        if per_sample and channel_dim is not None and keep[0] > keep[1]:
+            x = x.transpose(0, 1)  # (batch, channel)
         return x if channel_dim is not None else x.unsqueeze(-1)
 
-    sums = [total(wf), total(wf * (p - t) ** 2)]
+    squared_errors = total((p - t) ** 2)
+    count = math.prod(pred.shape[i] for i in other)
+    sums = [torch.full_like(squared_errors, float(wv.sum()) * count), squared_errors]
     if climatology is not None:
-        clim = climatology.detach().double().to(p.device)
+        clim = climatology.detach().to(device=p.device, dtype=work)
         ap, at = p - clim, t - clim
-        sums += [total(wf * ap), total(wf * at), total(wf * ap * ap), total(wf * at * at), total(wf * ap * at)]
+        sums += [total(ap), total(at), total(ap * ap), total(at * at), total(ap * at)]
     return np.ascontiguousarray(torch.stack(sums).cpu().numpy())
 
 
