@@ -8,7 +8,7 @@ VENV    ?= .venv
 RANKS   ?= 4
 # The CPU build of torch: a bare `torch` requirement pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
-EXTRAS  ?= mpich,test
+EXTRAS  ?= mpich,test,io
 PY      := $(VENV)/bin/python
 
 .PHONY: install demo test docs lint clean
