@@ -390,3 +390,16 @@ def test_import_credit_mpi_does_not_import_torch():
     from .conftest import run_python
 
     run_python("import sys, credit_mpi; assert 'torch' not in sys.modules; credit_mpi.convert_to_domain_parallel; assert 'torch' in sys.modules")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_example_train_unet_matches_one_process():
+    import importlib.util
+
+    from .conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("train_unet", ROOT / "examples" / "train_unet.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    dp = 2 if MPI.COMM_WORLD.Get_size() == 4 else 1
+    assert module.main(["--steps", "3", "--data-parallel", str(dp), "--lat", "16", "--lon", "16"]) == 0

@@ -8,7 +8,8 @@ Policy (every module of the model, the root included, is visited once):
    mixes rows along the sharded dim).
 2. The table (exact types): convolutions, transposed convolutions,
    normalisations, upsampling, pooling -> their ``DomainParallel*`` wrapper.
-3. Modules that act on each row on its own (activations, dropout,
+3. Padding modules (``nn.CircularPad2d((1, 1, 0, 0))``: circular longitude)
+   that leave the sharded dim alone, and modules that act on each row on its own (activations, dropout,
    ``nn.Linear`` / ``nn.Identity`` acting on the last dim when that is not
    the sharded one, ...) stay as they are.
 4. Containers and unknown modules WITH children are kept and their children
@@ -36,7 +37,7 @@ from ..manager import DomainParallelManager, get_domain_parallel_manager
 from ..validation import check_int
 from . import conv, norm, resample
 from ._comm import ConversionError
-from .base import adopt
+from .base import DomainParallelModule, adopt
 
 __all__ = ["convert_to_domain_parallel", "keep_local", "ConversionError", "RULES", "POINTWISE"]
 
@@ -91,6 +92,21 @@ _REFUSED_WHY = {
     nn.AdaptiveMaxPool2d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
     nn.AdaptiveMaxPool3d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
 }
+
+
+_PADS = tuple(
+    getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant", "Circular", "Reflection", "Replication") for n in (1, 2, 3)
+    if hasattr(nn, f"{kind}Pad{n}d")
+)
+
+
+def _pads_sharded_dim(module: nn.Module, shard_dim: int) -> bool:
+    """True unless the padding module leaves the sharded dim alone (``padding`` lists (before, after) from the last dim)."""
+    pad = tuple(module.padding)
+    if shard_dim >= 0:
+        return True  # which dim the padding hits depends on the input's ndim: refuse
+    pair = -shard_dim - 1
+    return 2 * pair + 1 < len(pad) and (pad[2 * pair] != 0 or pad[2 * pair + 1] != 0)
 
 
 def keep_local(module: nn.Module, manager: Any, shard_dim: int) -> nn.Module:
@@ -159,10 +175,16 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
             raise TypeError(f"the custom converter for {type(module).__name__} at {label} returned {type(out).__name__}, not an nn.Module")
         return out
     kind = type(module)
+    if isinstance(module, DomainParallelModule):  # converted already: the same wrapper with this manager
+        return adopt(kind, module, manager, shard_dim, label)
     if kind in RULES:
         _check_supported(module, label)
         return adopt(RULES[kind], module, manager, shard_dim, label)
     if kind in POINTWISE:
+        return module
+    if kind in _PADS:
+        if _pads_sharded_dim(module, shard_dim):
+            _refuse(module, label, "it pads the sharded dim (only the global edges may be padded: use the conv's own padding)")
         return module
     if kind is nn.Linear:
         if shard_dim == -1:

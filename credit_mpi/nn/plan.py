@@ -111,7 +111,8 @@ def describe(model: nn.Module, input_shape: tuple[int, ...], domain_size: int | 
     ]
     try:
         with torch.no_grad():
-            dry(torch.empty(input_shape, device="meta"))
+            dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
+            dry(torch.empty(input_shape, device="meta", dtype=dtype))
     finally:
         for h in hooks:
             h.remove()
