@@ -3,7 +3,7 @@
 CREDIT's ``credit.domain_parallel`` API (manager + sharding) on MPI through
 mpi4py. Importing this package imports neither torch nor CuPy: the
 torch-only names (``HaloExchange``, ``init_torch_distributed``,
-``destroy_torch_distributed``) load on first use and are left out of
+``destroy_torch_distributed``, ``convert_to_domain_parallel``) load on first use and are left out of
 ``__all__``, so ``from credit_mpi import *`` works without torch.
 """
 
@@ -44,6 +44,10 @@ def __getattr__(name: str):
         from .autograd import HaloExchange
 
         return HaloExchange
+    if name == "convert_to_domain_parallel":
+        from .nn import convert_to_domain_parallel
+
+        return convert_to_domain_parallel
     if name in ("init_torch_distributed", "destroy_torch_distributed"):
         from . import torch_bridge
 

@@ -1,5 +1,52 @@
-"""credit_mpi.nn: the model side (imports torch; load it on demand, ``import credit_mpi`` does not)."""
+"""The model side: run an existing torch model on latitude bands, exact against one process.
 
+``convert_to_domain_parallel(model, manager)`` replaces each layer that mixes
+rows along the sharded dim by a ``DomainParallel*`` wrapper (same parameters,
+same ``state_dict`` keys) and refuses what it has no rule for;
+``describe(model, input_shape, domain_size)`` prints the plan (halo rows,
+stride alignment, minimum band height) before any data moves.
+
+The training-loop helpers (latitude weights, the band-share loss, global
+metrics, ``clip_grad_norm_``) live in :mod:`credit_mpi.nn.training`.
+
+Importing this subpackage imports torch (``import credit_mpi`` does not).
+"""
+
+from ._comm import ConversionError
+from .conv import (
+    DomainParallelConv1d,
+    DomainParallelConv2d,
+    DomainParallelConv3d,
+    DomainParallelConvTranspose1d,
+    DomainParallelConvTranspose2d,
+    DomainParallelConvTranspose3d,
+    DomainParallelPeriodicConv2d,
+)
+from .convert import convert_to_domain_parallel, keep_local
+from .norm import (
+    DomainParallelBatchNorm1d,
+    DomainParallelBatchNorm2d,
+    DomainParallelBatchNorm3d,
+    DomainParallelGroupNorm,
+    DomainParallelInstanceNorm1d,
+    DomainParallelInstanceNorm2d,
+    DomainParallelInstanceNorm3d,
+    DomainParallelLayerNorm,
+)
+from .plan import Plan, PlanRow, describe
+from .resample import (
+    DomainParallelAdaptiveAvgPool1d,
+    DomainParallelAdaptiveAvgPool2d,
+    DomainParallelAdaptiveAvgPool3d,
+    DomainParallelAvgPool1d,
+    DomainParallelAvgPool2d,
+    DomainParallelAvgPool3d,
+    DomainParallelInterpolate,
+    DomainParallelMaxPool1d,
+    DomainParallelMaxPool2d,
+    DomainParallelMaxPool3d,
+    DomainParallelUpsample,
+)
 from .training import (
     LatitudeWeightedMSELoss,
     clip_grad_norm_,
@@ -10,6 +57,38 @@ from .training import (
 )
 
 __all__ = [
+    "convert_to_domain_parallel",
+    "keep_local",
+    "describe",
+    "Plan",
+    "PlanRow",
+    "ConversionError",
+    "DomainParallelConv1d",
+    "DomainParallelConv2d",
+    "DomainParallelConv3d",
+    "DomainParallelConvTranspose1d",
+    "DomainParallelConvTranspose2d",
+    "DomainParallelConvTranspose3d",
+    "DomainParallelPeriodicConv2d",
+    "DomainParallelGroupNorm",
+    "DomainParallelInstanceNorm1d",
+    "DomainParallelInstanceNorm2d",
+    "DomainParallelInstanceNorm3d",
+    "DomainParallelLayerNorm",
+    "DomainParallelBatchNorm1d",
+    "DomainParallelBatchNorm2d",
+    "DomainParallelBatchNorm3d",
+    "DomainParallelUpsample",
+    "DomainParallelInterpolate",
+    "DomainParallelMaxPool1d",
+    "DomainParallelMaxPool2d",
+    "DomainParallelMaxPool3d",
+    "DomainParallelAvgPool1d",
+    "DomainParallelAvgPool2d",
+    "DomainParallelAvgPool3d",
+    "DomainParallelAdaptiveAvgPool1d",
+    "DomainParallelAdaptiveAvgPool2d",
+    "DomainParallelAdaptiveAvgPool3d",
     "latitude_weights",
     "latitude_weighted_mse",
     "LatitudeWeightedMSELoss",

@@ -1,0 +1,192 @@
+"""Convolutions and transposed convolutions on latitude bands (1-D, 2-D, 3-D).
+
+Each rank computes exactly the global output rows it owns (the rules are in
+:mod:`credit_mpi.nn.geometry`): it fetches the input rows those need from its
+neighbours (:func:`credit_mpi.halo_exchange`, differentiable), with the
+module's own padding at the global edges (``zeros``; ``circular`` - the
+first and last bands exchange; ``reflect``; ``replicate`` - the edge row),
+pads the other spatial dims locally like the module, and runs the
+convolution with no padding along the sharded dim. Transposed convolutions
+compute their band's full contribution and add the rows that fall on the
+neighbours' output rows there (overlap-add), then the bias.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import geometry
+from ._comm import agree, check_halo, fetch_rows, overlap_add
+from .base import DomainParallelModule
+
+__all__ = [
+    "DomainParallelConv1d",
+    "DomainParallelConv2d",
+    "DomainParallelConv3d",
+    "DomainParallelConvTranspose1d",
+    "DomainParallelConvTranspose2d",
+    "DomainParallelConvTranspose3d",
+    "DomainParallelPeriodicConv2d",
+    "conv_paddings",
+]
+
+_BOUNDARY = {"zeros": "zero", "circular": "periodic", "reflect": "reflect", "replicate": "replicate"}
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def conv_paddings(module: nn.Module) -> list[tuple[int, int]]:
+    """``(before, after)`` padding of each spatial dim of a convolution (``"same"``/``"valid"`` resolved like torch)."""
+    nd = len(module.kernel_size)
+    if isinstance(module.padding, str):
+        if module.padding == "valid":
+            return [(0, 0)] * nd
+        out = []
+        for k, d in zip(module.kernel_size, module.dilation, strict=True):
+            total = d * (k - 1)
+            out.append((total // 2, total - total // 2))
+        return out
+    return [(p, p) for p in module.padding]
+
+
+def conv_layout(module: nn.Module, sizes: list[int], sd: int) -> geometry.Layout:
+    """The window layout of ``module`` along spatial dim ``sd`` for bands ``sizes``."""
+    before, after = conv_paddings(module)[sd]
+    return geometry.conv_layout(sizes, module.kernel_size[sd], module.stride[sd], module.dilation[sd], before, after)
+
+
+def transposed_layout(module: nn.Module, sizes: list[int], sd: int) -> geometry.Layout:
+    """The transposed layout of ``module`` along spatial dim ``sd``."""
+    return geometry.transposed_layout(
+        sizes, module.kernel_size[sd], module.stride[sd], module.dilation[sd], module.padding[sd], module.output_padding[sd]
+    )
+
+
+def layout_error(path: str, lay: geometry.Layout, stride: int) -> ValueError:
+    """The refusal of a layout (the same on every rank: it is derived from agreed sizes)."""
+    return ValueError(
+        f"{path}: the band layout cannot run exactly: {lay.problem}. This layer needs every band to hold at "
+        f"least {lay.min_rows} row(s) of its input (of {lay.size})"
+        + (f", with band offsets that are multiples of the stride {stride} to keep skip connections aligned" if stride > 1 else "")
+        + "; use fewer domain ranks or a larger field"
+    )
+
+
+class _ConvMixin(DomainParallelModule):
+    _nd = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.dp_active():
+            return super().forward(x)
+        manager, nd = self.dp_manager, self._nd
+        bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path)
+        axis = bands.axis
+        sd = axis - (x.ndim - nd)
+        lay = conv_layout(self, bands.sizes, sd)
+        if lay.problem:
+            raise layout_error(self.dp_path, lay, self.stride[sd])
+        boundary = _BOUNDARY[self.padding_mode]
+        if boundary != "replicate":
+            check_halo(self.dp_path, bands.sizes, lay.width, boundary, axis)
+        band = lay.bands[bands.rank]
+        rows = fetch_rows(x, bands, band.in_lo, band.in_hi, lay.width, manager, boundary)
+        pads = conv_paddings(self)
+        conv_padding = [0] * nd
+        if self.padding_mode == "zeros":
+            conv_padding = [0 if i == sd else pads[i][0] for i in range(nd)]
+            if any(pads[i][0] != pads[i][1] for i in range(nd) if i != sd):  # "same" with an even kernel
+                rows = F.pad(rows, _pad_arg(pads, sd, nd, skip_symmetric=True))
+                conv_padding = [0 if i == sd or pads[i][0] != pads[i][1] else pads[i][0] for i in range(nd)]
+        elif any(p != (0, 0) for i, p in enumerate(pads) if i != sd):
+            rows = F.pad(rows, _pad_arg(pads, sd, nd), mode=self.padding_mode)
+        return _CONV[nd](rows, self.weight, self.bias, self.stride, conv_padding, self.dilation, self.groups)
+
+
+def _pad_arg(pads: list[tuple[int, int]], sd: int, nd: int, skip_symmetric: bool = False) -> list[int]:
+    arg: list[int] = []
+    for i in reversed(range(nd)):
+        before, after = pads[i]
+        if i == sd or (skip_symmetric and before == after):
+            arg += [0, 0]
+        else:
+            arg += [before, after]
+    return arg
+
+
+class _ConvTransposeMixin(DomainParallelModule):
+    _nd = 2
+
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        if not self.dp_active():
+            return super().forward(x, output_size)
+        manager, nd = self.dp_manager, self._nd
+
+        def axis_of(t: torch.Tensor) -> int:
+            if output_size is not None:
+                raise ValueError(f"{self.dp_path}: output_size is not supported on bands; set output_padding on the module")
+            if self.padding_mode != "zeros":
+                raise ValueError(f"{self.dp_path}: padding_mode={self.padding_mode!r} (torch supports only 'zeros')")
+            return self.dp_spatial_axis(t, nd, type(self).__name__)
+
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path)
+        axis = bands.axis
+        sd = axis - (x.ndim - nd)
+        lay = transposed_layout(self, bands.sizes, sd)
+        if lay.problem:
+            raise layout_error(self.dp_path, lay, 1)
+        band = lay.bands[bands.rank]
+        padding = [0 if i == sd else self.padding[i] for i in range(nd)]
+        output_padding = [0 if i == sd else self.output_padding[i] for i in range(nd)]
+        y = _CONV_T[nd](x, self.weight, None, self.stride, padding, output_padding, self.groups, self.dilation)
+        # y holds output rows [in_lo, in_hi); overlap_add wants [out_start - width, out_stop + width)
+        w = lay.width
+        before = band.in_lo - (band.out_start - w)
+        after = (band.out_stop + w) - band.in_hi
+        pad = [0, 0] * (x.ndim - 1 - axis) + [before, after]
+        y = F.pad(y, pad)
+        out = overlap_add(y, band.out_rows, w, axis, manager)
+        if self.bias is not None:
+            out = out + self.bias.view([-1] + [1] * nd)
+        return out
+
+
+class DomainParallelConv1d(_ConvMixin, nn.Conv1d):
+    """``nn.Conv1d`` on bands (see the module docstring)."""
+
+    _nd = 1
+
+
+class DomainParallelConv2d(_ConvMixin, nn.Conv2d):
+    """``nn.Conv2d`` on bands (see the module docstring)."""
+
+    _nd = 2
+
+
+class DomainParallelConv3d(_ConvMixin, nn.Conv3d):
+    """``nn.Conv3d`` on bands (see the module docstring)."""
+
+    _nd = 3
+
+
+class DomainParallelConvTranspose1d(_ConvTransposeMixin, nn.ConvTranspose1d):
+    """``nn.ConvTranspose1d`` on bands (overlap-add across band boundaries)."""
+
+    _nd = 1
+
+
+class DomainParallelConvTranspose2d(_ConvTransposeMixin, nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d`` on bands (overlap-add across band boundaries)."""
+
+    _nd = 2
+
+
+class DomainParallelConvTranspose3d(_ConvTransposeMixin, nn.ConvTranspose3d):
+    """``nn.ConvTranspose3d`` on bands (overlap-add across band boundaries)."""
+
+    _nd = 3
+
+
+# The reference's name for a conv with circular padding: the same class here (padding_mode="circular" decides).
+DomainParallelPeriodicConv2d = DomainParallelConv2d

@@ -1,0 +1,220 @@
+"""``convert_to_domain_parallel``: the module-type -> wrapper table, and the refusal of what has no rule.
+
+Policy (every module of the model, the root included, is visited once):
+
+1. ``custom_converters`` first: ``{ModuleType: fn(module, manager, shard_dim) -> replacement}``
+   (matched on the exact type, then on its base classes). :func:`keep_local`
+   as the function marks a type as local (the user vouches that it never
+   mixes rows along the sharded dim).
+2. The table (exact types): convolutions, transposed convolutions,
+   normalisations, upsampling, pooling -> their ``DomainParallel*`` wrapper.
+3. Padding modules (``nn.CircularPad2d((1, 1, 0, 0))``: circular longitude)
+   that leave the sharded dim alone, and modules that act on each row on its own (activations, dropout,
+   ``nn.Linear`` / ``nn.Identity`` acting on the last dim when that is not
+   the sharded one, ...) stay as they are.
+4. Containers and unknown modules WITH children are kept and their children
+   converted (their own ``forward`` is trusted: a reshape to the global shape
+   or a ``torch.roll`` along the sharded dim inside it cannot be seen; wrap
+   such code in a custom converter).
+5. Everything else raises :class:`ConversionError` on every rank, naming the
+   module's path and ``custom_converters``: attention (``nn.MultiheadAttention``,
+   ``nn.Transformer*``), ``nn.Flatten``/``nn.Unflatten``, ``nn.Linear`` when
+   ``shard_dim`` is the last dim, global pooling other than the adaptive
+   average, and unknown leaf modules.
+
+The conversion is deterministic (the same model gives the same verdict on
+every rank) and moves no data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ..manager import DomainParallelManager, get_domain_parallel_manager
+from ..validation import check_int
+from . import conv, norm, resample
+from ._comm import ConversionError
+from .base import DomainParallelModule, adopt
+
+__all__ = ["convert_to_domain_parallel", "keep_local", "ConversionError", "RULES", "POINTWISE"]
+
+RULES: dict[type, type] = {
+    nn.Conv1d: conv.DomainParallelConv1d,
+    nn.Conv2d: conv.DomainParallelConv2d,
+    nn.Conv3d: conv.DomainParallelConv3d,
+    nn.ConvTranspose1d: conv.DomainParallelConvTranspose1d,
+    nn.ConvTranspose2d: conv.DomainParallelConvTranspose2d,
+    nn.ConvTranspose3d: conv.DomainParallelConvTranspose3d,
+    nn.GroupNorm: norm.DomainParallelGroupNorm,
+    nn.InstanceNorm1d: norm.DomainParallelInstanceNorm1d,
+    nn.InstanceNorm2d: norm.DomainParallelInstanceNorm2d,
+    nn.InstanceNorm3d: norm.DomainParallelInstanceNorm3d,
+    nn.LayerNorm: norm.DomainParallelLayerNorm,
+    nn.BatchNorm1d: norm.DomainParallelBatchNorm1d,
+    nn.BatchNorm2d: norm.DomainParallelBatchNorm2d,
+    nn.BatchNorm3d: norm.DomainParallelBatchNorm3d,
+    nn.Upsample: resample.DomainParallelUpsample,
+    nn.MaxPool1d: resample.DomainParallelMaxPool1d,
+    nn.MaxPool2d: resample.DomainParallelMaxPool2d,
+    nn.MaxPool3d: resample.DomainParallelMaxPool3d,
+    nn.AvgPool1d: resample.DomainParallelAvgPool1d,
+    nn.AvgPool2d: resample.DomainParallelAvgPool2d,
+    nn.AvgPool3d: resample.DomainParallelAvgPool3d,
+    nn.AdaptiveAvgPool1d: resample.DomainParallelAdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d: resample.DomainParallelAdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d: resample.DomainParallelAdaptiveAvgPool3d,
+}
+
+# act on every element (or every row of the last dim) on its own: exact on bands as they are
+POINTWISE: tuple[type, ...] = (
+    nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
+    nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink,
+    nn.Threshold, nn.LogSigmoid, nn.Dropout, nn.AlphaDropout,
+)
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+_REFUSED_WHY = {
+    nn.MultiheadAttention: "attention mixes every position with every other one, across bands",
+    nn.Transformer: "attention mixes every position with every other one, across bands",
+    nn.TransformerEncoder: "attention mixes every position with every other one, across bands",
+    nn.TransformerDecoder: "attention mixes every position with every other one, across bands",
+    nn.TransformerEncoderLayer: "attention mixes every position with every other one, across bands",
+    nn.TransformerDecoderLayer: "attention mixes every position with every other one, across bands",
+    nn.Flatten: "it reshapes the sharded dim together with others (a band is not a slice of the flat vector)",
+    nn.Unflatten: "it reshapes into the sharded dim",
+    nn.Dropout2d: "it drops whole channels, and every band would draw its own mask",
+    nn.Dropout3d: "it drops whole channels, and every band would draw its own mask",
+    nn.AdaptiveMaxPool1d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
+    nn.AdaptiveMaxPool2d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
+    nn.AdaptiveMaxPool3d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
+}
+
+
+_PADS = tuple(
+    getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant", "Circular", "Reflection", "Replication") for n in (1, 2, 3)
+    if hasattr(nn, f"{kind}Pad{n}d")
+)
+
+
+def _pads_sharded_dim(module: nn.Module, shard_dim: int) -> bool:
+    """True unless the padding module leaves the sharded dim alone (``padding`` lists (before, after) from the last dim)."""
+    pad = tuple(module.padding)
+    if shard_dim >= 0:
+        return True  # which dim the padding hits depends on the input's ndim: refuse
+    pair = -shard_dim - 1
+    return 2 * pair + 1 < len(pad) and (pad[2 * pair] != 0 or pad[2 * pair + 1] != 0)
+
+
+def keep_local(module: nn.Module, manager: Any, shard_dim: int) -> nn.Module:
+    """A custom converter that keeps ``module`` as it is: it acts on each band on its own.
+
+    ``custom_converters={MyBlock: keep_local}`` is the user's statement that
+    ``MyBlock`` never mixes rows along the sharded dim.
+    """
+    return module
+
+
+def convert_to_domain_parallel(
+    model: nn.Module,
+    manager: DomainParallelManager | None = None,
+    shard_dim: int = -2,
+    *,
+    custom_converters: dict[type, Callable[[nn.Module, Any, int], nn.Module]] | None = None,
+) -> nn.Module:
+    """Convert ``model`` to run on latitude bands; USE THE RETURN VALUE (the root may be replaced).
+
+    The parameters are shared with ``model`` (the same Parameter objects) and
+    ``state_dict()`` keys are unchanged, so a checkpoint of either loads into
+    the other. On a domain of size 1 (or with no manager) the converted model
+    computes exactly what ``model`` does. ``model``'s submodules are replaced
+    in place in their parents (``model`` itself keeps working only where no
+    wrapper replaced a child).
+
+    Args:
+        model: The model (any ``nn.Module``).
+        manager: DomainParallelManager (the global singleton if None).
+        shard_dim: The sharded dimension of the layers' inputs (default -2: latitude).
+        custom_converters: ``{ModuleType: fn(module, manager, shard_dim) -> replacement}``,
+            checked before the built-in table (see :func:`keep_local`).
+
+    Returns:
+        The converted model.
+
+    Raises:
+        ConversionError: a module without a rule (named by its path), on every rank alike.
+        TypeError: ``model`` is not an ``nn.Module`` or a converter is not callable.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert_to_domain_parallel needs a torch.nn.Module, got {type(model).__name__}")
+    shard_dim = check_int("shard_dim", shard_dim)
+    custom = dict(custom_converters or {})
+    for key, fn in custom.items():
+        if not isinstance(key, type) or not callable(fn):
+            raise TypeError(f"custom_converters maps module types to callables, got {key!r}: {fn!r}")
+    manager = get_domain_parallel_manager() if manager is None else manager
+    return _convert(model, "", manager, shard_dim, custom)
+
+
+def _custom_for(module: nn.Module, custom: dict) -> Callable | None:
+    for cls in type(module).__mro__:
+        if cls in custom:
+            return custom[cls]
+    return None
+
+
+def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict) -> nn.Module:
+    label = path or "<root>"
+    fn = _custom_for(module, custom)
+    if fn is not None:
+        out = fn(module, manager, shard_dim)
+        if not isinstance(out, nn.Module):
+            raise TypeError(f"the custom converter for {type(module).__name__} at {label} returned {type(out).__name__}, not an nn.Module")
+        return out
+    kind = type(module)
+    if isinstance(module, DomainParallelModule):  # converted already: the same wrapper with this manager
+        return adopt(kind, module, manager, shard_dim, label)
+    if kind in RULES:
+        _check_supported(module, label)
+        return adopt(RULES[kind], module, manager, shard_dim, label)
+    if kind in POINTWISE:
+        return module
+    if kind in _PADS:
+        if _pads_sharded_dim(module, shard_dim):
+            _refuse(module, label, "it pads the sharded dim (only the global edges may be padded: use the conv's own padding)")
+        return module
+    if kind is nn.Linear:
+        if shard_dim == -1:
+            _refuse(module, label, "nn.Linear acts on the last dim, which is the sharded one")
+        return module
+    if kind in _REFUSED_WHY:
+        _refuse(module, label, _REFUSED_WHY[kind])
+    children = list(module.named_children())
+    if isinstance(module, _CONTAINERS) or children:
+        for name, child in children:
+            new = _convert(child, f"{path}.{name}" if path else name, manager, shard_dim, custom)
+            if new is not child:
+                module._modules[name] = new
+        return module
+    _refuse(module, label, "it is a module the converter has no rule for (it may mix rows along the sharded dim)")
+    raise AssertionError("unreachable")
+
+
+def _check_supported(module: nn.Module, label: str) -> None:
+    if isinstance(module, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)) and module.return_indices:
+        _refuse(module, label, "return_indices=True would return band-local indices")
+    if isinstance(module, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)) and module.track_running_stats:
+        _refuse(module, label, "InstanceNorm with track_running_stats=True has no rule on bands yet")
+    if isinstance(module, nn.Upsample) and getattr(module, "antialias", False):
+        _refuse(module, label, "antialias has no rule on bands")
+
+
+def _refuse(module: nn.Module, label: str, why: str) -> None:
+    raise ConversionError(
+        f"cannot convert {label} ({type(module).__name__}) to run on bands along the sharded dim: {why}. "
+        f"Pass custom_converters={{{type(module).__name__}: fn}} with fn(module, manager, shard_dim) returning "
+        f"a replacement, or credit_mpi.nn.keep_local if it never mixes rows along the sharded dim"
+    )

@@ -1,0 +1,230 @@
+"""Normalisation layers on bands: statistics of the whole field, exact on uneven bands.
+
+GroupNorm / InstanceNorm / LayerNorm (when the sharded dim is among the
+normalised ones) and BatchNorm compute each rank's count, mean and centred
+sum of squares (``M2``) of its band, share them in ONE allgather (float64
+for float64 input, float32 otherwise), and combine them exactly (Chan et
+al.'s pairwise formula: stable, true counts, any band sizes). The allgather
+is differentiable: its backward sums the statistics' gradients over the
+ranks, so the input and parameter gradients are those of one process (after
+:func:`credit_mpi.reduce_gradients`).
+
+BatchNorm has ``torch.nn.SyncBatchNorm``'s semantics over every rank of the
+manager (domain x data parallel): the batch statistics are those of all
+samples of all bands, and the running statistics are updated identically on
+every rank (unbiased variance from the global count). This holds for a
+domain of size 1 too when there are data-parallel ranks (the one exception
+to "a domain of size 1 computes what the original does"); with no manager or
+one rank in all it is the original module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..validation import allgather_or_raise
+from ._comm import ConversionError, agree, allgather_stats
+from .base import DomainParallelModule
+
+__all__ = [
+    "DomainParallelGroupNorm",
+    "DomainParallelInstanceNorm1d",
+    "DomainParallelInstanceNorm2d",
+    "DomainParallelInstanceNorm3d",
+    "DomainParallelLayerNorm",
+    "DomainParallelBatchNorm1d",
+    "DomainParallelBatchNorm2d",
+    "DomainParallelBatchNorm3d",
+    "global_mean_var",
+]
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def global_mean_var(x: torch.Tensor, dims: list[int], comm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean, biased variance and count of ``x`` over ``dims`` on every rank of ``comm`` together (differentiable).
+
+    The reduced dims are removed; the result is in float64 for float64 input, else float32.
+    """
+    xa = x.to(_acc(x.dtype))
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    var, mean = torch.var_mean(xa, dim=dims, unbiased=False)
+    stats = torch.stack([torch.full_like(mean, float(count)), mean, var * count])
+    every = allgather_stats(stats, comm)  # (ranks, 3, ...)
+    counts, means, m2 = every[:, 0], every[:, 1], every[:, 2]
+    total = counts.sum(0)
+    g_mean = (counts * means).sum(0) / total
+    g_m2 = (m2 + counts * (means - g_mean) ** 2).sum(0)
+    return g_mean, g_m2 / total, total
+
+
+def _normalize(x, mean, var, eps, shape):
+    xa = x.to(mean.dtype)
+    return ((xa - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + eps)).to(x.dtype)
+
+
+class DomainParallelGroupNorm(DomainParallelModule, nn.GroupNorm):
+    """``nn.GroupNorm`` over the whole field (see the module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.dp_active():
+            return super().forward(x)
+        manager = self.dp_manager
+
+        def axis_of(t):
+            if t.ndim < 3:
+                raise ValueError(f"{self.dp_path} (GroupNorm): needs an (N, C, *spatial) input, got shape {tuple(t.shape)}")
+            return self.dp_spatial_axis(t, t.ndim - 2, "GroupNorm")
+
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path)
+        _no_empty(self.dp_path, bands.sizes)
+        n, c = x.shape[:2]
+        xs = x.reshape(n, self.num_groups, -1)
+        mean, var, _ = global_mean_var(xs, [2], manager.domain_group)
+        y = _normalize(xs, mean, var, self.eps, (n, self.num_groups, 1)).reshape(x.shape)
+        if self.affine:
+            shape = [1, c] + [1] * (x.ndim - 2)
+            y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
+        return y
+
+
+class _InstanceNormMixin(DomainParallelModule):
+    _nd = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.dp_active() or (not self.training and self.track_running_stats):
+            return super().forward(x)  # running statistics: a pointwise map
+        manager, nd = self.dp_manager, self._nd
+
+        def axis_of(t):
+            if t.ndim != nd + 2:
+                raise ValueError(f"{self.dp_path} (InstanceNorm{nd}d): needs a batched (N, C, *spatial) input on bands, got shape {tuple(t.shape)}")
+            if self.track_running_stats:
+                raise ConversionError(f"{self.dp_path}: InstanceNorm with track_running_stats=True is not supported in training on bands")
+            return self.dp_spatial_axis(t, nd, f"InstanceNorm{nd}d")
+
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path)
+        _no_empty(self.dp_path, bands.sizes)
+        n, c = x.shape[:2]
+        dims = list(range(2, x.ndim))
+        mean, var, _ = global_mean_var(x, dims, manager.domain_group)
+        y = _normalize(x, mean, var, self.eps, [n, c] + [1] * nd)
+        if self.affine:
+            shape = [1, c] + [1] * nd
+            y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
+        return y
+
+
+class DomainParallelInstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):
+    """``nn.InstanceNorm1d`` over the whole field."""
+
+    _nd = 1
+
+
+class DomainParallelInstanceNorm2d(_InstanceNormMixin, nn.InstanceNorm2d):
+    """``nn.InstanceNorm2d`` over the whole field."""
+
+    _nd = 2
+
+
+class DomainParallelInstanceNorm3d(_InstanceNormMixin, nn.InstanceNorm3d):
+    """``nn.InstanceNorm3d`` over the whole field."""
+
+    _nd = 3
+
+
+class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
+    """``nn.LayerNorm``: global statistics when the sharded dim is normalised, else the local module.
+
+    The affine weight and bias (shaped like the normalised dims) are applied
+    to this band's rows of them.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.dp_active():
+            return super().forward(x)
+        k = len(self.normalized_shape)
+        axis = self.dp_shard_dim % x.ndim if -x.ndim <= self.dp_shard_dim < x.ndim else None
+        if axis is None or axis < x.ndim - k:
+            return super().forward(x)  # the sharded dim is not normalised: local
+        manager = self.dp_manager
+
+        def axis_of(t):
+            tail, want = list(t.shape[t.ndim - k :]), list(self.normalized_shape)
+            sd = axis - (t.ndim - k)
+            if tail[:sd] + tail[sd + 1 :] != want[:sd] + want[sd + 1 :]:
+                raise ValueError(f"{self.dp_path} (LayerNorm): input shape {tuple(t.shape)} does not end in normalized_shape {tuple(self.normalized_shape)}")
+            return axis
+
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path)
+        _no_empty(self.dp_path, bands.sizes)
+        sd = axis - (x.ndim - k)
+        if bands.total != self.normalized_shape[sd]:
+            raise ValueError(
+                f"{self.dp_path} (LayerNorm): the bands hold {bands.total} rows along dim {axis} in all, "
+                f"normalized_shape {tuple(self.normalized_shape)} expects {self.normalized_shape[sd]}"
+            )
+        dims = list(range(x.ndim - k, x.ndim))
+        lead = list(x.shape[: x.ndim - k])
+        mean, var, _ = global_mean_var(x, dims, manager.domain_group)
+        y = _normalize(x, mean, var, self.eps, lead + [1] * k)
+        if self.weight is not None:
+            y = y * self.weight.narrow(sd, bands.start, bands.sizes[bands.rank])
+        if self.bias is not None:
+            y = y + self.bias.narrow(sd, bands.start, bands.sizes[bands.rank])
+        return y
+
+
+class _BatchNormMixin(DomainParallelModule):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        use_batch = self.training or not self.track_running_stats
+        m = self.dp_manager
+        if m is None or m.world_size == 1 or not use_batch:  # SyncBatchNorm over data parallel ranks too
+            return super().forward(x)
+        manager = self.dp_manager
+
+        def local() -> tuple:
+            self._check_input_dim(x)
+            return x.ndim, x.shape[1], str(x.dtype), x.device.type, bool(torch.is_grad_enabled() and x.requires_grad)
+
+        everyone = allgather_or_raise(manager.comm, local)
+        if any(e != everyone[0] for e in everyone):
+            raise ValueError(f"{self.dp_path} (BatchNorm): the ranks' inputs differ in ndim, channels, dtype, device or requires_grad: {everyone}")
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+        dims = [0] + list(range(2, x.ndim))
+        mean, var, total = global_mean_var(x, dims, manager.comm)  # every rank of the manager: domain x data parallel
+        if self.training and self.track_running_stats:
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            with torch.no_grad():
+                unbiased = var * (total / (total - 1))
+                self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+                self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+        shape = [1, -1] + [1] * (x.ndim - 2)
+        y = _normalize(x, mean, var, self.eps, shape)
+        if self.affine:
+            y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
+        return y
+
+
+class DomainParallelBatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` with SyncBatchNorm semantics over the manager's ranks."""
+
+
+class DomainParallelBatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` with SyncBatchNorm semantics over the manager's ranks."""
+
+
+class DomainParallelBatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` with SyncBatchNorm semantics over the manager's ranks."""
+
+
+def _no_empty(path: str, sizes: list[int]) -> None:
+    if any(s == 0 for s in sizes):
+        raise ValueError(f"{path}: a band holds no row (bands {sizes}); every band needs at least one row")
+

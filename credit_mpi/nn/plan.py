@@ -1,0 +1,177 @@
+"""``describe``: the plan of a converted model before the first step (no MPI, no data).
+
+A dry run of the model on the meta device (global shapes, no memory, no
+communication) records each layer that runs on bands; the band layout of
+each layer input is followed from the first input's layout (``array_split``
+of the sharded dim over ``domain_size`` ranks) through the layers' ownership
+rules (:mod:`credit_mpi.nn.geometry`). Tensors are matched by their global
+height along the sharded dim (a UNet's skip connection and the upsampled path
+must have the same height, and then must have the same layout).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..partition import band_sizes, normalize_dim
+from . import conv, geometry, norm, resample
+from .base import DomainParallelModule
+from .convert import _convert
+
+__all__ = ["describe", "Plan", "PlanRow"]
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One layer call of the plan.
+
+    ``halo_before``/``halo_after`` are the most rows any band reads from its
+    neighbours (for transposed layers: the output rows it adds to them);
+    ``stride`` the offset alignment that keeps layouts matched; ``min_rows``
+    the band height every rank needs; ``exact`` whether the layout runs.
+    """
+
+    path: str
+    kind: str
+    rows_in: int
+    rows_out: int
+    bands_in: tuple[int, ...]
+    bands_out: tuple[int, ...]
+    halo_before: int
+    halo_after: int
+    stride: int
+    min_rows: int
+    exact: bool
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    """The plan of a model on ``domain_size`` bands (``rows``: one :class:`PlanRow` per layer call)."""
+
+    domain_size: int
+    input_shape: tuple[int, ...]
+    rows: list[PlanRow] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        """True when every layer runs exactly on this layout."""
+        return all(r.exact for r in self.rows)
+
+    def __str__(self) -> str:
+        head = ("layer", "type", "rows in->out", "halo -/+", "stride", "min rows", "exact", "note")
+        lines = [
+            (r.path, r.kind, f"{r.rows_in}->{r.rows_out}", f"{r.halo_before}/{r.halo_after}", str(r.stride),
+             str(r.min_rows), "yes" if r.exact else "NO", r.note)
+            for r in self.rows
+        ]
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        out = [f"plan for input {tuple(self.input_shape)} on {self.domain_size} band(s): "
+               + ("runs exactly" if self.exact else "does NOT run exactly")]
+        out += [fmt.format(*head).rstrip(), fmt.format(*("-" * w for w in widths)).rstrip()]
+        out += [fmt.format(*line).rstrip() for line in lines]
+        return "\n".join(out)
+
+
+def describe(model: nn.Module, input_shape: tuple[int, ...], domain_size: int | None = None, manager=None,
+             shard_dim: int = -2) -> Plan:
+    """The plan of ``model`` (converted or not) for a global input of ``input_shape`` on ``domain_size`` bands.
+
+    Args:
+        model: A model, converted or not (it is not modified).
+        input_shape: The GLOBAL input shape.
+        domain_size: Number of bands (default: the manager's domain size, else 1).
+        manager: A DomainParallelManager to take the domain size from.
+        shard_dim: The sharded dim (default -2).
+
+    Returns:
+        A :class:`Plan` (``print(plan)`` shows the table; ``plan.exact``; ``plan.rows``).
+
+    Raises:
+        ConversionError: the model has a module without a rule.
+    """
+    if domain_size is None:
+        domain_size = manager.domain_parallel_size if manager is not None else 1
+    memo = {id(manager): None} if manager is not None else {}
+    for m in model.modules():
+        if isinstance(m, DomainParallelModule) and m.dp_manager is not None:
+            memo[id(m.dp_manager)] = None
+    dry = _convert(copy.deepcopy(model, memo), "", None, shard_dim, {})
+    dry = dry.to("meta")
+    calls = []
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out: calls.append((mod, tuple(args[0].shape), tuple(out.shape))))
+        for m in dry.modules()
+        if isinstance(m, DomainParallelModule)
+    ]
+    try:
+        with torch.no_grad():
+            dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
+            dry(torch.empty(input_shape, device="meta", dtype=dtype))
+    finally:
+        for h in hooks:
+            h.remove()
+    axis = normalize_dim(shard_dim, len(input_shape))
+    layouts = {input_shape[axis]: band_sizes(input_shape[axis], domain_size, uneven=True)}
+    plan = Plan(domain_size, tuple(input_shape))
+    for mod, shape_in, shape_out in calls:
+        plan.rows.append(_row(mod, shape_in, shape_out, layouts, domain_size, shard_dim))
+    return plan
+
+
+def _row(mod, shape_in, shape_out, layouts, n, shard_dim) -> PlanRow:
+    ax = normalize_dim(shard_dim, len(shape_in))
+    h_in, h_out = shape_in[ax], shape_out[ax]
+    note = ""
+    sizes = layouts.get(h_in)
+    if sizes is None:
+        sizes = band_sizes(h_in, n, uneven=True)
+        note = "input layout assumed (array_split); "
+    nsp = len(shape_in) - 2
+    sd = ax - 2
+    kind = type(mod).__name__.replace("DomainParallel", "")
+    lay, stride, out_sizes = None, 1, sizes
+    if isinstance(mod, conv._ConvMixin):
+        lay, stride = conv.conv_layout(mod, sizes, sd), mod.stride[sd]
+    elif isinstance(mod, conv._ConvTransposeMixin):
+        lay = conv.transposed_layout(mod, sizes, sd)
+    elif isinstance(mod, resample._PoolMixin):
+        k, s, p = (resample._per_dim(v, nsp) for v in (mod.kernel_size, mod.stride or mod.kernel_size, mod.padding))
+        d = resample._per_dim(getattr(mod, "dilation", 1), nsp)
+        lay, stride = geometry.conv_layout(sizes, k[sd], s[sd], d[sd], p[sd], p[sd], mod.ceil_mode), s[sd]
+    elif isinstance(mod, resample.DomainParallelUpsample):
+        sf = resample._per_dim(mod.scale_factor, nsp)[sd]
+        w = resample.resample_matrix(mod.mode, h_in, h_out if sf is None else None, None if sf is None else float(sf),
+                                     mod.align_corners, mod.recompute_scale_factor)
+        lay = geometry.resample_layout(sizes, w.shape[0], resample._support(w))
+    elif isinstance(mod, resample._AdaptiveAvgMixin):
+        if h_out == 1 and h_in > 1:
+            note += "global mean: one allgather, output replicated"
+        elif h_out != h_in:
+            lay = geometry.resample_layout(sizes, h_out, resample._support(resample.adaptive_matrix(h_in, h_out)))
+    elif isinstance(mod, (norm.DomainParallelGroupNorm, norm._InstanceNormMixin, norm._BatchNormMixin, norm.DomainParallelLayerNorm)):
+        note += "global statistics: one allgather"
+    if lay is None:
+        exact = all(s > 0 for s in sizes)
+        row = PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(out_sizes), 0, 0, 1, 1, exact, note)
+    else:
+        out_sizes = lay.out_sizes
+        before = max(max(b.before for b in lay.bands), 0)
+        after = max(max(b.after for b in lay.bands), 0)
+        exact = lay.problem is None
+        if not exact:
+            note += lay.problem
+        elif stride > 1 and any(o % stride for o in geometry.offsets_of(sizes)):
+            note += f"offsets {geometry.offsets_of(sizes)} not multiples of {stride}: exact, but a transposed layer will not restore them"
+        row = PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(out_sizes), before, after, stride,
+                      lay.min_rows, exact, note)
+    if h_out in layouts and layouts[h_out] != list(out_sizes) and h_out != 1:
+        extra = f"output bands {list(out_sizes)} differ from an earlier {h_out}-row tensor's {layouts[h_out]} (joining them fails)"
+        row = PlanRow(**{**row.__dict__, "note": f"{row.note}; {extra}" if row.note else extra})
+    layouts.setdefault(h_out, list(out_sizes))
+    return row

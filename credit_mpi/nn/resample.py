@@ -1,0 +1,302 @@
+"""Resampling on bands: interpolation (``nn.Upsample`` / ``F.interpolate``) and pooling.
+
+Interpolation and adaptive average pooling are separable linear maps: along
+the sharded dim they are a matrix ``W`` (``H_out x H``) that this module
+obtains from torch itself (the same call on an identity, in float64, so the
+source coordinates, ``align_corners``, ``scale_factor`` and the clamping at
+the edge rows are torch's own). Each band computes its output rows (the
+resampling rule of :mod:`credit_mpi.nn.geometry`) from the input rows with a
+non-zero weight (a halo), then lets torch resample the other dims.
+
+Max / average pooling use the window rule like a convolution: rows outside
+the field are ``-inf`` (max) or zeros, and the average's divisor is
+corrected to the global window count (``count_include_pad``, ``ceil_mode``,
+``divisor_override`` exactly as torch).
+
+``AdaptiveAvgPool`` to one row along the sharded dim is a global mean (a
+differentiable all-reduce of sums and counts); the result is REPLICATED on
+every rank: divide a loss computed from it by the domain size so that
+:func:`credit_mpi.reduce_gradients` (which sums over the domain) counts it once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import geometry
+from ._comm import agree, allgather_stats, check_halo, fetch_rows
+from .base import DomainParallelModule
+from .conv import layout_error
+
+__all__ = [
+    "DomainParallelUpsample",
+    "DomainParallelInterpolate",
+    "DomainParallelMaxPool1d",
+    "DomainParallelMaxPool2d",
+    "DomainParallelMaxPool3d",
+    "DomainParallelAvgPool1d",
+    "DomainParallelAvgPool2d",
+    "DomainParallelAvgPool3d",
+    "DomainParallelAdaptiveAvgPool1d",
+    "DomainParallelAdaptiveAvgPool2d",
+    "DomainParallelAdaptiveAvgPool3d",
+    "resample_matrix",
+]
+
+_MODES = ("nearest", "nearest-exact", "linear", "bilinear", "bicubic", "trilinear", "area")
+
+
+@functools.lru_cache(maxsize=64)
+def resample_matrix(mode: str, size: int, out_size: int | None, scale: float | None, align_corners: bool | None, recompute: bool | None) -> torch.Tensor:
+    """``W`` (out x in, float64) of ``F.interpolate`` along one dim (``mode`` of any dimensionality)."""
+    eye = torch.eye(size, dtype=torch.float64)
+    if mode in ("linear", "bilinear", "trilinear"):
+        x, m, extra = eye.reshape(size, 1, size), "linear", ()
+    elif mode == "bicubic":
+        x, m, extra = eye.reshape(size, 1, size, 1), "bicubic", (1,)
+    else:
+        x, m, extra = eye.reshape(size, 1, size), mode, ()
+    kw = {"mode": m}
+    if m in ("linear", "bicubic"):
+        kw["align_corners"] = align_corners
+    if scale is not None:
+        kw["scale_factor"] = (scale,) + tuple(1.0 for _ in extra)
+        kw["recompute_scale_factor"] = recompute
+    else:
+        kw["size"] = (out_size,) + extra
+    y = F.interpolate(x, **kw)
+    return y.reshape(size, -1).T.contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def adaptive_matrix(size: int, out_size: int) -> torch.Tensor:
+    """``W`` (out x in, float64) of adaptive average pooling along one dim."""
+    w = torch.zeros(out_size, size, dtype=torch.float64)
+    for i in range(out_size):
+        start, stop = (i * size) // out_size, -(-((i + 1) * size) // out_size)
+        w[i, start:stop] = 1.0 / (stop - start)
+    return w
+
+
+def _support(w: torch.Tensor) -> list[tuple[int, int]]:
+    out = []
+    for row in w:
+        nz = torch.nonzero(row).flatten()
+        out.append((int(nz[0]), int(nz[-1]) + 1) if len(nz) else (0, 0))
+    return out
+
+
+def _apply_rows(module, x, bands, w: torch.Tensor):
+    """Rows of ``w @ x`` along the sharded axis that this rank owns (collective)."""
+    lay = geometry.resample_layout(bands.sizes, w.shape[0], _support(w))
+    if lay.problem:
+        raise layout_error(module.dp_path, lay, 1)
+    check_halo(module.dp_path, bands.sizes, lay.width, "zero", bands.axis)
+    band = lay.bands[bands.rank]
+    rows = fetch_rows(x, bands, band.in_lo, band.in_hi, lay.width, module.dp_manager)
+    lo, hi = max(band.in_lo, 0), min(band.in_hi, bands.total)
+    wb = torch.zeros(band.out_rows, band.in_hi - band.in_lo, dtype=torch.float64)
+    wb[:, lo - band.in_lo : hi - band.in_lo] = w[band.out_start : band.out_stop, lo:hi]
+    moved = rows.movedim(bands.axis, -1)
+    out = moved @ wb.to(dtype=x.dtype, device=x.device).T
+    return out.movedim(-1, bands.axis)
+
+
+def _per_dim(value, nd):
+    if value is None:
+        return [None] * nd
+    if isinstance(value, (tuple, list)):
+        return list(value)
+    return [value] * nd
+
+
+class _InterpolateMixin(DomainParallelModule):
+    def _interp(self, x, size, scale_factor, mode, align_corners, recompute, antialias=False):
+        nd = x.ndim - 2
+        manager = self.dp_manager
+
+        def axis_of(t):
+            if mode not in _MODES:
+                raise ValueError(f"{self.dp_path}: interpolation mode {mode!r} has no rule on bands; valid: {_MODES}")
+            if antialias:
+                raise ValueError(f"{self.dp_path}: antialias=True has no rule on bands")
+            if (size is None) == (scale_factor is None):
+                raise ValueError(f"{self.dp_path}: give exactly one of size and scale_factor")
+            return self.dp_spatial_axis(t, nd, "interpolate")
+
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path, lambda: (size, scale_factor, mode, align_corners))
+        sd = bands.axis - 2
+        sizes, scales = _per_dim(size, nd), _per_dim(scale_factor, nd)
+        w = resample_matrix(mode, bands.total, sizes[sd], None if scale_factor is None else float(scales[sd]),
+                            align_corners, recompute)
+        y = _apply_rows(self, x, bands, w)
+        kw = {"mode": mode}
+        if mode in ("linear", "bilinear", "bicubic", "trilinear"):
+            kw["align_corners"] = align_corners
+        if scale_factor is not None:
+            kw["scale_factor"] = tuple(1.0 if i == sd else float(s) for i, s in enumerate(scales))
+            kw["recompute_scale_factor"] = recompute
+        else:
+            kw["size"] = tuple(y.shape[bands.axis] if i == sd else s for i, s in enumerate(sizes))
+        if scale_factor is not None and all(float(k) == 1.0 for i, k in enumerate(scales) if i != sd):
+            return y
+        return F.interpolate(y, **kw)
+
+
+class DomainParallelUpsample(_InterpolateMixin, nn.Upsample):
+    """``nn.Upsample`` on bands, exact including the edge rows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.dp_active():
+            return super().forward(x)
+        return self._interp(x, self.size, self.scale_factor, self.mode, self.align_corners, self.recompute_scale_factor)
+
+
+class DomainParallelInterpolate(_InterpolateMixin, nn.Module):
+    """``F.interpolate`` as a module, on bands (the reference's name); the arguments are F.interpolate's."""
+
+    def __init__(self, size=None, scale_factor=None, mode: str = "nearest", align_corners: bool | None = None,
+                 recompute_scale_factor: bool | None = None, *, manager=None, shard_dim: int = -2) -> None:
+        super().__init__()
+        self.size, self.scale_factor, self.mode = size, scale_factor, mode
+        self.align_corners, self.recompute_scale_factor = align_corners, recompute_scale_factor
+        if manager is None:
+            from ..manager import get_domain_parallel_manager
+
+            manager = get_domain_parallel_manager()
+        self.dp_manager, self.dp_shard_dim, self.dp_path = manager, shard_dim, "DomainParallelInterpolate"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.dp_active():
+            return F.interpolate(x, self.size, self.scale_factor, self.mode, self.align_corners, self.recompute_scale_factor)
+        return self._interp(x, self.size, self.scale_factor, self.mode, self.align_corners, self.recompute_scale_factor)
+
+
+class _PoolMixin(DomainParallelModule):
+    _nd = 2
+    _max = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.dp_active():
+            return super().forward(x)
+        nd, manager = self._nd, self.dp_manager
+
+        def axis_of(t):
+            if getattr(self, "return_indices", False):
+                raise ValueError(f"{self.dp_path}: return_indices=True has no rule on bands (the indices would be local)")
+            return self.dp_spatial_axis(t, nd, type(self).__name__)
+
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path)
+        axis = bands.axis
+        sd = axis - (x.ndim - nd)
+        k, s, p = (_per_dim(v, nd) for v in (self.kernel_size, self.stride or self.kernel_size, self.padding))
+        d = _per_dim(getattr(self, "dilation", 1), nd)
+        lay = geometry.conv_layout(bands.sizes, k[sd], s[sd], d[sd], p[sd], p[sd], self.ceil_mode)
+        if lay.problem:
+            raise layout_error(self.dp_path, lay, s[sd])
+        check_halo(self.dp_path, bands.sizes, lay.width, "zero", axis)
+        band = lay.bands[bands.rank]
+        fill = float("-inf") if self._max else None
+        rows = fetch_rows(x, bands, band.in_lo, band.in_hi, lay.width, manager, fill=fill)
+        pad = [0 if i == sd else p[i] for i in range(nd)]
+        if self._max:
+            fn = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]
+            return fn(rows, k, s, pad, d, self.ceil_mode)
+        fn = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[nd]
+        args = (rows, k, s, pad, self.ceil_mode, self.count_include_pad)
+        y = fn(*args) if nd == 1 else fn(*args, self.divisor_override)
+        if getattr(self, "divisor_override", None):
+            return y
+        # the local divisor counted k rows along the sharded dim; torch's counts the global window
+        counts = []
+        for i in range(band.out_start, band.out_stop):
+            start = s[sd] * i - p[sd]
+            stop = min(start + k[sd], bands.total + p[sd])
+            if not self.count_include_pad:
+                start, stop = max(start, 0), min(stop, bands.total)
+            counts.append(k[sd] / (stop - start))
+        factor = torch.tensor(counts, dtype=x.dtype, device=x.device).reshape([-1] + [1] * (x.ndim - 1 - axis))
+        return y * factor
+
+
+class DomainParallelMaxPool1d(_PoolMixin, nn.MaxPool1d):
+    """``nn.MaxPool1d`` on bands."""
+
+    _nd = 1
+
+
+class DomainParallelMaxPool2d(_PoolMixin, nn.MaxPool2d):
+    """``nn.MaxPool2d`` on bands."""
+
+    _nd = 2
+
+
+class DomainParallelMaxPool3d(_PoolMixin, nn.MaxPool3d):
+    """``nn.MaxPool3d`` on bands."""
+
+    _nd = 3
+
+
+class DomainParallelAvgPool1d(_PoolMixin, nn.AvgPool1d):
+    """``nn.AvgPool1d`` on bands."""
+
+    _nd, _max = 1, False
+
+
+class DomainParallelAvgPool2d(_PoolMixin, nn.AvgPool2d):
+    """``nn.AvgPool2d`` on bands."""
+
+    _nd, _max = 2, False
+
+
+class DomainParallelAvgPool3d(_PoolMixin, nn.AvgPool3d):
+    """``nn.AvgPool3d`` on bands."""
+
+    _nd, _max = 3, False
+
+
+class _AdaptiveAvgMixin(DomainParallelModule):
+    _nd = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.dp_active():
+            return super().forward(x)
+        nd, manager = self._nd, self.dp_manager
+        bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path)
+        axis = bands.axis
+        sd = axis - (x.ndim - nd)
+        out = _per_dim(self.output_size, nd)
+        fn = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}[nd]
+        keep = [x.shape[axis] if i == sd else (x.shape[x.ndim - nd + i] if o is None else o) for i, o in enumerate(out)]
+        if out[sd] is None or out[sd] == bands.total:
+            return fn(x, keep)
+        if out[sd] == 1:  # the global mean along the sharded dim: replicated on every rank
+            local = fn(x, keep).sum(axis, keepdim=True)
+            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            total = allgather_stats(local.to(acc), manager.domain_group).sum(0)
+            return (total / bands.total).to(x.dtype)
+        y = _apply_rows(self, x, bands, adaptive_matrix(bands.total, out[sd]))
+        keep[sd] = y.shape[axis]
+        return fn(y, keep)
+
+
+class DomainParallelAdaptiveAvgPool1d(_AdaptiveAvgMixin, nn.AdaptiveAvgPool1d):
+    """``nn.AdaptiveAvgPool1d`` on bands."""
+
+    _nd = 1
+
+
+class DomainParallelAdaptiveAvgPool2d(_AdaptiveAvgMixin, nn.AdaptiveAvgPool2d):
+    """``nn.AdaptiveAvgPool2d`` on bands."""
+
+    _nd = 2
+
+
+class DomainParallelAdaptiveAvgPool3d(_AdaptiveAvgMixin, nn.AdaptiveAvgPool3d):
+    """``nn.AdaptiveAvgPool3d`` on bands."""
+
+    _nd = 3

@@ -1,0 +1,105 @@
+"""Helpers of the model-side tests: run a model on bands and compare it with one process."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import credit_mpi
+from credit_mpi.nn import convert_to_domain_parallel
+from credit_mpi.partition import band_range
+
+
+def bands_of(total: int, manager) -> tuple[int, int]:
+    return band_range(total, manager.domain_parallel_size, manager.domain_rank, uneven=True)
+
+
+def run_both(build, shape, manager, *, seed=0, shard_dim=-2, dtype=torch.float64, replicated=False, steps=0, lr=0.05, sizes=None):
+    """Forward + backward of ``build()`` on one process and on bands; returns the pieces to compare.
+
+    The loss is sum(out * weight) with a fixed random weight (each band: its rows; a replicated
+    output: the whole weight divided by the domain size). Parameter gradients are reduced with
+    reduce_gradients. ``sizes`` gives the band layout (default: array_split). With ``steps`` > 0, that many SGD steps are taken on both and the final
+    parameters are returned too.
+    """
+    torch.manual_seed(seed)
+    ref = build().to(dtype)
+    model = convert_to_domain_parallel(copy.deepcopy(ref), manager, shard_dim)
+    gen = torch.Generator().manual_seed(seed + 1)
+    xg = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    axis = shard_dim % len(shape)
+    if sizes is None:
+        start, stop = bands_of(shape[axis], manager)
+    else:  # an explicit layout (e.g. uneven bands with stride-aligned offsets)
+        assert sum(sizes) == shape[axis] and len(sizes) == manager.domain_parallel_size
+        start = sum(sizes[: manager.domain_rank])
+        stop = start + sizes[manager.domain_rank]
+    comm = manager.domain_group
+    d = manager.domain_parallel_size
+    result = {}
+    if steps:
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(max(steps, 1)):
+        xr = xg.clone().requires_grad_()
+        out_ref = ref(xr)
+        wg = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(seed + 2 + step), dtype=torch.float64).to(dtype)
+        (out_ref * wg).sum().backward()
+        xl = xg.narrow(axis, start, stop - start).clone().requires_grad_()
+        out = model(xl)
+        if replicated:
+            loss = (out * wg).sum() / d
+            gathered = out.detach()
+        else:
+            rows = out.shape[axis]
+            o0 = comm.exscan(rows) or 0
+            loss = (out * wg.narrow(axis, o0, rows)).sum()
+            parts = comm.allgather(out.detach().to(torch.float64).numpy())
+            gathered = torch.from_numpy(np.concatenate(parts, axis)).to(dtype)
+        loss.backward()
+        credit_mpi.reduce_gradients(model.parameters(), manager)
+        result.update(
+            out=gathered, out_ref=out_ref.detach(), gx=xl.grad, gx_ref=xr.grad.narrow(axis, start, stop - start),
+            grads=[p.grad.clone() for p in model.parameters()], grads_ref=[p.grad.clone() for p in ref.parameters()],
+        )
+        if steps:
+            opt_ref.step()
+            opt.step()
+            opt_ref.zero_grad()
+            opt.zero_grad()
+    result["params"] = [p.detach().clone() for p in model.parameters()]
+    result["params_ref"] = [p.detach().clone() for p in ref.parameters()]
+    return result
+
+
+def assert_same(r, atol=1e-12, rtol=1e-10):
+    torch.testing.assert_close(r["out"], r["out_ref"], atol=atol, rtol=rtol)
+    torch.testing.assert_close(r["gx"], r["gx_ref"], atol=atol, rtol=rtol)
+    assert len(r["grads"]) == len(r["grads_ref"])
+    for g, h in zip(r["grads"], r["grads_ref"], strict=True):
+        torch.testing.assert_close(g, h, atol=atol, rtol=rtol)
+    for g, h in zip(r["params"], r["params_ref"], strict=True):
+        torch.testing.assert_close(g, h, atol=atol, rtol=rtol)
+
+
+def same_error_everywhere(comm, fn, expected):
+    """Call ``fn``; every rank must raise ``expected`` (checked collectively)."""
+    name = None
+    try:
+        fn()
+    except expected as exc:
+        name = type(exc).__name__
+        message = str(exc)
+    except Exception as exc:  # noqa: BLE001 - reported below
+        name = f"unexpected {type(exc).__name__}: {exc}"
+        message = ""
+    names = comm.allgather(name)
+    assert all(n == expected.__name__ for n in names), names
+    return message
+
+
+def world() -> MPI.Comm:
+    return MPI.COMM_WORLD
