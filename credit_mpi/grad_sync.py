@@ -13,6 +13,14 @@ same weight, which uneven bands (721 latitudes on 2 ranks) break.
 per dtype and one ``Allreduce`` per group and dtype. Gradients on a GPU are
 reduced in place on the device when MPI is CUDA-aware, else staged through
 host memory (:mod:`credit_mpi.buffers` decides, as for every collective).
+
+With torch's own data-parallel wrapper (DDP over
+``manager.torch_data_parallel_group``), DDP already averages over the
+data-parallel group during ``backward()``; ``over="domain"`` then adds the
+missing half, the sum over the domain group. Both are linear, so their order
+does not matter: after ``reduce_gradients(model.parameters(), over="domain")``
+every rank holds the gradient of the mean over the samples of the global
+loss (docs/torch_bridge.rst, tests/test_ddp_recipe.py).
 """
 
 from __future__ import annotations
@@ -30,12 +38,16 @@ __all__ = ["reduce_gradients"]
 # dtypes MPI cannot add directly are reduced in float32
 _WIDEN = {"torch.float16", "torch.bfloat16"}
 
+# over= -> (sum over the domain group, mean over the data-parallel group)
+_OVER = {"all": (True, True), "domain": (True, False), "data_parallel": (False, True)}
+
 
 def reduce_gradients(
     parameters: Iterable,
     manager: DomainParallelManager | None = None,
     *,
     check: bool = True,
+    over: str = "all",
 ) -> None:
     """Sum parameter gradients over the domain group, then average them over the data-parallel group.
 
@@ -43,36 +55,60 @@ def reduce_gradients(
     ``grad`` is ``None`` are skipped; every rank must have gradients for the
     same parameters (checked when ``check``).
 
+    ``over`` picks the reductions: ``"all"`` (both, for training without a
+    torch wrapper), ``"domain"`` (only the sum over the domain group: call it
+    after ``loss.backward()`` of a model wrapped in DDP over
+    ``manager.torch_data_parallel_group``, which does the data-parallel mean
+    itself) or ``"data_parallel"`` (only the mean over the data-parallel
+    group).
+
     Args:
         parameters: torch parameters (e.g. ``model.parameters()``), the same
             model on every rank.
         manager: DomainParallelManager (the global singleton if None; with
             none, nothing happens).
         check: Agree first across all ranks on which gradients exist and on
-            their dtypes and sizes (one small allgather), so a mismatch is
-            one ``ValueError`` on every rank instead of garbage.
+            their dtypes and sizes and on ``over`` (one small allgather),
+            so a mismatch is one ``ValueError`` on every rank instead of
+            garbage or a hang.
+        over: ``"all"``, ``"domain"`` or ``"data_parallel"`` (see above).
 
     Raises:
-        ValueError: ranks hold gradients for different parameters.
+        ValueError: ranks hold gradients for different parameters; ``over``
+            is not one of the three names or differs between ranks.
     """
     manager = get_domain_parallel_manager() if manager is None else manager
     params = list(parameters)
+
+    def valid_over() -> str:
+        if not isinstance(over, str) or over not in _OVER:
+            raise ValueError(f"reduce_gradients: over must be one of {sorted(_OVER)}, got {over!r}")
+        return over
+
     if manager is None:
+        valid_over()  # a single process: nothing to agree on
         return
     grads = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
     if check:
         signature = [(i, str(g.dtype), g.numel(), g.device.type) for i, g in grads]
-        everyone = allgather_or_raise(manager.comm, lambda: signature)
-        if any(s != signature for s in everyone):
-            ranks = [r for r, s in enumerate(everyone) if s != everyone[0]]
+        everyone = allgather_or_raise(manager.comm, lambda: (valid_over(), signature))
+        if any(o != over for o, _ in everyone):
+            detail = ", ".join(f"rank {r}: {o!r}" for r, (o, _) in enumerate(everyone))
+            raise ValueError(f"reduce_gradients: ranks passed different over= ({detail}); pass the same on every rank")
+        if any(s != signature for _, s in everyone):
+            ranks = [r for r, (_, s) in enumerate(everyone) if s != everyone[0][1]]
             raise ValueError(
                 "reduce_gradients: ranks hold gradients for different parameters, dtypes, sizes or device types "
                 f"(rank(s) {ranks} differ from rank 0); run the same model and backward pass on every rank"
             )
+    else:
+        valid_over()
     groups: dict[str, list] = {}
     for _, g in grads:
         groups.setdefault(str(g.dtype), []).append(g)
-    domain, dp = manager.domain_parallel_size, manager.data_parallel_size
+    sum_domain, mean_dp = _OVER[over]
+    domain = manager.domain_parallel_size if sum_domain else 1
+    dp = manager.data_parallel_size if mean_dp else 1
     if not groups:
         return
     import torch  # the gradients are torch tensors, so torch is loaded already
