@@ -29,7 +29,7 @@ demo: install
 test: install
 	PYTHON=$(PY) tools/run-tests
 
-# The documentation (Sphinx + sphinx-autoapi), warnings are errors: docs/_build/html/index.html
+# The documentation (Sphinx, autodoc API reference), warnings are errors: docs/_build/html/index.html
 docs: install
 	$(PY) -m pip install -q -e ".[docs]"
 	$(PY) -m sphinx -W --keep-going -b html -q docs docs/_build/html

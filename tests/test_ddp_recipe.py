@@ -147,10 +147,9 @@ def test_one_step_equals_single_process(recipe, make_manager):
         expected = _reference_step(model, samples, targets)
         params = _distributed_step(model, manager, samples, targets, recipe)
         _check_domain_group_identical(params, manager)
+        layout = f"{recipe}, layout {world // d} x {d}"
         for p, ref in zip(params, expected, strict=True):
-            torch.testing.assert_close(
-                p, ref, rtol=1e-12, atol=1e-12, msg=lambda m: f"{recipe}, layout {world // d} x {d}: {m}"
-            )
+            torch.testing.assert_close(p, ref, rtol=1e-12, atol=1e-12, msg=lambda m, layout=layout: f"{layout}: {m}")
         manager.free()
         assert not dist.is_initialized()
 
