@@ -2,6 +2,7 @@
 #   make demo   - install into .venv and run the end-to-end demo on 4 MPI ranks
 #   make test   - install into .venv and run the whole test suite (serial + MPI on 1-4 ranks)
 # The MPI is the PyPI `mpich` wheel (embedded, nothing to install system-wide).
+#   make wheel  - build dist/credit_mpi-<version>-py3-none-any.whl (pip install it anywhere, with extras)
 
 PYTHON3 ?= python3
 VENV    ?= .venv
@@ -11,7 +12,7 @@ TORCH   ?= torch==2.13.0
 EXTRAS  ?= mpich,test,io
 PY      := $(VENV)/bin/python
 
-.PHONY: install demo test docs lint clean
+.PHONY: install demo test docs lint wheel clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON3) -m venv $(VENV)
@@ -28,7 +29,7 @@ demo: install
 test: install
 	PYTHON=$(PY) tools/run-tests
 
-# The documentation (Sphinx + sphinx-autoapi), warnings are errors: docs/_build/html/index.html
+# The documentation (Sphinx, autodoc API reference), warnings are errors: docs/_build/html/index.html
 docs: install
 	$(PY) -m pip install -q -e ".[docs]"
 	$(PY) -m sphinx -W --keep-going -b html -q docs docs/_build/html
@@ -38,5 +39,13 @@ lint: install
 	$(PY) -m pip install -q -e ".[lint]"
 	$(PY) -m ruff check .
 
+# The wheel, built in a small venv of its own (no torch needed): dist/
+wheel:
+	$(PYTHON3) -m venv build/wheel-venv
+	build/wheel-venv/bin/python -m pip install -q --upgrade pip
+	rm -f dist/credit_mpi-*.whl
+	build/wheel-venv/bin/python -m pip wheel -q --no-deps --wheel-dir dist .
+	@ls dist/credit_mpi-*.whl
+
 clean:
-	rm -rf $(VENV) build *.egg-info docs/_build
+	rm -rf $(VENV) build dist *.egg-info docs/_build

@@ -276,7 +276,7 @@ def cmd_info(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
 
         say(f"torch       : {torch.__version__}")
     except ImportError:
-        say("torch       : not installed (numpy only; `pip install credit-mpi[torch]` for tensors and the gloo baseline)")
+        say("torch       : not installed (numpy only; install torch for tensors and the gloo baseline)")
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
@@ -428,9 +428,25 @@ def _plot(rows: list[dict], path: str, ranks: int) -> None:
     plt.close(fig)
 
 
+def _check_plot_possible(comm: MPI.Comm) -> None:
+    """``--plot`` needs matplotlib on rank 0 (which draws); a ValueError on every rank if it is missing."""
+    from .validation import allgather_or_raise
+
+    def check() -> None:
+        if comm.Get_rank() == 0 and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError(
+                "--plot needs matplotlib, which is not installed: pip install matplotlib "
+                "(or the package's `plot` extra: pip install \".[plot]\" from a checkout), or leave out --plot"
+            )
+
+    allgather_or_raise(comm, check)
+
+
 def cmd_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
     """``credit-mpi bench``: a table (or JSON, or a plot) of credit_mpi against its floors."""
     _single_rank_note(comm, say, "mpiexec -n 2 credit-mpi bench")
+    if args.plot:
+        _check_plot_possible(comm)  # before the sweep, not after it
     if not args.json:
         say(f"{comm.Get_size()} rank(s); median of {args.repeats} repetitions, slowest rank; GB/s = result bytes per rank / time", flush=True)
     rows = run_bench(args, comm, say)
@@ -448,10 +464,6 @@ def cmd_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
             "gloo = the reference's methods over torch.distributed: gather = all_gather into a list + torch.cat, "
             "halo = batch_isend_irecv of the edge rows + torch.cat")
     if args.plot:
-        try:
-            _plot(rows, args.plot, comm.Get_size())
-        except ImportError:
-            say("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
-            return 2
+        _plot(rows, args.plot, comm.Get_size())
         say(f"wrote {args.plot}")
     return 0

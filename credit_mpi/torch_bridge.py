@@ -17,7 +17,11 @@ agree on who is who:
 The rendezvous needs nothing from the launcher: rank 0 starts a
 :class:`torch.distributed.TCPStore` on a port the operating system picks and
 tells the other ranks its address over MPI. ``MASTER_ADDR``/``MASTER_PORT``
-(as rank 0 sees them) are used instead when set.
+(as rank 0 sees them) are used instead when set, e.g. left over from a
+torchrun script. Connecting to the store is bounded by ``connect_timeout``
+(default :data:`CONNECT_TIMEOUT` seconds, not torch's 30 minutes): a stale
+address fails in seconds with the same error on every rank, naming
+``MASTER_ADDR``/``MASTER_PORT`` and how to unset them.
 
 This module is the only part of credit_mpi that imports torch at module
 level; ``import credit_mpi`` does not import it (``credit_mpi.init_torch_distributed``
@@ -56,6 +60,10 @@ logger.addHandler(logging.NullHandler())
 _BRIDGED: weakref.WeakSet[DomainParallelManager] = weakref.WeakSet()
 _OWNS_DEFAULT_GROUP = False
 
+#: Seconds that the ranks may take to reach rank 0's rendezvous store
+#: (``init_torch_distributed(connect_timeout=)``); afterwards the store and
+#: the groups use ``timeout``.
+CONNECT_TIMEOUT = 60.0
 
 
 def init_torch_distributed(
@@ -63,6 +71,7 @@ def init_torch_distributed(
     backend: str | None = None,
     *,
     timeout: timedelta | float | None = None,
+    connect_timeout: timedelta | float | None = None,
 ) -> DomainParallelManager:
     """Initialise torch.distributed from the MPI job and mirror the manager's groups.
 
@@ -95,6 +104,11 @@ def init_torch_distributed(
         timeout: Timeout of the rendezvous and of the process groups'
             collectives (``timedelta`` or seconds); ``None`` means torch's
             default.
+        connect_timeout: How long the ranks may take to connect to the
+            rendezvous store on rank 0 (``timedelta`` or seconds; ``None``:
+            :data:`CONNECT_TIMEOUT`, 60 s). A store that cannot be reached
+            in that time (a stale ``MASTER_ADDR``/``MASTER_PORT``) is a
+            :class:`~credit_mpi.DomainParallelError` on every rank.
 
     Returns:
         The manager, now carrying the torch groups and the device mesh.
@@ -104,7 +118,9 @@ def init_torch_distributed(
             this build of torch; NCCL asked for where ranks share a GPU; the
             manager was already bridged (every rank).
         DomainParallelError: torch.distributed is initialised with a world
-            size or rank order that differs from ``manager.comm`` (every rank).
+            size or rank order that differs from ``manager.comm``; the
+            rendezvous store could not be started or reached within
+            ``connect_timeout`` (every rank).
     """
     global _OWNS_DEFAULT_GROUP
     if manager is None:
@@ -118,10 +134,11 @@ def init_torch_distributed(
         raise TypeError(f"manager must be a DomainParallelManager, got {type(manager).__name__}")
     comm = manager.comm
     _ = manager.domain_group  # raises DomainParallelError if the manager was freed
-    timeout = _timeout(timeout)
     gpus_shared = _ranks_per_gpu_over_one(comm)  # collective: before anything may raise
 
     def check() -> tuple:
+        _timeout(timeout)  # bad values raise here, agreed on every rank
+        _timeout(connect_timeout, CONNECT_TIMEOUT, "connect_timeout")
         if manager in _BRIDGED or getattr(manager, "torch_domain_group", None) is not None:
             raise ValueError(
                 "init_torch_distributed was already called for this manager; call "
@@ -140,12 +157,14 @@ def init_torch_distributed(
         states = [(s[0], "gloo", *s[2:]) for s in states]  # the automatic choice: NCCL only if every rank can
     _check_agreement(comm, states)
     initialised, chosen, _, _ = states[comm.Get_rank()]
+    timeout = _timeout(timeout)
+    connect = _timeout(connect_timeout, CONNECT_TIMEOUT, "connect_timeout")
 
     if chosen is not None and _is_nccl(chosen):
         _bind_local_device(comm)
     created_default = not initialised
     if created_default:
-        _init_default_group(comm, chosen, timeout)
+        _init_default_group(comm, chosen, timeout, connect)
         _OWNS_DEFAULT_GROUP = True
 
     try:
@@ -347,8 +366,11 @@ def swap_edges(up: Any, down: Any, prev: int | None, nxt: int | None, group: Any
 # -- internals ---------------------------------------------------------------
 
 
-def _timeout(timeout: timedelta | float | None) -> timedelta:
+def _timeout(timeout: timedelta | float | None, default: float | None = None, name: str = "timeout") -> timedelta:
+    """``timeout`` as a positive timedelta; ``None``: ``default`` seconds, or torch's default."""
     if timeout is None:
+        if default is not None:
+            return timedelta(seconds=default)
         from torch.distributed.constants import default_pg_timeout
 
         return default_pg_timeout
@@ -357,9 +379,9 @@ def _timeout(timeout: timedelta | float | None) -> timedelta:
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         seconds = float(timeout)
     else:
-        raise ValueError(f"timeout must be a datetime.timedelta or seconds, got {timeout!r}")
+        raise ValueError(f"{name} must be a datetime.timedelta or seconds, got {timeout!r}")
     if not seconds > 0:
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
+        raise ValueError(f"{name} must be positive, got {timeout!r}")
     return timedelta(seconds=seconds)
 
 
@@ -471,23 +493,34 @@ def _bind_local_device(comm: MPI.Comm) -> None:
     gpu.bind_device(comm, library="torch")
 
 
-def _init_default_group(comm: MPI.Comm, backend: str, timeout: timedelta) -> None:
-    """Rendezvous through a TCPStore hosted by rank 0; address and port go over MPI."""
+def _init_default_group(comm: MPI.Comm, backend: str, timeout: timedelta, connect_timeout: timedelta) -> None:
+    """Rendezvous through a TCPStore hosted by rank 0; address and port go over MPI.
+
+    Starting and reaching the store is bounded by ``connect_timeout``; a
+    failure is one :class:`DomainParallelError` on every rank that names
+    ``MASTER_ADDR``/``MASTER_PORT`` when they were set. Once connected, the
+    store waits up to ``timeout``.
+    """
     rank, size = comm.Get_rank(), comm.Get_size()
     hosts = comm.allgather(MPI.Get_processor_name())
     store = None
+    env = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ}
+    env = comm.bcast(env if rank == 0 else None)  # what rank 0 saw: it decides the address
 
     def host_store() -> tuple[str, int] | None:
         nonlocal store
         if rank != 0:
             return None
-        addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1 else socket.gethostname())
-        port_text = os.environ.get("MASTER_PORT", "0")
+        addr = env.get("MASTER_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1 else socket.gethostname())
+        port_text = env.get("MASTER_PORT", "0")
         try:
             port = int(port_text)
         except ValueError:
-            raise ValueError(f"MASTER_PORT must be a port number, got {port_text!r}") from None
-        store = dist.TCPStore(addr, port, size, is_master=True, wait_for_workers=False, timeout=timeout)
+            raise ValueError(f"MASTER_PORT must be a port number, got {port_text!r}{_stale_hint(env)}") from None
+        try:
+            store = dist.TCPStore(addr, port, size, is_master=True, wait_for_workers=False, timeout=connect_timeout)
+        except Exception as exc:  # noqa: BLE001 - torch raises several types (DistNetworkError, RuntimeError)
+            raise DomainParallelError(_rendezvous_error("start", addr, port, connect_timeout, exc, env)) from exc
         return addr, store.port
 
     addr, port = allgather_or_raise(comm, host_store)[0]
@@ -495,11 +528,36 @@ def _init_default_group(comm: MPI.Comm, backend: str, timeout: timedelta) -> Non
     def connect() -> None:
         nonlocal store
         if rank != 0:
-            store = dist.TCPStore(addr, port, size, is_master=False, timeout=timeout)
+            try:
+                store = dist.TCPStore(addr, port, size, is_master=False, timeout=connect_timeout)
+            except Exception as exc:  # noqa: BLE001
+                raise DomainParallelError(_rendezvous_error("reach", addr, port, connect_timeout, exc, env)) from exc
+        store.set_timeout(timeout)
 
     allgather_or_raise(comm, connect)
     logger.debug("rank %d: torch.distributed rendezvous at %s:%d (%s)", rank, addr, port, backend)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+
+
+def _stale_hint(env: dict[str, str]) -> str:
+    """What to do about ``MASTER_ADDR``/``MASTER_PORT`` when rank 0 had them set; else ''."""
+    if not env:
+        return ""
+    shown = " ".join(f"{k}={v}" for k, v in env.items())
+    return (
+        f"; rank 0's environment sets {shown}, which overrides credit_mpi's own rendezvous "
+        f"(left over from a torchrun script?): `unset MASTER_ADDR MASTER_PORT` before launching, "
+        f"or set them to an address and free port of rank 0's node that every rank can reach"
+    )
+
+
+def _rendezvous_error(what: str, addr: str, port: int, limit: timedelta, exc: BaseException, env: dict[str, str]) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"init_torch_distributed: could not {what} the torch.distributed rendezvous store at {addr}:{port} "
+        f"within connect_timeout={limit.total_seconds():g} s ({type(exc).__name__}: {first[:300]})"
+        f"{_stale_hint(env)}"
+    )
 
 
 def _new_groups(layout: list[list[int]], rank: int, backend: str | None, timeout: timedelta, what: str) -> Any:

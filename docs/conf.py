@@ -11,23 +11,19 @@ copyright = "2026, credit_mpi contributors"
 release = "0.1.0"
 
 extensions = [
-    "autoapi.extension",
+    "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",  # Google-style docstrings
     "sphinx.ext.intersphinx",
     "sphinx.ext.viewcode",
 ]
 
-# The API reference is generated from the source, as the spec's .rst files were.
-autoapi_type = "python"
-autoapi_dirs = ["../credit_mpi"]
-autoapi_root = "api"
-autoapi_add_toctree_entry = True  # "API Reference" at the end of the root toctree
-autoapi_options = ["members", "undoc-members", "show-inheritance", "show-module-summary", "imported-members"]
-autoapi_ignore = ["*/__main__.py"]
-autoapi_keep_files = False
-# The package re-exports its public names (imported-members), so a short name
-# such as DomainParallelError has two targets; Sphinx picks the first either way.
-suppress_warnings = ["autoapi.python_import_resolution", "ref.python"]
+# The API reference (api.rst) is written by hand over autodoc: the public
+# names only, each once, under the name users import (credit_mpi.X).
+# Importing the package needs mpi4py (and torch for the torch-only names):
+# `make docs` builds in the project's .venv, which has both.
+autodoc_member_order = "bysource"
+autodoc_typehints = "signature"
+autodoc_default_options = {"show-inheritance": True}
 
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

@@ -228,3 +228,19 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "bench.png"
     cli._plot(rows, str(path), 2)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.mpi(min_size=1)
+def test_plot_without_matplotlib_fails_before_the_sweep(capsys, monkeypatch, tmp_path):
+    """--plot checks for matplotlib first: exit 2 on every rank, without running the sweep."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+
+    def sweep(*args, **kwargs):
+        raise AssertionError("the sweep ran although --plot cannot work")
+
+    monkeypatch.setattr(cli, "run_bench", sweep)
+    rcs, out = _run(capsys, ["bench", "-s", "1x8x16", "--plot", str(tmp_path / "x.png")])
+    assert rcs == [2] * MPI.COMM_WORLD.Get_size()
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert "--plot needs matplotlib" in out.err and "[plot]" in out.err
