@@ -9,16 +9,19 @@ PYTHON3=${PYTHON3:-python3}
 # The MPI test files that the other MPIs run (the mpich run has them all):
 # the manager/sharding/halo tests and the reliability suites. The soak is
 # the mpich run's job (it is about memory, not about the MPI).
-CI_SUBSET=${CI_SUBSET:-"tests/test_manager.py tests/test_sharding.py tests/test_halo.py tests/test_validation.py tests/test_bad_input.py tests/test_faults.py tests/test_properties.py"}
+CI_SUBSET=${CI_SUBSET:-"tests/test_manager.py tests/test_sharding.py tests/test_halo.py tests/test_agreement.py tests/test_agreement_property.py tests/test_bad_input.py tests/test_faults.py tests/test_properties.py"}
 # Packages the suite needs besides mpi4py and the MPI itself (the CPU build
 # of torch, as in the Makefile: the subset's test files import it).
 CI_TEST_PKGS="numpy pytest>=7 pytest-mpi>=0.6 hypothesis psutil ${TORCH:-torch==2.13.0}"
 
-# The subset files that exist in this checkout (others may not have landed).
+# The subset's files; a listed file that does not exist fails CI (a typo
+# or a rename must not silently shrink what the other MPIs run).
 ci_subset() {
-    local f out=""
-    for f in $CI_SUBSET; do [ -f "$f" ] && out="$out $f"; done
-    echo "$out"
+    local f
+    for f in $CI_SUBSET; do
+        [ -f "$f" ] || { echo "ci_subset: $f is listed in CI_SUBSET but does not exist" >&2; return 1; }
+    done
+    echo "$CI_SUBSET"
 }
 
 ci_venv() {  # ci_venv NAME -> fresh venv at $CI_VENVS/NAME with the test packages
@@ -52,8 +55,9 @@ v = MPI.Get_library_version()
 print("mpi4py", __import__("mpi4py").__version__, "on:", v.splitlines()[0])
 assert v.startswith("Open MPI v5"), v
 PY
+        subset=$(ci_subset) || exit 1
         LAYOUT_RANKS= PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec" RANKS=${CI_RANKS_OTHER:-"2 3 4"} \
-            MPI_TIMEOUT=${CI_MPI_TIMEOUT:-600} tools/run-tests $(ci_subset)
+            MPI_TIMEOUT=${CI_MPI_TIMEOUT:-600} tools/run-tests $subset
     )
 }
 
@@ -89,7 +93,8 @@ owner = subprocess.run(["dpkg", "-S", *linked], capture_output=True, text=True).
 print(owner.strip())
 assert linked and "libopenmpi3" in owner, (libs, owner)
 PY
+        subset=$(ci_subset) || exit 1
         LAYOUT_RANKS= PYTHON="$venv/bin/python" MPIEXEC=/usr/bin/mpiexec.openmpi RANKS=${CI_RANKS_OTHER:-"2 3 4"} \
-            MPI_TIMEOUT=${CI_MPI_TIMEOUT:-600} tools/run-tests $(ci_subset)
+            MPI_TIMEOUT=${CI_MPI_TIMEOUT:-600} tools/run-tests $subset
     )
 }
