@@ -16,7 +16,7 @@ padded band, every one checked to give identical bytes before timing:
 
 Reported: the best over ``--repeats`` runs of the slowest rank's mean time
 per exchange over ``--iters`` exchanges, and the ratios to credit_mpi.
-All measurements live in credit_mpi/bench.py; this script only arranges them.
+All measurements live in credit_mpi/cli/bench.py; this script only arranges them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import argparse
 
 from mpi4py import MPI
 
-from credit_mpi import DomainParallelManager, bench
+from credit_mpi import DomainParallelManager
+from credit_mpi.cli import bench
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ and the stacked bands.
 
 Reported: for each operation, the best over ``--repeats`` of the slowest
 rank's time for one call (a barrier before each call).
-All measurements live in credit_mpi/bench.py; this script only arranges them.
+All measurements live in credit_mpi/cli/bench.py; this script only arranges them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from credit_mpi import DomainParallelManager, bench, shard_tensor
+from credit_mpi import DomainParallelManager, shard_tensor
+from credit_mpi.cli import bench
 from credit_mpi.partition import band_range
 
 

@@ -20,8 +20,8 @@ A float32 field of 16 x 720 x 1440 (66 MB) split by latitude over the ranks
   the raw ``Allgather`` does (no fresh allocation + first touch per call)
 * a 721-row uneven gather (Allgatherv) over the 720-row even one [<= 1.15x]
 
-Times are medians over ``--repeats`` of the slowest rank (credit_mpi.bench).
-All measurements live in credit_mpi/bench.py; this script only arranges them.
+Times are medians over ``--repeats`` of the slowest rank (credit_mpi.cli.bench).
+All measurements live in credit_mpi/cli/bench.py; this script only arranges them.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import sys
 
 from mpi4py import MPI
 
-from credit_mpi import DomainParallelManager, bench
+from credit_mpi import DomainParallelManager
+from credit_mpi.cli import bench
 
 
 def main(argv=None) -> int:

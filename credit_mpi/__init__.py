@@ -41,7 +41,7 @@ __all__ = [
 def __getattr__(name: str):
     # torch-only names load on first use, so `import credit_mpi` never imports torch
     if name == "HaloExchange":
-        from .autograd import HaloExchange
+        from .nn.exchange import HaloExchange
 
         return HaloExchange
     if name == "convert_to_domain_parallel":

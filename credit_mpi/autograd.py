@@ -1,14 +1,16 @@
 """torch autograd through credit_mpi's collectives.
 
 Imported only when a torch tensor that requires grad reaches a collective
-(or when :class:`HaloExchange` is used), so ``import credit_mpi`` never
+(or a :class:`credit_mpi.nn.HaloExchange` runs), so ``import credit_mpi`` never
 imports torch. The public functions route here by themselves after the ranks
 have agreed on the call (whether autograd records it is part of that
 agreement for the halo exchange, whose backward is a collective): with grad
 mode on and ``x.requires_grad``, :func:`credit_mpi.gather_tensor` and
 :func:`credit_mpi.halo_exchange` return a tensor with a ``grad_fn``. Each
 ``torch.autograd.Function`` below runs the same kernel as the plain call
-forward, so both paths make the same MPI calls. Backward passes that
+forward, so both paths make the same MPI calls. The Functions know nothing
+of sharding or halos: they call the agreed plan's ``apply`` (forward) and
+``adjoint`` (its transpose), so this module imports nothing above it. Backward passes that
 communicate are collectives over the domain group: every rank of the group
 must run the backward pass (as in any data- or model-parallel code).
 Every backward is itself differentiable (double backward is exact).
@@ -33,15 +35,14 @@ Semantics follow torch DTensor's redistribution between ``Replicate()`` and
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from mpi4py import MPI
 
-from . import halo as _halo
-from . import sharding
-from .manager import DomainParallelManager
-from .validation import DomainParallelError, check_transport
+from .validation import DomainParallelError
 
-__all__ = ["HaloExchange", "gather_autograd", "halo_autograd"]
+__all__ = ["gather_autograd", "halo_autograd", "check_backward_thread"]
 
 
 _THREAD_LEVELS = {
@@ -75,7 +76,7 @@ def check_backward_thread() -> None:
 class _GatherTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan, out):
-        gathered = sharding.gather_kernel(x, plan)
+        gathered = plan.apply(x)
         if out is not None:
             ctx.mark_dirty(out)  # written in place: autograd moves its version on, as for torch's in-place ops
         ctx.axis, ctx.rows, ctx.start = plan.axis, plan.sizes[plan.rank], sum(plan.sizes[: plan.rank])
@@ -92,7 +93,7 @@ class _HaloExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan):
         ctx.plan = plan
-        return _halo.halo_kernel(x, plan)
+        return plan.apply(x)
 
     @staticmethod
     def backward(ctx, grad):
@@ -108,7 +109,7 @@ class _HaloAdjoint(torch.autograd.Function):
         ctx.plan = plan
         if plan.torch_group is None:  # over MPI (transport="torch" calls no MPI here)
             check_backward_thread()
-        return _halo.halo_adjoint(grad, plan)
+        return plan.adjoint(grad)
 
     @staticmethod
     def backward(ctx, grad):
@@ -117,46 +118,11 @@ class _HaloAdjoint(torch.autograd.Function):
         return _HaloExchange.apply(grad, ctx.plan), None
 
 
-def gather_autograd(x: torch.Tensor, plan: sharding._Gather) -> torch.Tensor:
+def gather_autograd(x: torch.Tensor, plan: Any) -> torch.Tensor:
     """Differentiable :func:`credit_mpi.gather_tensor` of ``x`` with its agreed ``plan`` (backward: this rank's slice)."""
     return _GatherTensor.apply(x, plan, plan.out)
 
 
-def halo_autograd(x: torch.Tensor, plan: _halo._Plan) -> torch.Tensor:
+def halo_autograd(x: torch.Tensor, plan: Any) -> torch.Tensor:
     """Differentiable :func:`credit_mpi.halo_exchange` of ``x`` with its agreed ``plan`` (backward: halo gradients go home)."""
     return _HaloExchange.apply(x, plan)
-
-
-class HaloExchange(torch.nn.Module):
-    """Differentiable halo exchange as a module (the reference package's name).
-
-    ``HaloExchange(halo_width, dim=-2, boundary="zero")(x)`` is
-    :func:`credit_mpi.halo_exchange` with the global manager; pass
-    ``manager=`` to use another one and ``transport="torch"`` to move the
-    rows over the mirrored torch.distributed group. Typically followed by a
-    convolution with no padding along ``dim`` (and circular padding along
-    longitude).
-    """
-
-    def __init__(
-        self,
-        halo_width: int,
-        dim: int = -2,
-        boundary: str = "zero",
-        manager: DomainParallelManager | None = None,
-        *,
-        transport: str = "mpi",
-    ) -> None:
-        super().__init__()
-        self.halo_width = _halo._check_width(halo_width)
-        self.boundary = _halo._check_boundary_name(boundary)
-        self.transport = check_transport(transport)
-        self.dim, self.manager = dim, manager
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _halo.halo_exchange(
-            x, self.halo_width, self.dim, self.manager, boundary=self.boundary, transport=self.transport
-        )
-
-    def extra_repr(self) -> str:
-        return f"halo_width={self.halo_width}, dim={self.dim}, boundary={self.boundary!r}, transport={self.transport!r}"

@@ -1,6 +1,6 @@
 """GPUs and MPI: is the MPI library CUDA-aware, and which GPU is each rank's.
 
-CUDA-awareness decides how :mod:`credit_mpi.buffers` moves device arrays:
+CUDA-awareness decides how :mod:`credit_mpi.transport.staging` moves device arrays:
 straight from device memory (CUDA-aware MPI), or staged through pinned host
 memory (any MPI). The verdict is taken **once per communicator and agreed by
 all of its ranks**: each rank reads its own signals, one ``allgather`` shares

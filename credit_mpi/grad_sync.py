@@ -12,7 +12,7 @@ same weight, which uneven bands (721 latitudes on 2 ranks) break.
 :func:`reduce_gradients` does both reductions in place, with one flat buffer
 per dtype and one ``Allreduce`` per group and dtype. Gradients on a GPU are
 reduced in place on the device when MPI is CUDA-aware, else staged through
-host memory (:mod:`credit_mpi.buffers` decides, as for every collective).
+host memory (:mod:`credit_mpi.transport.staging` decides, as for every collective).
 
 With torch's own data-parallel wrapper (DDP over
 ``manager.torch_data_parallel_group``), DDP already averages over the
@@ -29,8 +29,8 @@ from collections.abc import Iterable
 
 from mpi4py import MPI
 
-from . import buffers
 from .manager import DomainParallelManager, get_domain_parallel_manager
+from .transport import arrays, staging
 from .validation import Local, agree
 
 __all__ = ["reduce_gradients"]
@@ -124,10 +124,10 @@ def reduce_gradients(
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         if dtype in _WIDEN:
             flat = flat.float()
-        datatype = buffers.mpi_datatype(flat)
+        datatype = arrays.mpi_datatype(flat)
         for comm, size in ((manager.domain_group, domain), (manager.data_parallel_group, dp)):
             if size > 1:  # device gradients: direct or host-staged, as buffers decides for comm
-                with buffers.recv_buffer(flat, comm, inout=True) as buf:
+                with staging.recv_buffer(flat, comm, inout=True) as buf:
                     comm.Allreduce(MPI.IN_PLACE, [buf, datatype], op=MPI.SUM)
         if dp > 1:
             flat.div_(dp)

@@ -48,20 +48,18 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import buffers
 from .manager import Domain, DomainParallelManager, domain_of
 from .partition import (
     HALO_BOUNDARIES,
     check_halo_width,
     halo_edge_rows,
-    halo_neighbors,
     normalize_dim,
 )
+from .transport import arrays, limits, rowops, staging
 from .validation import Local, agree, check_bands_fit, check_int, check_transport
 
 __all__ = ["HALO_BOUNDARIES", "halo_exchange"]
 
-TAG_UP, TAG_DOWN = 17, 18  # message tags (MPI and torch): rows travelling to the previous / next rank
 
 
 def halo_exchange(
@@ -114,7 +112,7 @@ def halo_exchange(
     """
     plan = _plan(x, halo_width, dim, domain_of(manager), boundary, check, transport)
     if plan.autograd:  # differentiable path (torch autograd); the same MPI calls
-        from .autograd import halo_autograd
+        from .autograd import halo_autograd  # imports torch
 
         return halo_autograd(x, plan)
     return halo_kernel(x, plan)
@@ -137,20 +135,28 @@ class _Plan:
     autograd: bool  # torch autograd records the exchange (agreed: its backward is collective too)
     torch_group: Any = None  # transport="torch": the mirrored torch domain group
 
+    def apply(self, x: Any) -> Any:
+        """The exchange (:func:`halo_kernel`)."""
+        return halo_kernel(x, self)
+
+    def adjoint(self, grad: Any) -> Any:
+        """Its transpose (:func:`halo_adjoint`): halo gradients sent home and added."""
+        return halo_adjoint(grad, self)
+
 
 def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi") -> _Plan:
-    comm, n, rank = domain.comm, domain.size, domain.rank
+    comm, n = domain.comm, domain.size
 
     def local() -> Local:
         check_transport(transport)
-        info = buffers.describe(x)
-        width = _check_width(halo_width)
+        info = arrays.describe(x)
+        width = check_width(halo_width)
         axis = normalize_dim(dim, len(info.shape))
         _check_boundary(boundary, info.shape, axis)
         if transport == "torch" and n > 1:
             _torch_group(domain)  # a clear error when the bridge is missing
         rest = info.shape[:axis] + info.shape[axis + 1 :]
-        calls = (width, boundary, transport, buffers.requires_grad(x), math.prod(info.shape[:axis]),
+        calls = (width, boundary, transport, arrays.requires_grad(x), math.prod(info.shape[:axis]),
                  math.prod(info.shape[axis + 1 :]) * info.itemsize)
         same = (info.kind, info.dtype, info.device_type, len(info.shape), rest, axis)
         return Local((info, axis, width, boundary), calls, same, info.shape[axis])
@@ -165,7 +171,7 @@ def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi") 
         info, axis, width, _ = local().plan
         sizes = [info.shape[axis]]
     check_halo_width(sizes, width, boundary, axis)  # every rank's rows are agreed: every rank raises alike
-    prev, nxt = halo_neighbors(rank, n, boundary == "periodic")
+    prev, nxt = domain.neighbors(boundary == "periodic")
     shape = info.shape
     return _Plan(
         comm=comm,
@@ -180,34 +186,32 @@ def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi") 
         lon_axis=len(shape) - 1,
         lon=shape[-1],
         shape=shape,
-        autograd=buffers.requires_grad(x),
+        autograd=arrays.requires_grad(x),
         torch_group=_torch_group(domain) if transport == "torch" and n > 1 else None,
     )
 
 
 def _torch_group(domain: Domain) -> Any:
-    from . import torch_bridge
-
-    return torch_bridge.domain_group(domain.manager)
+    return domain.manager.torch_group("domain")
 
 
 def halo_kernel(x: Any, p: _Plan) -> Any:
     """The padded band of an agreed exchange (plain arrays, no autograd)."""
     w, rows, axis = p.width, p.rows, p.axis
-    x = buffers.contiguous(x)  # detached; lazy conjugate / negative views resolved (DLPack cannot carry them)
+    x = arrays.contiguous(x)  # detached; lazy conjugate / negative views resolved (DLPack cannot carry them)
     shape = list(p.shape)
     shape[axis] = rows + 2 * w
-    out = buffers.empty(x, shape)
-    buffers.copy_rows(out, axis, w, x)
+    out = arrays.empty(x, shape)
+    rowops.copy_rows(out, axis, w, x)
     if w == 0:
         return out
     if p.prev is not None or p.next is not None:
         # my first w rows go up and my last w rows go down; the neighbours' land below and above my band
-        from_next, from_prev = _swap_edges(lambda: buffers.narrow(x, axis, 0, w), lambda: buffers.narrow(x, axis, rows - w, w), p)
+        from_next, from_prev = _swap_edges(lambda: arrays.narrow(x, axis, 0, w), lambda: arrays.narrow(x, axis, rows - w, w), p)
         if from_prev is not None:
-            buffers.copy_rows(out, axis, 0, from_prev)
+            rowops.copy_rows(out, axis, 0, from_prev)
         if from_next is not None:
-            buffers.copy_rows(out, axis, w + rows, from_next)
+            rowops.copy_rows(out, axis, w + rows, from_next)
     for side, neighbour, at in (("before", p.prev, 0), ("after", p.next, w + rows)):
         if neighbour is None:
             _fill_edge(out, x, p, side, at)
@@ -234,23 +238,23 @@ def _swap_edges(up: Callable[[], Any], down: Callable[[], Any], p: _Plan) -> tup
     up_edge = up() if p.prev is not None else None
     down_edge = down() if p.next is not None else None
     if p.torch_group is not None:
-        from . import torch_bridge
+        from .transport import torch_moves  # imports torch
 
-        return torch_bridge.swap_edges(up_edge, down_edge, p.prev, p.next, p.torch_group)
+        return torch_moves.swap_edges(up_edge, down_edge, p.prev, p.next, p.torch_group)
     comm = p.comm
     like = up_edge if up_edge is not None else down_edge
-    from_next = buffers.empty(like, like.shape) if p.next is not None else None
-    from_prev = buffers.empty(like, like.shape) if p.prev is not None else None
-    with _bytes(up_edge, comm, buffers.send_buffer) as send, _bytes(from_next, comm, buffers.recv_buffer) as recv:
-        comm.Sendrecv(send, _rank(p.prev), TAG_UP, recv, _rank(p.next), TAG_UP)
-    with _bytes(down_edge, comm, buffers.send_buffer) as send, _bytes(from_prev, comm, buffers.recv_buffer) as recv:
-        comm.Sendrecv(send, _rank(p.next), TAG_DOWN, recv, _rank(p.prev), TAG_DOWN)
+    from_next = arrays.empty(like, like.shape) if p.next is not None else None
+    from_prev = arrays.empty(like, like.shape) if p.prev is not None else None
+    with _bytes(up_edge, comm, staging.send_buffer) as send, _bytes(from_next, comm, staging.recv_buffer) as recv:
+        comm.Sendrecv(send, _rank(p.prev), limits.TAG_UP, recv, _rank(p.next), limits.TAG_UP)
+    with _bytes(down_edge, comm, staging.send_buffer) as send, _bytes(from_prev, comm, staging.recv_buffer) as recv:
+        comm.Sendrecv(send, _rank(p.next), limits.TAG_DOWN, recv, _rank(p.prev), limits.TAG_DOWN)
     return from_next, from_prev
 
 
 @contextlib.contextmanager
 def _bytes(x: Any, comm: MPI.Comm, buffer: Callable) -> Iterator[Any]:
-    """``[buffer, MPI.BYTE]`` for ``x`` (``buffers.send_buffer`` or ``recv_buffer``), or ``None``.
+    """``[buffer, MPI.BYTE]`` for ``x`` (``staging.send_buffer`` or ``recv_buffer``), or ``None``.
 
     ``None`` is mpi4py's empty message: what goes to or comes from ``MPI.PROC_NULL``.
     """
@@ -263,13 +267,13 @@ def _bytes(x: Any, comm: MPI.Comm, buffer: Callable) -> Iterator[Any]:
 
 def _fill_edge(out: Any, x: Any, p: _Plan, side: str, at: int) -> None:
     if p.boundary == "zero":
-        buffers.fill_rows(out, p.axis, at, p.width, 0)
+        rowops.fill_rows(out, p.axis, at, p.width, 0)
         return
     start = halo_edge_rows(p.boundary, p.rows, p.width, side)
-    halo = buffers.flipped_rows(x, p.axis, start, p.width)
+    halo = rowops.flipped_rows(x, p.axis, start, p.width)
     if p.boundary == "earth":
-        halo = buffers.roll(halo, p.lon // 2, p.lon_axis)
-    buffers.copy_rows(out, p.axis, at, halo)
+        halo = rowops.roll(halo, p.lon // 2, p.lon_axis)
+    rowops.copy_rows(out, p.axis, at, halo)
 
 
 def halo_adjoint(grad: Any, p: _Plan) -> Any:
@@ -280,23 +284,23 @@ def halo_adjoint(grad: Any, p: _Plan) -> Any:
     row on the rank that owns it.
     """
     w, rows, axis = p.width, p.rows, p.axis
-    grad = buffers.contiguous(grad)
-    gx = buffers.clone(buffers.narrow(grad, axis, w, rows))
+    grad = arrays.contiguous(grad)
+    gx = rowops.clone(arrays.narrow(grad, axis, w, rows))
     if w == 0:
         return gx
     # the halo above came from the previous rank's last rows, the halo below from the next rank's first rows
-    from_next, from_prev = _swap_edges(lambda: buffers.narrow(grad, axis, 0, w), lambda: buffers.narrow(grad, axis, w + rows, w), p)
+    from_next, from_prev = _swap_edges(lambda: arrays.narrow(grad, axis, 0, w), lambda: arrays.narrow(grad, axis, w + rows, w), p)
     if from_next is not None:
-        buffers.add_rows(gx, axis, rows - w, from_next)
+        rowops.add_rows(gx, axis, rows - w, from_next)
     if from_prev is not None:
-        buffers.add_rows(gx, axis, 0, from_prev)
+        rowops.add_rows(gx, axis, 0, from_prev)
     if p.boundary in ("reflect", "earth"):
         for side, neighbour, at in (("before", p.prev, 0), ("after", p.next, w + rows)):
             if neighbour is None:
-                back = buffers.flipped_rows(grad, axis, at, w)
+                back = rowops.flipped_rows(grad, axis, at, w)
                 if p.boundary == "earth":
-                    back = buffers.roll(back, -(p.lon // 2), p.lon_axis)
-                buffers.add_rows(gx, axis, halo_edge_rows(p.boundary, rows, w, side), back)
+                    back = rowops.roll(back, -(p.lon // 2), p.lon_axis)
+                rowops.add_rows(gx, axis, halo_edge_rows(p.boundary, rows, w, side), back)
     return gx
 
 
@@ -304,18 +308,18 @@ def _rank(r: int | None) -> int:
     return MPI.PROC_NULL if r is None else r
 
 
-def _check_width(width: Any) -> int:
+def check_width(width: Any) -> int:
     return check_int("halo_width", width, minimum=0)
 
 
-def _check_boundary_name(boundary: Any) -> str:
+def check_boundary_name(boundary: Any) -> str:
     if boundary not in HALO_BOUNDARIES:
         raise ValueError(f"unknown boundary {boundary!r}; valid: {', '.join(map(repr, HALO_BOUNDARIES))}")
     return boundary
 
 
 def _check_boundary(boundary: Any, shape: tuple, axis: int) -> None:
-    if _check_boundary_name(boundary) != "earth":
+    if check_boundary_name(boundary) != "earth":
         return
     if axis == len(shape) - 1:
         raise ValueError(

@@ -19,12 +19,15 @@ so the library can live inside an existing MPI code.
 from __future__ import annotations
 
 import logging
+import numbers
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from mpi4py import MPI
 
+from .partition import halo_neighbors
 from .validation import DomainParallelError, allgather_or_raise, check_int
 
 __all__ = [
@@ -41,6 +44,15 @@ logger.addHandler(logging.NullHandler())
 
 _MANAGER: DomainParallelManager | None = None
 _LEAKED = 0  # managers garbage-collected without free()
+
+
+class TorchGroups(NamedTuple):
+    """The torch.distributed state a manager carries once the torch bridge is initialised."""
+
+    domain: Any  # mirrors domain_group
+    data_parallel: Any  # mirrors data_parallel_group
+    mesh: Any  # DeviceMesh ("dp", "domain")
+    teardown: Callable[[Any], None]  # destroys them; free() calls it
 
 
 class ResourceLeakWarning(UserWarning):
@@ -119,12 +131,9 @@ class DomainParallelManager:
         self._dp_rank = self._domain_group_idx
         self._domain_group: MPI.Intracomm | None = None
         self._dp_group: MPI.Intracomm | None = None
-        # torch.distributed groups mirroring the two communicators; set by
-        # credit_mpi.init_torch_distributed, released by free().
-        self.torch_domain_group = None
-        self.torch_data_parallel_group = None
-        self.device_mesh = None
-        self._torch_teardown = None
+        # torch.distributed groups mirroring the two communicators: attached
+        # by credit_mpi.init_torch_distributed, torn down by free().
+        self._torch: TorchGroups | None = None
 
         # Consecutive ranks form a domain group; ranks holding the same band
         # (same domain rank) form a data-parallel group.
@@ -213,11 +222,57 @@ class DomainParallelManager:
         """Which domain group (0 to data_parallel_size-1) this rank belongs to."""
         return self._domain_group_idx
 
-    def domain_neighbor_ranks(self) -> tuple[int | None, int | None]:
-        """(prev, next) ranks *inside* ``domain_group``; None at the edges."""
-        prev = self._domain_rank - 1 if self._domain_rank > 0 else None
-        nxt = self._domain_rank + 1 if self._domain_rank < self.domain_parallel_size - 1 else None
-        return prev, nxt
+    def domain_neighbor_ranks(self, periodic: bool = False) -> tuple[int | None, int | None]:
+        """(prev, next) ranks *inside* ``domain_group``; None at the edges.
+
+        With ``periodic`` the first and the last rank are neighbours (the
+        halo exchange's ``boundary="periodic"``).
+        """
+        return halo_neighbors(self._domain_rank, self.domain_parallel_size, periodic)
+
+    # -- torch.distributed groups (credit_mpi.init_torch_distributed) ---------
+
+    @property
+    def torch_domain_group(self) -> Any:
+        """The torch group mirroring ``domain_group`` (None until the torch bridge is initialised)."""
+        return None if self._torch is None else self._torch.domain
+
+    @property
+    def torch_data_parallel_group(self) -> Any:
+        """The torch group mirroring ``data_parallel_group`` (None until the torch bridge is initialised)."""
+        return None if self._torch is None else self._torch.data_parallel
+
+    @property
+    def device_mesh(self) -> Any:
+        """A 2-D torch ``DeviceMesh`` named ``("dp", "domain")`` over the torch groups (or None)."""
+        return None if self._torch is None else self._torch.mesh
+
+    def torch_group(self, name: str) -> Any:
+        """The torch group named ``"domain"`` or ``"dp"`` (the device mesh's names).
+
+        Raises:
+            DomainParallelError: the torch bridge is not initialised for this manager.
+            ValueError: another name.
+        """
+        if name not in ("domain", "dp"):
+            raise ValueError(f"torch group name must be 'domain' or 'dp', got {name!r}")
+        if self._torch is None:
+            raise DomainParallelError(
+                "transport='torch' needs torch.distributed groups that mirror the manager; "
+                "call credit_mpi.init_torch_distributed(manager) first (or use transport='mpi')"
+            )
+        return self._torch.domain if name == "domain" else self._torch.data_parallel
+
+    def attach_torch_groups(self, groups: TorchGroups) -> None:
+        """Record the torch groups that mirror this manager (called by the torch bridge)."""
+        if self._torch is not None:
+            raise DomainParallelError("this manager already has torch groups; destroy_torch_distributed(manager) first")
+        self._torch = groups
+
+    def detach_torch_groups(self) -> TorchGroups | None:
+        """Forget the torch groups and return them (the torch bridge destroys them)."""
+        groups, self._torch = self._torch, None
+        return groups
 
     def domain_groups(self) -> list[list[int]]:
         """Parent-communicator ranks of every domain group, e.g. [[0, 1], [2, 3]]."""
@@ -243,8 +298,8 @@ class DomainParallelManager:
         """
         if self._domain_group is None:
             return
-        if self._torch_teardown is not None:
-            self._torch_teardown(self)
+        if self._torch is not None:
+            self._torch.teardown(self)  # detaches them
         for comm in (self._domain_group, self._dp_group):
             if comm is not None and comm != MPI.COMM_NULL and not MPI.Is_finalized():
                 comm.Free()
@@ -362,6 +417,10 @@ class Domain(NamedTuple):
             )
         return group
 
+    def neighbors(self, periodic: bool = False) -> tuple[int | None, int | None]:
+        """(prev, next) domain ranks of this rank's halo exchange (see :func:`credit_mpi.partition.halo_neighbors`)."""
+        return halo_neighbors(self.rank, self.size, periodic)
+
 
 def domain_of(manager: Any = None) -> Domain:
     """``Domain(size, rank, manager)`` of ``manager`` (the singleton when None; size 1 when there is none).
@@ -382,6 +441,10 @@ def domain_of(manager: Any = None) -> Domain:
                 f"manager must be a DomainParallelManager or an object with domain_parallel_size and "
                 f"domain_rank; {type(manager).__name__} has no {name}"
             )
+    for name in ("domain_parallel_size", "domain_rank"):  # ints, not whatever has __index__ (a bare MagicMock)
+        value = getattr(manager, name)
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise TypeError(f"manager.{name} must be an int, got {type(value).__name__} {value!r}")
     size = check_int("manager.domain_parallel_size", manager.domain_parallel_size, minimum=1)
     rank = check_int("manager.domain_rank", manager.domain_rank, minimum=0)
     if rank >= size:

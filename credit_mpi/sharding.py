@@ -29,7 +29,7 @@ gather; :func:`scatter_tensor`.
 With no manager, or a domain of size 1, the input comes back unchanged and
 nothing is communicated. Arrays are numpy arrays, torch tensors (CPU or
 CUDA) or CuPy arrays; results have the kind, dtype and device of the input
-(device arrays move as :mod:`credit_mpi.buffers` describes).
+(device arrays move as :mod:`credit_mpi.transport.staging` describes).
 
 Gradients (torch tensors that require grad): a shard is a slice, so its
 gradient is the slice's (this rank's rows, zeros elsewhere; no
@@ -46,9 +46,9 @@ from typing import Any, NamedTuple
 
 from mpi4py import MPI
 
-from . import buffers
 from .manager import Domain, DomainParallelManager, domain_of
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
+from .transport import arrays, limits, rowops, staging
 from .validation import Local, agree, check_bands_fit, check_transport
 
 __all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
@@ -100,27 +100,31 @@ def shard_tensor(
         return x
 
     def local() -> Local:
-        info = buffers.describe(x)
+        info = arrays.describe(x)
         axis = normalize_dim(dim, len(info.shape))
         sizes = band_sizes(info.shape[axis], domain.size, uneven, dim=dim)
         return Local((info, axis, sizes), (axis, uneven), (info.kind, info.shape, info.dtype, info.device_type))
 
     plan = _agree(domain, "shard_tensor", local, _different_arrays("shard_tensor")) if collective else local().plan
     _, axis, sizes = plan
-    return buffers.narrow(x, axis, sum(sizes[: domain.rank]), sizes[domain.rank])
+    return arrays.narrow(x, axis, sum(sizes[: domain.rank]), sizes[domain.rank])
 
 
 class _Gather(NamedTuple):
     """What every rank agreed on before a gather moves data."""
 
     comm: MPI.Comm
-    info: buffers.ArrayInfo
+    info: arrays.ArrayInfo
     axis: int
     sizes: list  # every rank's rows along axis
     rank: int
     out: Any  # the output array, or None (allocated by the gather)
     transport: str
     manager: Any
+
+    def apply(self, x: Any) -> Any:
+        """The gather (:func:`gather_kernel`)."""
+        return gather_kernel(x, self)
 
 
 def gather_tensor(
@@ -173,8 +177,8 @@ def gather_tensor(
         check_transport(transport)
         return x if out is None else _copy_into(out, x, dim)
     plan = _gather_plan(x, dim, domain, check, out, transport)
-    if buffers.requires_grad(x):  # differentiable: the same MPI calls, inside an autograd.Function
-        from .autograd import gather_autograd
+    if arrays.requires_grad(x):  # differentiable: the same MPI calls, inside an autograd.Function
+        from .autograd import gather_autograd  # imports torch
 
         return gather_autograd(x, plan)
     return gather_kernel(x, plan)
@@ -185,16 +189,14 @@ def _gather_plan(x: Any, dim: int, domain: Domain, check: bool, out: Any, transp
 
     def local() -> Local:
         check_transport(transport)
-        info = buffers.describe(x)
+        info = arrays.describe(x)
         axis = normalize_dim(dim, len(info.shape))
         rest = info.shape[:axis] + info.shape[axis + 1 :]
         out_rows = None if out is None else _check_out(out, info, axis)
         if transport == "torch":
-            from . import torch_bridge
-
-            torch_bridge.domain_group(domain.manager)  # a clear error when the bridge is missing
+            domain.manager.torch_group("domain")  # a clear error when the bridge is missing
         calls = (transport, math.prod(info.shape[:axis]), math.prod(info.shape[axis + 1 :]) * info.itemsize, out_rows)
-        outs = None if out is None else buffers.describe(out)
+        outs = None if out is None else arrays.describe(out)
         return Local((info, axis, outs), calls, (info.kind, info.dtype, info.device_type, len(info.shape), rest, axis), info.shape[axis])
 
     def explain(locals_: list[Local]) -> None:  # name each rank's shard (and out) when they do not fit
@@ -213,31 +215,25 @@ def _gather_plan(x: Any, dim: int, domain: Domain, check: bool, out: Any, transp
 def gather_kernel(x: Any, p: _Gather) -> Any:
     """Move the bands of an agreed gather (no checks, no autograd): returns the output."""
     shape = _gathered_shape(p.info.shape, p.axis, sum(p.sizes))
-    out = buffers.empty(x, shape) if p.out is None else p.out
+    out = arrays.empty(x, shape) if p.out is None else p.out
     if math.prod(shape) == 0:
         return out
-    if p.out is not None and buffers.shares_memory(x, out):
-        x = buffers.clone(x)  # an in-place gather: MPI forbids aliased send and receive buffers
+    if p.out is not None and arrays.shares_memory(x, out):
+        x = rowops.clone(x)  # an in-place gather: MPI forbids aliased send and receive buffers
     if p.transport == "torch":
-        from . import torch_bridge
+        from .transport import torch_moves  # imports torch
 
-        torch_bridge.allgather_bands(x, out, p.axis, p.sizes, p.manager)
+        torch_moves.allgather_bands(x, out, p.axis, p.sizes, p.manager.torch_group("domain"))
     else:
         outer = math.prod(shape[: p.axis])
         row_bytes = math.prod(shape[p.axis + 1 :]) * p.info.itemsize
-        with buffers.send_buffer(buffers.contiguous(x), p.comm) as send, buffers.recv_buffer(out, p.comm) as recv:
+        with staging.send_buffer(arrays.contiguous(x), p.comm) as send, staging.recv_buffer(out, p.comm) as recv:
             _allgather_rows(p.comm, send, recv, outer, p.sizes, row_bytes)
     if p.out is not None:
-        buffers.mark_written(out)  # autograd sees the write (a tensor it saved is now stale)
+        arrays.mark_written(out)  # autograd sees the write (a tensor it saved is now stale)
     return out
 
 
-# Above this many bytes per outer slice of the output, gather_tensor moves
-# each slice with its own contiguous (I)allgather, straight into place, all
-# in flight at once; below it, slices are gathered in packed groups of at
-# most PACK_BYTES and copied into place.
-SLICE_BYTES = 1 << 15
-PACK_BYTES = 1 << 22
 
 
 def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: list[int], row_bytes: int) -> None:
@@ -251,7 +247,7 @@ def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: lis
       with no extra memory (blocking ``Allgather(v)`` calls when the buffers
       are device memory: CUDA-aware Open MPI does not take device pointers
       in non-blocking collectives);
-    * small slices: groups of slices (at most :data:`PACK_BYTES`) are
+    * small slices: groups of slices (at most :data:`~credit_mpi.transport.limits.PACK_BYTES`) are
       all-gathered rank-major into a scratch buffer with one contiguous
       ``Allgatherv``, then each rank's part is copied into place. Extra
       memory: one group, at most ``PACK_BYTES``.
@@ -263,8 +259,8 @@ def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: lis
     rank, total = comm.Get_rank(), sum(sizes)
     mine, even = sizes[rank], len(set(sizes)) == 1
     slice_bytes = total * row_bytes
-    on_device = buffers.in_device_memory(recv)  # a CUDA-aware MPI gets device pointers
-    if outer == 1 or slice_bytes >= SLICE_BYTES:
+    on_device = arrays.in_device_memory(recv)  # a CUDA-aware MPI gets device pointers
+    if outer == 1 or slice_bytes >= limits.SLICE_BYTES:
         row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
         try:
             counts = mine if even else (sizes, band_offsets(sizes))
@@ -284,8 +280,8 @@ def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: lis
         finally:
             row.Free()
         return
-    group = max(1, min(outer, PACK_BYTES // slice_bytes))
-    scratch = buffers.empty(recv, (group * slice_bytes,))
+    group = max(1, min(outer, limits.PACK_BYTES // slice_bytes))
+    scratch = arrays.empty(recv, (group * slice_bytes,))
     offsets = band_offsets(sizes)
     for first in range(0, outer, group):
         k = min(group, outer - first)
@@ -293,7 +289,7 @@ def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: lis
         displs = [k * offset * row_bytes for offset in offsets]
         mine_bytes = k * mine * row_bytes
         if first and on_device:
-            buffers.sync_stream(scratch)  # the copies out of the last group have read scratch
+            arrays.sync_stream(scratch)  # the copies out of the last group have read scratch
         comm.Allgatherv(
             [send[first * mine * row_bytes : first * mine * row_bytes + mine_bytes], mine_bytes, MPI.BYTE],
             [scratch, (counts, displs), MPI.BYTE],
@@ -346,14 +342,12 @@ def shard_batch(
 
     def local() -> Local:
         if transport == "torch":
-            from . import torch_bridge
-
-            torch_bridge.domain_group(domain.manager)  # a clear error when the bridge is missing
+            domain.manager.torch_group("domain")  # a clear error when the bridge is missing
         bands = {}
         for key, value in batch.items():
-            if buffers.is_array(value) and value.ndim in dims:
+            if arrays.is_array(value) and value.ndim in dims:
                 try:
-                    info = buffers.describe(value)
+                    info = arrays.describe(value)
                     axis = normalize_dim(dims[value.ndim], value.ndim)
                     bands[key] = (info, axis, band_sizes(info.shape[axis], domain.size, uneven, dim=dims[value.ndim]))
                 except (TypeError, ValueError) as exc:
@@ -364,7 +358,7 @@ def shard_batch(
     bands = _agree(domain, "shard_batch", local, _different_arrays("shard_batch")) if collective else local().plan
     sharded = dict(batch)
     for key, (_, axis, sizes) in bands.items():
-        sharded[key] = buffers.narrow(batch[key], axis, sum(sizes[: domain.rank]), sizes[domain.rank])
+        sharded[key] = arrays.narrow(batch[key], axis, sum(sizes[: domain.rank]), sizes[domain.rank])
     return sharded
 
 
@@ -398,9 +392,9 @@ def scatter_tensor(
             raise ValueError(f"root must be a domain rank in 0..{n - 1}, got {root!r}")
         plan = None
         if rank == root:
-            info = buffers.describe(x)
+            info = arrays.describe(x)
             axis = normalize_dim(dim, len(info.shape))
-            plan = (info, buffers.dtype_of(x), axis, band_sizes(info.shape[axis], n, uneven, dim=dim))
+            plan = (info, arrays.dtype_of(x), axis, band_sizes(info.shape[axis], n, uneven, dim=dim))
         return Local(plan, (root, uneven))
 
     def explain(locals_: list[Local]) -> None:
@@ -413,16 +407,16 @@ def scatter_tensor(
     info, dtype, axis, sizes = comm.bcast(plan, root=root)
     shape = list(info.shape)
     shape[axis] = sizes[rank]
-    out = buffers.empty(x, shape) if rank == root else buffers.empty_described(info, shape, dtype)
+    out = arrays.empty(x, shape) if rank == root else arrays.empty_described(info, shape, dtype)
     outer = math.prod(shape[:axis])
     row_bytes = math.prod(shape[axis + 1 :]) * info.itemsize
     if outer * row_bytes * info.shape[axis] == 0:
         return out
     recv_type, send_type = row_datatypes(outer, sizes[rank], info.shape[axis], row_bytes)
     try:
-        with buffers.recv_buffer(out, comm) as recv:
+        with staging.recv_buffer(out, comm) as recv:
             if rank == root:
-                with buffers.send_buffer(buffers.contiguous(x), comm) as send:
+                with staging.send_buffer(arrays.contiguous(x), comm) as send:
                     comm.Scatterv([send, (sizes, band_offsets(sizes)), send_type], [recv, sizes[rank], recv_type], root)
             else:
                 comm.Scatterv(None, [recv, sizes[rank], recv_type], root)
@@ -467,27 +461,27 @@ def _gathered_shape(shape: tuple, axis: int, total: int) -> tuple:
     return shape[:axis] + (total,) + shape[axis + 1 :]
 
 
-def _check_out(out: Any, info: buffers.ArrayInfo, axis: int, total: int | str = "all the bands' rows") -> int:
+def _check_out(out: Any, info: arrays.ArrayInfo, axis: int, total: int | str = "all the bands' rows") -> int:
     """This rank's ``out`` must fit the gather (every dim but ``axis``, and ``total`` rows when known); its rows."""
-    o = buffers.describe(out)
+    o = arrays.describe(out)
     rest = info.shape[:axis] + info.shape[axis + 1 :]
     fits = o.same_kind(info) and len(o.shape) == len(info.shape) and o.shape[:axis] + o.shape[axis + 1 :] == rest
-    if not fits or not buffers.is_contiguous(out) or (isinstance(total, int) and o.shape[axis] != total):
+    if not fits or not arrays.is_contiguous(out) or (isinstance(total, int) and o.shape[axis] != total):
         raise ValueError(
             f"gather_tensor: out must be a C-contiguous {info.kind} {info.dtype} array of shape "
             f"{_gathered_shape(info.shape, axis, total)} on {info.device_type}, got {o.kind} {o.dtype} "
-            f"{o.shape} on {o.device}" + ("" if buffers.is_contiguous(out) else " (non-contiguous)")
+            f"{o.shape} on {o.device}" + ("" if arrays.is_contiguous(out) else " (non-contiguous)")
         )
-    buffers.check_writable(out, "gather_tensor's out")
+    arrays.check_writable(out, "gather_tensor's out")
     return o.shape[axis]
 
 
 def _copy_into(out: Any, x: Any, dim: int) -> Any:
     """The one-rank gather into ``out``: a checked copy."""
-    info = buffers.describe(x)
+    info = arrays.describe(x)
     axis = normalize_dim(dim, len(info.shape))
     _check_out(out, info, axis, info.shape[axis])
-    if not buffers.shares_memory(x, out) or x.shape != out.shape:
-        buffers.copy_rows(out, 0, 0, x)
-    buffers.mark_written(out)
+    if not arrays.shares_memory(x, out) or x.shape != out.shape:
+        rowops.copy_rows(out, 0, 0, x)
+    arrays.mark_written(out)
     return out

@@ -31,11 +31,9 @@ is resolved lazily).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import weakref
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -43,11 +41,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from . import buffers
-from .halo import TAG_DOWN, TAG_UP
-from .manager import DomainParallelManager, get_domain_parallel_manager
-from .partition import band_offsets
-from .sharding import SLICE_BYTES
+from .manager import DomainParallelManager, TorchGroups, get_domain_parallel_manager
 from .validation import DomainParallelError, allgather_or_raise, comm_label
 
 __all__ = ["init_torch_distributed", "destroy_torch_distributed", "is_bridged"]
@@ -178,10 +172,7 @@ def init_torch_distributed(
             _OWNS_DEFAULT_GROUP = False
         raise
 
-    manager.torch_domain_group = domain
-    manager.torch_data_parallel_group = data_parallel
-    manager.device_mesh = mesh
-    manager._torch_teardown = destroy_torch_distributed
+    manager.attach_torch_groups(TorchGroups(domain, data_parallel, mesh, destroy_torch_distributed))
     _BRIDGED.add(manager)
     logger.debug(
         "rank %d: torch.distributed bridged (%s), domain group %s, data-parallel group %s",
@@ -211,9 +202,8 @@ def destroy_torch_distributed(manager: DomainParallelManager | None = None) -> N
             return
     if manager not in _BRIDGED:
         return
-    groups = (manager.torch_domain_group, manager.torch_data_parallel_group)
-    manager.torch_domain_group = manager.torch_data_parallel_group = manager.device_mesh = None
-    manager._torch_teardown = None
+    attached = manager.detach_torch_groups()
+    groups = () if attached is None else (attached.domain, attached.data_parallel)
     _BRIDGED.discard(manager)
     if not dist.is_initialized():  # the user destroyed everything already
         return
@@ -232,135 +222,6 @@ def destroy_torch_distributed(manager: DomainParallelManager | None = None) -> N
 def is_bridged(manager: DomainParallelManager) -> bool:
     """True when ``manager`` carries torch groups made by :func:`init_torch_distributed`."""
     return manager in _BRIDGED
-
-
-# -- data movement over the mirrored groups ---------------------------------
-
-
-def domain_group(manager: DomainParallelManager) -> Any:
-    """The manager's torch domain group; a clear error when the bridge is missing."""
-    group = getattr(manager, "torch_domain_group", None)
-    if group is None:
-        raise DomainParallelError(
-            "transport='torch' needs torch.distributed groups that mirror the manager; "
-            "call credit_mpi.init_torch_distributed(manager) first (or use transport='mpi')"
-        )
-    return group
-
-
-def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], manager: DomainParallelManager) -> Any:
-    """Fill ``out`` with every rank's band of ``x`` along ``axis`` over the torch domain group.
-
-    The torch counterpart of :func:`credit_mpi.gather_tensor`'s ``Allgather(v)``;
-    the caller has agreed on ``sizes`` (rows per domain rank) and allocated
-    ``out``. Data moves as bytes, so every dtype is gathered bit for bit.
-    torch collectives need equal sizes on every rank and a contiguous
-    destination. With equal bands, each outer slice of ``out`` (the
-    dimensions before ``axis``) holds the bands of all ranks contiguously,
-    so each slice is gathered straight into place, all slices in flight at
-    once (as the MPI path does for slices of at least
-    :data:`credit_mpi.sharding.SLICE_BYTES`). Uneven bands, and many small
-    slices, go through a staging buffer with every band padded to the
-    widest (per slice for large slices, one collective for small ones) and
-    are then copied into place: one extra copy of the field.
-    NumPy arrays and CPU tensors are staged on the current CUDA device when
-    the group is NCCL.
-
-    Returns:
-        ``out``.
-    """
-    group = domain_group(manager)
-    n = len(sizes)
-    shape = _shape(out)
-    outer = math.prod(shape[:axis])
-    row = math.prod(shape[axis + 1 :]) * buffers.describe(out).itemsize
-    device = _group_device(group)
-
-    send = buffers.as_torch_bytes(buffers.contiguous(x)).to(device)
-    target = buffers.as_torch_bytes(out)
-    total, widest = sum(sizes), max(sizes)
-    per_slice = outer > 1 and total * row >= SLICE_BYTES  # large slices: one collective each
-    if len(set(sizes)) == 1 and target.device == device and (outer == 1 or per_slice):
-        # Each outer slice of out holds the bands of all ranks contiguously and
-        # in rank order: gather every slice straight into place.
-        _gather_slices(target.view(outer, total * row), send.view(outer, widest * row), group)
-        buffers.after_torch_wrote(out)
-        return out
-
-    # Staging: (slices, n, width) bytes, every band padded to the widest.
-    slices = outer if per_slice else 1
-    width = outer * widest * row // slices
-    mine = send.numel() // slices
-    if mine != width:
-        padded = torch.zeros((slices, width), dtype=torch.uint8, device=device)
-        padded[:, :mine] = send.view(slices, mine)
-        send = padded
-    staging = torch.empty((slices, n * width), dtype=torch.uint8, device=device)
-    _gather_slices(staging, send.view(slices, width), group)
-    staging = staging.view(slices, n, width)
-
-    on_device = target if target.device == device else torch.empty_like(target, device=device)
-    placed = on_device.view(outer, total, row)
-    for r, (first, rows) in enumerate(zip(band_offsets(list(sizes)), sizes, strict=True)):
-        band = staging[:, r, : outer * rows * row // slices]  # (slices, outer/slices * rows * row)
-        placed[:, first : first + rows].copy_(band.reshape(outer, rows, row))
-    if on_device is not target:
-        target.copy_(on_device)
-    buffers.after_torch_wrote(out)
-    return out
-
-
-def swap_edges(up: Any, down: Any, prev: int | None, nxt: int | None, group: Any) -> tuple[Any, Any]:
-    """Send ``up`` to domain rank ``prev`` and ``down`` to ``nxt`` over the torch group ``group``.
-
-    ``up`` is None exactly when ``prev`` is, ``down`` when ``nxt`` is.
-
-    The torch counterpart of the two ``Sendrecv`` calls of
-    :func:`credit_mpi.halo_exchange` (forward and backward). Returns
-    ``(from_next, from_prev)``: what ``nxt`` sent up and what ``prev`` sent
-    down, as new arrays of the edges' kind and shape (None without that
-    neighbour). The operations are issued in the same order on every rank
-    (NCCL matches point-to-point messages between two ranks in issue order,
-    not by tag). Data not on the group's device (CPU tensors with NCCL) is
-    copied there and back.
-    """
-    device = _group_device(group)
-    ops, landing = [], []
-
-    def on_device(x: Any) -> Any:
-        data = buffers.as_torch_bytes(buffers.contiguous(x))
-        return data if data.device == device else data.to(device)
-
-    def send(x: Any, peer: int, tag: int) -> None:
-        ops.append(dist.P2POp(dist.isend, on_device(x), dist.get_global_rank(group, peer), group, tag))
-
-    def recv(like: Any, peer: int, tag: int) -> Any:
-        result = buffers.empty(like, like.shape)
-        target = buffers.as_torch_bytes(result)
-        buf = target if target.device == device else torch.empty_like(target, device=device)
-        ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, peer), group, tag))
-        landing.append((buf, target))
-        return result
-
-    from_next = from_prev = None
-    like = up if up is not None else down
-    if prev is not None:
-        send(up, prev, TAG_UP)
-    if nxt is not None:
-        from_next = recv(like, nxt, TAG_UP)
-        send(down, nxt, TAG_DOWN)
-    if prev is not None:
-        from_prev = recv(like, prev, TAG_DOWN)
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    for buf, target in landing:
-        if buf is not target:
-            target.copy_(buf)
-    for result in (from_next, from_prev):
-        if result is not None:
-            buffers.after_torch_wrote(result)
-    return from_next, from_prev
 
 
 # -- internals ---------------------------------------------------------------
@@ -583,19 +444,3 @@ def _device_mesh(manager: DomainParallelManager, dp_group: Any, domain_group_: A
     )
 
 
-def _group_device(group: Any) -> torch.device:
-    if _is_nccl(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _gather_slices(output: torch.Tensor, input_: torch.Tensor, group: Any) -> None:
-    """All-gather ``input_[p]`` into ``output[p]`` for every row ``p``, all in flight at once."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    works = [gather(output[p], input_[p], group=group, async_op=True) for p in range(output.shape[0])]
-    for work in works:
-        work.wait()
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(x.shape)

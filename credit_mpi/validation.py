@@ -204,7 +204,7 @@ def check_bands_fit(what: str, bands: Sequence[tuple], labels: Sequence[str], co
     """Every rank's band must fit the others along the sharded axis (all ranks see the same ``bands``).
 
     ``bands[r]`` is rank r's ``(info, axis, *more)``: an array description
-    (:class:`credit_mpi.buffers.ArrayInfo`) and the arguments that must be
+    (:class:`credit_mpi.transport.arrays.ArrayInfo`) and the arguments that must be
     equal on every rank, named by ``labels`` (``labels[0]`` names the axis).
     The bands must have the same kind, dtype and device type (else
     ``TypeError``), the same arguments and every dimension but the axis equal

@@ -114,7 +114,7 @@ def test_halo_gradcheck_single_process():
 
 
 def test_halo_module_is_lazy_and_validates():
-    assert credit_mpi.HaloExchange.__module__ == "credit_mpi.autograd"
+    assert credit_mpi.HaloExchange.__module__ == "credit_mpi.nn.exchange"
     with pytest.raises(ValueError, match="unknown boundary"):
         credit_mpi.HaloExchange(1, boundary="mirror")
     with pytest.raises(ValueError, match="halo_width must be >= 0, got -2"):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from credit_mpi import bench, shard_tensor
+from credit_mpi import shard_tensor
+from credit_mpi.cli import bench
 from credit_mpi.partition import band_range
 
 from .halo_reference import pad_numpy

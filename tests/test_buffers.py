@@ -15,7 +15,8 @@ import pytest
 from mpi4py import MPI
 
 import credit_mpi
-from credit_mpi import buffers, gpu
+from credit_mpi import gpu
+from credit_mpi.transport import arrays, staging
 
 from .conftest import run_python
 
@@ -43,23 +44,23 @@ def transport(monkeypatch):
     Returns a function ``setup(simulate: bool, aware: str)`` that switches the
     simulated device on or off and sets CREDIT_MPI_CUDA_AWARE.
     """
-    monkeypatch.setattr(buffers, "_WARNED_STAGING", False)
-    monkeypatch.setattr(buffers, "_ROUTES", buffers.collections.Counter())
-    buffers.release_staging_buffers()
+    monkeypatch.setattr(staging, "_WARNED_STAGING", False)
+    monkeypatch.setattr(staging, "_ROUTES", staging.collections.Counter())
+    staging.release_staging_buffers()
 
     def setup(simulate: bool = True, aware: str = "0") -> None:
-        monkeypatch.setattr(buffers, "_SIMULATE_DEVICE", simulate)
+        monkeypatch.setattr(staging, "_SIMULATE_DEVICE", simulate)
         monkeypatch.setenv(gpu.ENV_OVERRIDE, aware)
 
     yield setup
-    buffers.release_staging_buffers()
+    staging.release_staging_buffers()
 
 
 
 
 def _copy_through_mpi(x, out, comm):
     """Move the bytes of ``x`` into ``out`` with one MPI collective on a 1-rank comm."""
-    with buffers.send_buffer(x, comm) as send, buffers.recv_buffer(out, comm) as recv:
+    with staging.send_buffer(x, comm) as send, staging.recv_buffer(out, comm) as recv:
         comm.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
 
 
@@ -67,15 +68,15 @@ def _copy_through_mpi(x, out, comm):
 
 
 def test_import_does_not_import_torch_or_cupy():
-    """``import credit_mpi`` (sharding, halo, grad_sync, gpu, buffers) loads neither torch nor CuPy."""
-    code = "import sys, credit_mpi, credit_mpi.gpu, credit_mpi.buffers; print(sorted({'torch', 'cupy'} & set(sys.modules)))"
+    """``import credit_mpi`` (sharding, halo, grad_sync, gpu, transport) loads neither torch nor CuPy."""
+    code = "import sys, credit_mpi, credit_mpi.gpu, credit_mpi.transport.staging; print(sorted({'torch', 'cupy'} & set(sys.modules)))"
     assert run_python(code).stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_torch_cpu_bytes_go_to_mpi_through_dlpack_without_copy(dtype, rng):
     x = _random(rng, (3, 5), dtype)
-    with buffers.send_buffer(x) as buf:
+    with staging.send_buffer(x) as buf:
         assert isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8  # mpi4py reads it via __dlpack__
         view = MPI.buffer.frombuffer(buf, readonly=True)
         assert view.address == x.data_ptr()
@@ -99,21 +100,21 @@ def test_numpy_round_trip_through_mpi(rng, self_comm):
 
 def test_contiguous_detaches_and_resolves_lazy_views():
     x = torch.arange(12.0, requires_grad=True).reshape(3, 4)
-    c = buffers.contiguous(x)
+    c = arrays.contiguous(x)
     assert not c.requires_grad and c.is_contiguous()
     assert c.data_ptr() == x.data_ptr()  # already contiguous: no copy
     z = torch.complex(torch.ones(2, 3), torch.arange(6.0).reshape(2, 3)).conj()
     assert z.is_conj()
-    cz = buffers.contiguous(z)
+    cz = arrays.contiguous(z)
     assert not cz.is_conj() and torch.equal(cz, z)
-    with buffers.send_buffer(cz) as buf:  # a conj-bit tensor could not be exported through DLPack
+    with staging.send_buffer(cz) as buf:  # a conj-bit tensor could not be exported through DLPack
         MPI.buffer.frombuffer(buf, readonly=True)
 
 
 def test_contiguous_copies_non_contiguous_once(rng, self_comm):
     x = _random(rng, (4, 6), torch.bfloat16).t()
     assert not x.is_contiguous()
-    c = buffers.contiguous(x)
+    c = arrays.contiguous(x)
     assert c.is_contiguous() and torch.equal(c, x)
     out = torch.empty(x.shape, dtype=x.dtype)
     _copy_through_mpi(c, out, self_comm)
@@ -121,9 +122,9 @@ def test_contiguous_copies_non_contiguous_once(rng, self_comm):
 
 
 def test_describe_torch_and_numpy():
-    info = buffers.describe(torch.zeros(2, 3, dtype=torch.bfloat16))
+    info = arrays.describe(torch.zeros(2, 3, dtype=torch.bfloat16))
     assert (info.kind, info.shape, info.dtype, info.device, info.itemsize) == ("torch", (2, 3), "torch.bfloat16", "cpu", 2)
-    assert buffers.describe(np.zeros((2,), dtype=bool)).nbytes == 2
+    assert arrays.describe(np.zeros((2,), dtype=bool)).nbytes == 2
 
 
 @pytest.mark.parametrize(
@@ -132,10 +133,10 @@ def test_describe_torch_and_numpy():
 )
 def test_describe_rejects_unsupported_types(value, name):
     with pytest.raises(TypeError) as err:
-        buffers.describe(value)
+        arrays.describe(value)
     if name is not None:
         assert name in str(err.value) and "cupy.ndarray" in str(err.value)
-    assert not buffers.is_array(value) or isinstance(value, np.ndarray)
+    assert not arrays.is_array(value) or isinstance(value, np.ndarray)
 
 
 def test_describe_rejects_foreign_dlpack_arrays():
@@ -147,32 +148,32 @@ def test_describe_rejects_foreign_dlpack_arrays():
             return (1, 0)
 
     with pytest.raises(TypeError, match="FakeJaxArray"):
-        buffers.describe(FakeJaxArray())
+        arrays.describe(FakeJaxArray())
     with pytest.raises(TypeError, match="FakeJaxArray"):
-        with buffers.send_buffer(FakeJaxArray()):
+        with staging.send_buffer(FakeJaxArray()):
             pass
 
 
 def test_describe_rejects_other_torch_devices_and_layouts():
     with pytest.raises(TypeError, match="meta"):
-        buffers.describe(torch.empty(2, device="meta"))
+        arrays.describe(torch.empty(2, device="meta"))
     with pytest.raises(TypeError, match="layout"):
-        buffers.describe(torch.eye(3).to_sparse())
+        arrays.describe(torch.eye(3).to_sparse())
 
 
 def test_device_check_names_both_devices(monkeypatch):
     monkeypatch.setattr(gpu, "_BOUND", 0)
-    buffers._check_device("torch", 0)
+    arrays._check_device("torch", 0)
     with pytest.raises(ValueError, match=r"cuda:1.*cuda:0.*bind_device"):
-        buffers._check_device("torch", 1)
+        arrays._check_device("torch", 1)
 
 
 def test_cupy_absent_is_handled(monkeypatch):
     monkeypatch.delitem(sys.modules, "cupy", raising=False)
-    assert buffers._cupy() is None
-    assert not buffers.is_array(object())
-    assert buffers.is_array(np.zeros(1)) and buffers.is_array(torch.zeros(1))
-    buffers.describe(torch.zeros(1))
+    assert arrays._cupy() is None
+    assert not arrays.is_array(object())
+    assert arrays.is_array(np.zeros(1)) and arrays.is_array(torch.zeros(1))
+    arrays.describe(torch.zeros(1))
     assert "cupy" not in sys.modules
 
 
@@ -183,21 +184,21 @@ def test_staged_send_copies_into_a_reused_host_buffer(transport, self_comm, rng)
     transport(simulate=True, aware="0")
     x = _random(rng, (8, 4), torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="staged through host memory.*not CUDA-aware"):
-        with buffers.send_buffer(x, self_comm) as buf:
+        with staging.send_buffer(x, self_comm) as buf:
             assert isinstance(buf, np.ndarray) and buf.dtype == np.uint8
             assert buf.ctypes.data != x.data_ptr()  # a copy in the staging buffer
             assert bytes(buf) == x.view(torch.uint8).numpy().tobytes()
             first = buf.ctypes.data
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the warning comes only the first time
-        with buffers.send_buffer(_random(rng, (2, 4), torch.bfloat16), self_comm) as buf:
+        with staging.send_buffer(_random(rng, (2, 4), torch.bfloat16), self_comm) as buf:
             assert buf.ctypes.data == first  # same buffer, reused for a smaller message
-    assert buffers._STAGING["send"].allocations == 1
+    assert staging._STAGING["send"].allocations == 1
     with warnings.catch_warnings():
-        with buffers.send_buffer(_random(rng, (64, 4), torch.bfloat16), self_comm):
+        with staging.send_buffer(_random(rng, (64, 4), torch.bfloat16), self_comm):
             pass
-    assert buffers._STAGING["send"].allocations == 2  # grown for a larger one
-    assert buffers._ROUTES["staged", "send"] == 3
+    assert staging._STAGING["send"].allocations == 2  # grown for a larger one
+    assert staging._ROUTES["staged", "send"] == 3
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -209,8 +210,8 @@ def test_staged_round_trip(dtype, transport, self_comm, rng):
         warnings.simplefilter("ignore", RuntimeWarning)
         _copy_through_mpi(x, out, self_comm)
     assert torch.equal(out, x)
-    assert buffers._ROUTES["staged", "send"] == buffers._ROUTES["staged", "recv"] == 1
-    assert buffers._STAGING["send"].view is not buffers._STAGING["recv"].view  # one buffer per direction
+    assert staging._ROUTES["staged", "send"] == staging._ROUTES["staged", "recv"] == 1
+    assert staging._STAGING["send"].view is not staging._STAGING["recv"].view  # one buffer per direction
 
 
 def test_staged_numpy_round_trip(transport, self_comm, rng):
@@ -229,7 +230,7 @@ def test_staged_recv_leaves_output_alone_when_mpi_fails(transport, self_comm):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         with pytest.raises(RuntimeError, match="boom"):
-            with buffers.recv_buffer(out, self_comm) as buf:
+            with staging.recv_buffer(out, self_comm) as buf:
                 buf[:] = 0
                 raise RuntimeError("boom")
     assert torch.equal(out, torch.full((4,), 7.0))
@@ -240,7 +241,7 @@ def test_two_sends_at_once_get_separate_staging(transport, self_comm):
     a, b = torch.ones(16), torch.full((16,), 2.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        with buffers.send_buffer(a, self_comm) as sa, buffers.send_buffer(b, self_comm) as sb:
+        with staging.send_buffer(a, self_comm) as sa, staging.send_buffer(b, self_comm) as sb:
             assert sa.ctypes.data != sb.ctypes.data
             assert np.frombuffer(sa, np.float32).tolist() == [1.0] * 16
             assert np.frombuffer(sb, np.float32).tolist() == [2.0] * 16
@@ -250,11 +251,11 @@ def test_direct_route_when_cuda_aware_hands_over_the_array_itself(transport, sel
     transport(simulate=True, aware="1")
     x = _random(rng, (3, 3), torch.float32)
     out = torch.empty_like(x)
-    with buffers.send_buffer(x, self_comm) as buf:
+    with staging.send_buffer(x, self_comm) as buf:
         assert MPI.buffer.frombuffer(buf, readonly=True).address == x.data_ptr()
     _copy_through_mpi(x, out, self_comm)
     assert torch.equal(out, x)
-    assert buffers._ROUTES["direct", "send"] == 2 and buffers._ROUTES["staged", "send"] == 0
+    assert staging._ROUTES["direct", "send"] == 2 and staging._ROUTES["staged", "send"] == 0
 
 
 def test_host_arrays_never_ask_about_cuda(transport, self_comm, monkeypatch, rng):
@@ -267,7 +268,7 @@ def test_host_arrays_never_ask_about_cuda(transport, self_comm, monkeypatch, rng
     x = _random(rng, (2, 2), torch.float32)
     out = torch.empty_like(x)
     _copy_through_mpi(x, out, self_comm)
-    assert torch.equal(out, x) and buffers._ROUTES["host", "send"] == 1
+    assert torch.equal(out, x) and staging._ROUTES["host", "send"] == 1
 
 
 # --------------------------------------------------------------------------- MPI: sharding through the adapter
@@ -292,7 +293,7 @@ def test_shard_gather_scatter_torch(dtype, simulate, transport, make_manager, rn
     assert torch.equal(scattered, reference)
     if n > 1:
         route = "staged" if simulate else "host"
-        assert buffers._ROUTES[route, "send"] >= 1 and buffers._ROUTES[route, "recv"] >= 2
+        assert staging._ROUTES[route, "send"] >= 1 and staging._ROUTES[route, "recv"] >= 2
 
 
 @pytest.mark.mpi(min_size=1)
@@ -318,13 +319,13 @@ def test_cpu_array_on_one_rank_and_gpu_array_on_another_fails_everywhere(make_ma
     manager = make_manager()
     x = _random(rng, (2, 4 * manager.domain_parallel_size), torch.float32)
     if manager.domain_rank == 1:
-        real = buffers.describe
+        real = arrays.describe
 
         def on_gpu(a):
             info = real(a)
-            return buffers.ArrayInfo(info.kind, info.shape, info.dtype, "cuda:0", info.itemsize)
+            return arrays.ArrayInfo(info.kind, info.shape, info.dtype, "cuda:0", info.itemsize)
 
-        monkeypatch.setattr(buffers, "describe", on_gpu)
+        monkeypatch.setattr(arrays, "describe", on_gpu)
     with pytest.raises(ValueError, match=r"rank 0: torch torch.float32 \(2, \d+\) on cpu.*rank 1: .* on cuda:0"):
         credit_mpi.shard_tensor(x, dim=-1, manager=manager, check="collective")
     with pytest.raises(TypeError, match="device type"):
@@ -350,7 +351,7 @@ def test_wrong_device_on_one_rank_fails_everywhere(world, monkeypatch):
     from credit_mpi.validation import allgather_or_raise
 
     with pytest.raises(ValueError, match=r"cuda:1, but this rank's GPU is cuda:0"):
-        allgather_or_raise(world, lambda: buffers._check_device("torch", index))
+        allgather_or_raise(world, lambda: arrays._check_device("torch", index))
 
 
 # --------------------------------------------------------------------------- reductions through the adapter
@@ -362,14 +363,14 @@ def test_wrong_device_on_one_rank_fails_everywhere(world, monkeypatch):
 )
 def test_mpi_datatype_numpy_and_torch(dtype, expected):
     for x in (np.zeros(2, dtype), torch.from_numpy(np.zeros(2, dtype))):
-        datatype = buffers.mpi_datatype(x)
+        datatype = arrays.mpi_datatype(x)
         assert datatype.is_predefined and datatype.Get_size() == np.dtype(dtype).itemsize
         assert expected is None or datatype == expected
 
 
 def test_mpi_datatype_bfloat16_is_a_clear_error():
     with pytest.raises(TypeError, match=r"torch\.bfloat16 has no MPI datatype.*float32"):
-        buffers.mpi_datatype(torch.zeros(2, dtype=torch.bfloat16))
+        arrays.mpi_datatype(torch.zeros(2, dtype=torch.bfloat16))
 
 
 @pytest.mark.mpi(min_size=2)
@@ -398,4 +399,4 @@ def test_reduce_gradients_through_the_adapter(dtype, simulate, transport, make_m
             assert p.grad.dtype == dtype
             assert torch.equal(p.grad, (base * world * (world + 1) / 2 / dp).to(dtype)), (d, p.grad)
     if world > 1:
-        assert buffers._ROUTES["staged" if simulate else "host", "recv"] >= 1
+        assert staging._ROUTES["staged" if simulate else "host", "recv"] >= 1

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from credit_mpi import bench, cli
-from credit_mpi.demo import conv3x3, synthetic_field
+from credit_mpi import cli
+from credit_mpi.cli import bench
+from credit_mpi.cli.demo import conv3x3, synthetic_field
 
 # ----------------------------------------------------------------------------- serial
 

@@ -15,7 +15,8 @@ import pytest
 from mpi4py import MPI
 
 import credit_mpi
-from credit_mpi import buffers, gpu
+from credit_mpi import gpu
+from credit_mpi.transport import arrays, staging
 from credit_mpi.validation import DomainParallelError
 
 
@@ -26,10 +27,10 @@ def clean_state(monkeypatch):
     for name in gpu._ENV_SWITCHES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(gpu, "_BOUND", None)
-    monkeypatch.setattr(buffers, "_WARNED_STAGING", False)
-    monkeypatch.setattr(buffers, "_ROUTES", buffers.collections.Counter())
+    monkeypatch.setattr(staging, "_WARNED_STAGING", False)
+    monkeypatch.setattr(staging, "_ROUTES", staging.collections.Counter())
     yield
-    buffers.release_staging_buffers()
+    staging.release_staging_buffers()
 
 
 @pytest.fixture
@@ -193,15 +194,15 @@ def test_one_disagreeing_rank_moves_everyone_to_staging(fresh, monkeypatch):
     assert [r["cuda_aware"] for r in report["ranks"]] == [r == 1 for r in range(fresh.Get_size())]
 
     # Every rank takes the staged path (never "direct"), and the data arrive.
-    monkeypatch.setattr(buffers, "_SIMULATE_DEVICE", True)
+    monkeypatch.setattr(staging, "_SIMULATE_DEVICE", True)
     x = torch.arange(6.0) + fresh.Get_rank()
     out = torch.empty(6 * fresh.Get_size())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        with buffers.send_buffer(x, fresh) as send, buffers.recv_buffer(out, fresh) as recv:
+        with staging.send_buffer(x, fresh) as send, staging.recv_buffer(out, fresh) as recv:
             fresh.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
     assert torch.equal(out, torch.cat([torch.arange(6.0) + r for r in range(fresh.Get_size())]))
-    routes = fresh.allgather(dict(buffers._ROUTES))
+    routes = fresh.allgather(dict(staging._ROUTES))
     assert all(r == {("staged", "send"): 1, ("staged", "recv"): 1} for r in routes)
 
 
@@ -209,13 +210,13 @@ def test_one_disagreeing_rank_moves_everyone_to_staging(fresh, monkeypatch):
 def test_override_on_every_rank_takes_the_direct_path_everywhere(make_manager, monkeypatch, rng):
     torch = pytest.importorskip("torch")
     monkeypatch.setenv(gpu.ENV_OVERRIDE, "1")
-    monkeypatch.setattr(buffers, "_SIMULATE_DEVICE", True)  # host memory: safe to hand to any MPI
+    monkeypatch.setattr(staging, "_SIMULATE_DEVICE", True)  # host memory: safe to hand to any MPI
     manager = make_manager()
     x = torch.from_numpy(rng.standard_normal((3, 2 * manager.domain_parallel_size, 5)))
     shard = credit_mpi.shard_tensor(x, dim=1, manager=manager)
     assert torch.equal(credit_mpi.gather_tensor(shard, dim=1, manager=manager), x)
     assert gpu.is_cuda_aware(manager.domain_group) is True
-    routes = manager.domain_group.allgather(dict(buffers._ROUTES))
+    routes = manager.domain_group.allgather(dict(staging._ROUTES))
     assert all(set(r) == {("direct", "send"), ("direct", "recv")} for r in routes)
 
 
@@ -319,10 +320,10 @@ CASES = [("torch", "float32"), ("torch", "bfloat16"), ("torch", "bool"), ("cupy"
 def test_gpu_bytes_reach_mpi_through_dlpack_without_copy(library, rng):
     x = _make(library, rng.standard_normal((64, 3)).astype(np.float32), "float32")
     pointer = x.data_ptr() if library == "torch" else x.data.ptr
-    data = buffers._ops(x).as_bytes(x)
+    data = arrays._ops(x).as_bytes(x)
     view = MPI.buffer.frombuffer(data, readonly=True)  # what mpi4py hands to a CUDA-aware MPI
     assert view.address == pointer and view.nbytes == 64 * 3 * 4
-    info = buffers.describe(x)
+    info = arrays.describe(x)
     assert info.kind == library and info.device_type == "cuda"
 
 
@@ -332,12 +333,12 @@ def test_gpu_staged_round_trip_uses_pinned_memory(library, dtype, rng, self_comm
     monkeypatch.setenv(gpu.ENV_OVERRIDE, "0")
     x = _make(library, rng.standard_normal((257, 33)).astype(np.float32), dtype)
     x = _fresh(x)  # the staging copy must wait for the kernel that made it
-    out = buffers.empty(x, x.shape)
+    out = arrays.empty(x, x.shape)
     with pytest.warns(RuntimeWarning, match="staged through host memory"):
-        with buffers.send_buffer(x, self_comm) as send, buffers.recv_buffer(out, self_comm) as recv:
+        with staging.send_buffer(x, self_comm) as send, staging.recv_buffer(out, self_comm) as recv:
             self_comm.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
     np.testing.assert_array_equal(_to_numpy(library, out), _to_numpy(library, x))
-    owner = buffers._STAGING["send"].owner
+    owner = staging._STAGING["send"].owner
     if library == "torch":
         assert owner.is_pinned()
     else:
@@ -351,11 +352,11 @@ def test_gpu_direct_round_trip_when_cuda_aware(library, rng, self_comm):
         pytest.skip(f"MPI is not CUDA-aware here: {gpu.cuda_awareness_report(self_comm)['reason']}")
     x = _make(library, rng.standard_normal((128, 5)).astype(np.float32), "float32")
     x = _fresh(x)
-    out = buffers.empty(x, x.shape)
-    with buffers.send_buffer(x, self_comm) as send, buffers.recv_buffer(out, self_comm) as recv:
+    out = arrays.empty(x, x.shape)
+    with staging.send_buffer(x, self_comm) as send, staging.recv_buffer(out, self_comm) as recv:
         self_comm.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
     np.testing.assert_array_equal(_to_numpy(library, out), _to_numpy(library, x))
-    assert buffers._ROUTES["direct", "send"] == 1
+    assert staging._ROUTES["direct", "send"] == 1
 
 
 @pytest.mark.gpu
@@ -364,10 +365,10 @@ def test_gpu_array_on_another_device_is_refused(monkeypatch):
     if torch.cuda.device_count() < 2:
         monkeypatch.setattr(gpu, "_BOUND", 1)  # pretend this rank was bound to a second GPU
         with pytest.raises(ValueError, match=r"cuda:0, but this rank's GPU is cuda:1"):
-            buffers.describe(torch.zeros(2, device="cuda:0"))
+            arrays.describe(torch.zeros(2, device="cuda:0"))
     else:
         with pytest.raises(ValueError, match=r"cuda:1, but this rank's GPU is cuda:0"):
-            buffers.describe(torch.zeros(2, device="cuda:1"))
+            arrays.describe(torch.zeros(2, device="cuda:1"))
 
 
 @pytest.mark.gpu
@@ -385,14 +386,14 @@ def test_gpu_shard_gather_scatter(library, dtype, make_manager, rng, world):
         scattered = credit_mpi.scatter_tensor(x if rank == 0 else None, dim=-2, manager=manager, uneven=True)
         batch = credit_mpi.shard_batch({"x": x, "meta": 3}, manager=manager, uneven=True)
     for result in (shard, gathered, scattered, batch["x"]):
-        assert type(result) is type(x) and buffers.describe(result).device == buffers.describe(x).device
+        assert type(result) is type(x) and arrays.describe(result).device == arrays.describe(x).device
     reference = np.array_split(_to_numpy(library, x), n, axis=-2)[rank]
     np.testing.assert_array_equal(_to_numpy(library, shard), reference)
     np.testing.assert_array_equal(_to_numpy(library, scattered), reference)
     np.testing.assert_array_equal(_to_numpy(library, gathered), _to_numpy(library, x))
     expected = "direct" if gpu.is_cuda_aware(manager.domain_group) else "staged"
     if n > 1:
-        assert buffers._ROUTES[expected, "send"] >= 1
+        assert staging._ROUTES[expected, "send"] >= 1
 
 
 @pytest.mark.gpu
@@ -429,7 +430,7 @@ def test_gpu_halo_exchange_matches_padded_field(library, dtype, boundary, make_m
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         out = credit_mpi.halo_exchange(x, 2, manager=manager, boundary=boundary)
-    assert type(out) is type(x) and buffers.describe(out).device == buffers.describe(x).device
+    assert type(out) is type(x) and arrays.describe(out).device == arrays.describe(x).device
     expected = pad_numpy(host, 2, 2, boundary)[..., start : stop + 4, :]
     np.testing.assert_array_equal(_to_numpy(library, out), expected)
 
@@ -480,7 +481,7 @@ def test_gpu_large_transfers_back_to_back(library, make_manager, rng, world):
     """
     manager = _bound_manager(library, make_manager, world)
     n = manager.domain_parallel_size
-    from credit_mpi.sharding import PACK_BYTES, SLICE_BYTES
+    from credit_mpi.transport.limits import PACK_BYTES, SLICE_BYTES
 
     from .halo_reference import band, pad_numpy
 

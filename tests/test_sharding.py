@@ -261,9 +261,9 @@ def test_local_error_on_one_rank_is_raised_on_every_rank(world, make_manager):
 @pytest.mark.mpi(min_size=2)
 def test_gather_scratch_for_small_slices_is_bounded(world, make_manager, rng, monkeypatch):
     """Small slices go through packed groups: the scratch never exceeds PACK_BYTES (one slice at least)."""
-    import credit_mpi.sharding as sharding
+    from credit_mpi.transport import limits
 
-    monkeypatch.setattr(sharding, "PACK_BYTES", 1 << 15)
+    monkeypatch.setattr(limits, "PACK_BYTES", 1 << 15)
     m = make_manager()
     band = rng.standard_normal((64, 4, 256)).astype(np.float32)  # slices of n * 4 KiB < SLICE_BYTES
     out, peak = gather_with_peak(band, 1, m)
@@ -311,15 +311,14 @@ def test_both_gather_strategies(world, make_manager, rng, monkeypatch, slice_byt
     collectives; a stream sync before each reuse of the packing scratch),
     with host arrays standing in.
     """
-    import credit_mpi.sharding as sharding
-    from credit_mpi import buffers
+    from credit_mpi.transport import arrays, limits
 
-    monkeypatch.setattr(sharding, "SLICE_BYTES", slice_bytes)
-    monkeypatch.setattr(sharding, "PACK_BYTES", pack_bytes)
+    monkeypatch.setattr(limits, "SLICE_BYTES", slice_bytes)
+    monkeypatch.setattr(limits, "PACK_BYTES", pack_bytes)
     syncs = []
     if device:
-        monkeypatch.setattr(buffers, "in_device_memory", lambda buf: True)
-        monkeypatch.setattr(buffers, "sync_stream", syncs.append)
+        monkeypatch.setattr(arrays, "in_device_memory", lambda buf: True)
+        monkeypatch.setattr(arrays, "sync_stream", syncs.append)
     m = make_manager()
     n = world.Get_size()
     for shape, dim in [((3, 2, 4 * n, 5), -2), ((3, 4 * n + 1, 7), 1), ((2, 3, n + 1), -1), ((4 * n + 3, 2), 0)]:
@@ -346,10 +345,10 @@ class _BlockingOnly(MPI.Intracomm):
 @pytest.mark.parametrize("uneven", [False, True])
 def test_device_memory_slices_use_blocking_collectives(world, rng, monkeypatch, uneven):
     import credit_mpi.sharding as sharding
-    from credit_mpi import buffers
+    from credit_mpi.transport import arrays, limits
 
-    monkeypatch.setattr(sharding, "SLICE_BYTES", 0)  # one all-gather per outer slice
-    monkeypatch.setattr(buffers, "in_device_memory", lambda buf: True)
+    monkeypatch.setattr(limits, "SLICE_BYTES", 0)  # one all-gather per outer slice
+    monkeypatch.setattr(arrays, "in_device_memory", lambda buf: True)
     comm = _BlockingOnly(world)
     n, rank = world.Get_size(), world.Get_rank()
     sizes = [3 + (uneven and r == 0) for r in range(n)]
@@ -359,7 +358,7 @@ def test_device_memory_slices_use_blocking_collectives(world, rng, monkeypatch, 
     out = np.empty_like(x)
     sharding._allgather_rows(comm, send, out.reshape(-1).view(np.uint8), 4, sizes, 5 * 4)
     assert bits_equal(out, x)
-    monkeypatch.setattr(buffers, "in_device_memory", lambda buf: False)
+    monkeypatch.setattr(arrays, "in_device_memory", lambda buf: False)
     with pytest.raises(AssertionError, match="on device memory"):  # the host path is non-blocking
         sharding._allgather_rows(comm, send, out.reshape(-1).view(np.uint8), 4, sizes, 5 * 4)
 

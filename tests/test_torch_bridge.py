@@ -268,9 +268,11 @@ def test_halo_torch_transport_like_mpi(make_manager, rng, boundary):
 @pytest.mark.mpi(min_size=2)
 def test_halo_torch_transport_forward_with_grad(make_manager, rng, monkeypatch):
     """Forward and backward both move rows over the torch group (the backward: halo gradients go home)."""
+    from credit_mpi.transport import torch_moves
+
     calls = []
-    real = torch_bridge.swap_edges
-    monkeypatch.setattr(torch_bridge, "swap_edges", lambda *args: calls.append(1) or real(*args))
+    real = torch_moves.swap_edges
+    monkeypatch.setattr(torch_moves, "swap_edges", lambda *args: calls.append(1) or real(*args))
     n = MPI.COMM_WORLD.Get_size()
     manager = credit_mpi.init_torch_distributed(make_manager(n), "gloo", timeout=TIMEOUT)
     band = shard_tensor(torch.from_numpy(rng.standard_normal((1, 2, 3 * n, 4))), -2, manager)

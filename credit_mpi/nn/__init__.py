@@ -23,6 +23,7 @@ from .conv import (
     DomainParallelPeriodicConv2d,
 )
 from .convert import convert_to_domain_parallel, keep_local
+from .exchange import HaloExchange
 from .norm import (
     DomainParallelBatchNorm1d,
     DomainParallelBatchNorm2d,
@@ -58,6 +59,7 @@ from .training import (
 
 __all__ = [
     "convert_to_domain_parallel",
+    "HaloExchange",
     "keep_local",
     "describe",
     "Plan",

@@ -1,56 +1,37 @@
-"""The one place that knows the array libraries.
+"""Array kinds: the one place that knows numpy, torch (CPU, CUDA) and CuPy.
 
-Everything above this module speaks "an array with a shape, a dtype and a
-buffer"; this module turns numpy arrays, torch tensors (CPU and CUDA) and
-CuPy arrays into what mpi4py sends and receives, and allocates outputs of the
-same kind, dtype and device as the input. numpy is the reference type; torch
-and CuPy are imported only when the caller already has one of their arrays
-(they are looked up in ``sys.modules``, never imported at ``import
-credit_mpi`` time).
+Everything above :mod:`credit_mpi.transport` speaks "an array with a shape,
+a dtype and a buffer"; this module describes arrays (:class:`ArrayInfo`),
+allocates outputs of the same kind, dtype and device, makes contiguous
+views and byte views, and answers per-library questions (is it in device
+memory, which stream to wait for, which MPI datatype). numpy is the
+reference type; torch and CuPy are looked up in ``sys.modules`` (never
+imported at ``import credit_mpi`` time) and imported here only when the
+caller already has one of their arrays.
 
 Data always travels as raw bytes (``MPI.BYTE``): credit_mpi's collectives
 move data without arithmetic, so every dtype works the same way, including
 those MPI has no name for (``bool``, ``float16``, torch ``bfloat16``).
-
-How bytes reach MPI, without copies where the layout allows:
-
-* numpy arrays: a ``uint8`` view (Python buffer protocol).
-* torch tensors, CPU or CUDA: a ``uint8`` view of the tensor, which mpi4py
-  reads through DLPack (``__dlpack__``); CuPy arrays likewise. Tensors that
-  require grad are detached, conjugate/negative views resolved, and
-  non-contiguous arrays made contiguous once (:func:`contiguous`).
-* Device arrays when MPI is CUDA-aware on the communicator
-  (:func:`credit_mpi.gpu.is_cuda_aware`, one verdict all ranks agree on):
-  the device pointer goes to MPI. mpi4py asks DLPack for the pointer with
-  ``stream=-1`` (no synchronisation), so before MPI reads a device buffer
-  this module synchronises the array's current stream (work queued on other
-  streams is the caller's to order, as with ``torch.distributed``), and
-  after MPI has written one it synchronises the device, so later kernels on
-  any stream see the data.
-* Device arrays when MPI is not CUDA-aware: staged through pinned host
-  memory (one staging buffer per direction, grown as needed and reused
-  across calls; a :class:`RuntimeWarning` the first time). Both copies run
-  on the array's current stream and are waited for, so they are ordered
-  after the work that produced the data and complete before MPI or the
-  caller touches it (or the staging buffer is reused).
+numpy arrays give a ``uint8`` view (buffer protocol); torch tensors and CuPy
+arrays a ``uint8`` view that mpi4py reads through DLPack. Tensors that
+require grad are detached, conjugate/negative views resolved, and
+non-contiguous arrays made contiguous once (:func:`contiguous`).
+How those bytes reach MPI (directly or staged through host memory) is
+:mod:`credit_mpi.transport.staging`'s job.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import importlib
-import logging
 import sys
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
-from . import gpu
-from .validation import comm_label
+from .. import gpu
 
 __all__ = [
     "ArrayInfo",
@@ -65,25 +46,13 @@ __all__ = [
     "shares_memory",
     "check_writable",
     "mark_written",
-    "send_buffer",
+    "requires_grad",
     "as_torch_bytes",
     "mpi_datatype",
     "in_device_memory",
     "after_torch_wrote",
     "sync_stream",
-    "recv_buffer",
-    "release_staging_buffers",
 ]
-
-logger = logging.getLogger(__name__)
-
-# Internal switches for tests (never set in production code):
-# _SIMULATE_DEVICE treats CPU arrays as device arrays, so the CUDA-aware
-# decision and the staging copies run on a machine without a GPU.
-_SIMULATE_DEVICE = False
-# How many transfers took each path ("host", "direct", "staged"), per direction.
-_ROUTES: collections.Counter = collections.Counter()
-_WARNED_STAGING = False
 
 
 class ArrayInfo(NamedTuple):
@@ -268,6 +237,13 @@ def _local_index(kind: str) -> int:
     return bound if bound is not None else _current_device(kind)
 
 
+def _numpy_like(x: Any):
+    """numpy or cupy, the module whose functions apply to ``x``; None for torch."""
+    if isinstance(x, np.ndarray):
+        return np
+    return _cupy() if _is_cupy(x) else None
+
+
 def dtype_of(x: Any) -> Any:
     """``x``'s dtype object (``numpy.dtype`` or ``torch.dtype``): it pickles, record dtypes included."""
     return x.dtype
@@ -329,7 +305,7 @@ def narrow(x: Any, dim: int, start: int, length: int) -> Any:
 
 
 class _NumpyOps:
-    """numpy arrays (on a device only under ``_SIMULATE_DEVICE``)."""
+    """numpy arrays (treated as on a device only under ``staging._SIMULATE_DEVICE``)."""
 
     name = "numpy"
 
@@ -492,144 +468,6 @@ def _ops(x: Any):
     raise AssertionError("unreachable")
 
 
-# --------------------------------------------------------------------------- staging
-
-
-class _Staging:
-    """One reusable host buffer for one direction ("send" or "recv").
-
-    Pinned (page-locked) when a GPU is present, so device copies run at full
-    bandwidth; grown when a larger message comes, never shrunk (see
-    :func:`release_staging_buffers`). If the buffer is already in use (two
-    transfers of the same direction at once) a temporary one is used.
-    """
-
-    def __init__(self, direction: str) -> None:
-        self.direction = direction
-        self.library: str | None = None
-        self.owner: Any = None
-        self.view: np.ndarray | None = None
-        self.busy = False
-        self.allocations = 0
-
-    def capacity(self) -> int:
-        return 0 if self.view is None else self.view.size
-
-    @contextlib.contextmanager
-    def take(self, ops, nbytes: int) -> Iterator[tuple[Any, np.ndarray]]:
-        if self.busy:
-            owner, view = _allocate(ops, nbytes)
-            yield owner, view[:nbytes]
-            return
-        if self.library != ops.name or self.capacity() < nbytes:
-            self.owner = self.view = None  # let the old one go before the new one is made
-            self.owner, self.view = _allocate(ops, max(nbytes, 2 * self.capacity() if self.library == ops.name else 0))
-            self.library = ops.name
-            self.allocations += 1
-        self.busy = True
-        try:
-            yield self.owner, self.view[:nbytes]
-        finally:
-            self.busy = False
-
-
-def _allocate(ops, nbytes: int) -> tuple[Any, np.ndarray]:
-    pinned = ops.name == "cupy" or (ops.name == "torch" and _torch().cuda.is_available())
-    nbytes = max(int(nbytes), 1)
-    logger.debug("allocating a %s-byte %s staging buffer for %s", nbytes, "pinned" if pinned else "host", ops.name)
-    return ops.host_buffer(nbytes, pinned)
-
-
-_STAGING = {"send": _Staging("send"), "recv": _Staging("recv")}
-
-
-def release_staging_buffers() -> None:
-    """Free the host staging buffers (they are re-made on the next staged transfer)."""
-    for direction in _STAGING:
-        _STAGING[direction] = _Staging(direction)
-
-
-# --------------------------------------------------------------------------- buffers for MPI
-
-
-def _route(ops, x: Any, comm: MPI.Comm | None) -> str:
-    """"host", "direct" (device pointer to CUDA-aware MPI) or "staged"."""
-    if not (ops.on_device(x) or _SIMULATE_DEVICE):
-        return "host"
-    comm = MPI.COMM_WORLD if comm is None else comm
-    if gpu.is_cuda_aware(comm):
-        return "direct"
-    _warn_staging(comm)
-    return "staged"
-
-
-def _warn_staging(comm: MPI.Comm) -> None:
-    global _WARNED_STAGING
-    if _WARNED_STAGING:
-        return
-    _WARNED_STAGING = True
-    reason = gpu.cuda_awareness_report(comm)["reason"]
-    warnings.warn(
-        f"credit_mpi: device buffers are staged through host memory on {comm_label(comm)} ({reason}); "
-        f"set {gpu.ENV_OVERRIDE}=1 if this MPI is CUDA-aware",
-        RuntimeWarning,
-        stacklevel=6,  # the caller of shard/gather (through the context manager)
-    )
-
-
-@contextlib.contextmanager
-def send_buffer(x: Any, comm: MPI.Comm | None = None) -> Iterator[Any]:
-    """A buffer mpi4py can send (``MPI.BYTE``) holding the bytes of contiguous ``x``.
-
-    For a device array the transfer path is the one ``comm``'s ranks agreed
-    on (:func:`credit_mpi.gpu.is_cuda_aware`; ``comm=None`` means
-    ``MPI.COMM_WORLD``): collective over ``comm`` the first time a device
-    array is sent or received on it, so call it on every rank.
-    """
-    ops = _ops(x)
-    route = _route(ops, x, comm)
-    _ROUTES[route, "send"] += 1
-    data = ops.as_bytes(x)
-    if route == "host":
-        yield data
-    elif route == "direct":
-        with ops.device_context(x):
-            ops.sync_stream(x)  # the kernels that produced x are done before MPI reads it
-            yield data
-    else:
-        with _STAGING["send"].take(ops, data.shape[0]) as (owner, view):
-            ops.to_host(data, owner, view)
-            yield view
-
-
-@contextlib.contextmanager
-def recv_buffer(out: Any, comm: MPI.Comm | None = None, *, inout: bool = False) -> Iterator[Any]:
-    """A buffer mpi4py can receive into (``MPI.BYTE``); its bytes end up in ``out``.
-
-    ``out`` holds the data when the ``with`` block ends normally (a staged
-    transfer is copied back then; a direct one is synchronised then). Same
-    collective rule as :func:`send_buffer`. With ``inout=True`` the buffer
-    also starts with ``out``'s bytes (a staged buffer is filled from the
-    device first), for calls that send from and receive into one array, as
-    the halo exchange does.
-    """
-    ops = _ops(out)
-    route = _route(ops, out, comm)
-    _ROUTES[route, "recv"] += 1
-    data = ops.as_bytes(out)
-    if route == "host":
-        yield data
-    elif route == "direct":
-        with ops.device_context(out):
-            ops.sync_stream(out)  # nothing queued still touches out's memory when MPI writes it
-            yield data
-            ops.sync_device(out)  # MPI's writes are visible to later kernels on any stream
-    else:
-        with _STAGING["recv"].take(ops, data.shape[0]) as (owner, view):
-            if inout:
-                ops.to_host(data, owner, view)
-            yield view
-            ops.from_host(owner, view, data)
 
 
 def in_device_memory(buf: Any) -> bool:
@@ -688,73 +526,9 @@ def mpi_datatype(x: Any) -> MPI.Datatype:
     return datatype
 
 
-# -- row helpers for halo exchange and autograd (numpy, CuPy and torch) ----
-
-
-def _numpy_like(x: Any):
-    """numpy or cupy, the module whose functions apply to ``x``; None for torch."""
-    if isinstance(x, np.ndarray):
-        return np
-    return _cupy() if _is_cupy(x) else None
-
-
-def _band(x: Any, dim: int, start: int, length: int) -> Any:
-    """A view of rows ``start:start+length`` along ``dim`` (no copy)."""
-    if _numpy_like(x) is not None:
-        return x[(slice(None),) * dim + (slice(start, start + length),)]
-    return x.narrow(dim, start, length)
-
-
-def copy_rows(dst: Any, dim: int, start: int, src: Any) -> None:
-    """Write ``src`` into rows ``start:start+len(src)`` of ``dst`` along ``dim``."""
-    if _numpy_like(dst) is not None:
-        _band(dst, dim, start, src.shape[dim])[...] = src
-    else:
-        _band(dst, dim, start, src.shape[dim]).copy_(src)
-
-
-def add_rows(dst: Any, dim: int, start: int, src: Any) -> None:
-    """Add ``src`` to rows ``start:start+len(src)`` of ``dst`` along ``dim`` (in place)."""
-    if _numpy_like(dst) is not None:
-        _band(dst, dim, start, src.shape[dim])[...] += src
-    else:
-        _band(dst, dim, start, src.shape[dim]).add_(src)
-
-
-def fill_rows(x: Any, dim: int, start: int, length: int, value: float = 0) -> None:
-    """Set rows ``start:start+length`` of ``x`` along ``dim`` to ``value``."""
-    if _numpy_like(x) is not None:
-        _band(x, dim, start, length)[...] = value
-    else:
-        _band(x, dim, start, length).fill_(value)
-
-
-def flipped_rows(x: Any, dim: int, start: int, length: int) -> Any:
-    """Rows ``start:start+length`` of ``x`` in reverse order along ``dim`` (a new array)."""
-    band = _band(x, dim, start, length)
-    xp = _numpy_like(x)
-    if xp is not None:
-        return xp.flip(band, axis=dim).copy()
-    return band.flip(dim)
-
-
-def roll(x: Any, shift: int, dim: int) -> Any:
-    """``x`` rolled by ``shift`` along ``dim`` (``numpy.roll`` / ``cupy.roll`` / ``torch.roll``)."""
-    xp = _numpy_like(x)
-    if xp is not None:
-        return xp.roll(x, shift, axis=dim)
-    return x.roll(shift, dim)
-
-
-def clone(x: Any) -> Any:
-    """A contiguous copy of ``x`` that shares no memory with it (detached for torch)."""
-    xp = _numpy_like(x)
-    if xp is not None:
-        return xp.array(x, order="C", copy=True)
-    return x.detach().clone(memory_format=_torch().contiguous_format)
-
 
 def requires_grad(x: Any) -> bool:
     """True when ``x`` is a torch tensor that autograd is recording (grad mode on)."""
     torch = _torch()
     return torch is not None and isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()
+

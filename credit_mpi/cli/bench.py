@@ -46,10 +46,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .halo import halo_exchange
-from .manager import DomainParallelManager
-from .partition import band_sizes
-from .sharding import gather_tensor, shard_batch
+from ..halo import halo_exchange
+from ..manager import DomainParallelManager
+from ..partition import band_sizes
+from ..sharding import gather_tensor, shard_batch
 
 __all__ = [
     "Timing",
@@ -225,11 +225,11 @@ def torch_group(manager: DomainParallelManager, backend: str | None = None):
     unless it is bridged already; ``manager.free()`` releases the groups.
     Collective over the manager's parent communicator.
     """
-    from . import torch_bridge
+    from .. import torch_bridge
 
     if not torch_bridge.is_bridged(manager):
         torch_bridge.init_torch_distributed(manager, backend)
-    return manager.torch_domain_group
+    return manager.torch_group("domain")
 
 
 def gloo_group(manager: DomainParallelManager):

@@ -30,12 +30,13 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from .halo import halo_exchange
-from .manager import DomainParallelManager
-from .partition import band_sizes
-from .sharding import gather_tensor, shard_tensor
+from ..halo import halo_exchange
+from ..manager import DomainParallelManager
+from ..partition import band_sizes
+from ..sharding import gather_tensor, shard_tensor
+from .common import _mismatch_hint
 
-__all__ = ["ERA5_LAT", "ERA5_LON", "add_arguments", "conv3x3", "main", "run", "synthetic_field"]
+__all__ = ["ERA5_LAT", "ERA5_LON", "add_arguments", "conv3x3", "run", "synthetic_field"]
 
 ERA5_LAT, ERA5_LON = 721, 1440  # the 0.25-degree grid
 
@@ -112,8 +113,6 @@ def run(args: argparse.Namespace, comm: MPI.Comm | None = None, say: Callable[..
         dom = manager.domain_group
         if size == 1:
             say("single rank: nothing is split or moved (start it with e.g. `mpiexec -n 4 credit-mpi demo`)")
-            from .cli import _mismatch_hint
-
             if _mismatch_hint(comm):
                 say("warning: a single MPI rank" + _mismatch_hint(comm))
         say(f"{size} rank(s); domain groups (ranks sharing one sample): {manager.domain_groups()}", flush=True)
@@ -167,13 +166,3 @@ def run(args: argparse.Namespace, comm: MPI.Comm | None = None, say: Callable[..
     say("all checks passed on every rank" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m credit_mpi.demo``: the same as ``credit-mpi demo``."""
-    from .cli import main as cli_main
-
-    return cli_main(["demo", *(argv if argv is not None else __import__("sys").argv[1:])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

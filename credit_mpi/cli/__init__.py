@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import __version__
+from .. import __version__
 from . import demo as demo_mod
+from .common import _mismatch_hint
 
 __all__ = ["build_parser", "cmd_bench", "cmd_demo", "cmd_info", "layout_table", "main", "parse_size"]
 
@@ -128,25 +129,6 @@ def _rank0_printer(comm: MPI.Comm) -> Say:
         print(*a, **k)
 
     return say
-
-
-def _launcher_size() -> int | None:
-    """The rank count the launcher announced in the environment, if any."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "PALS_SIZE"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return None
-
-
-def _mismatch_hint(comm: MPI.Comm) -> str:
-    launched = _launcher_size()
-    if comm.Get_size() == 1 and launched is not None and launched > 1:
-        return (
-            f"; the launcher started {launched} processes but MPI sees 1 rank in each: mpi4py is built "
-            f"against a different MPI than this mpiexec/srun belongs to ({MPI.Get_library_version().splitlines()[0].strip()})"
-        )
-    return ""
 
 
 def _check_domain_size(comm: MPI.Comm, d: int | None) -> int:
@@ -250,7 +232,7 @@ def format_cuda_report(report: dict) -> list[str]:
 
 def _cuda_awareness(comm: MPI.Comm) -> list[str]:
     """The verdict of credit_mpi.gpu and the reasons behind it."""
-    from . import gpu
+    from .. import gpu
 
     return format_cuda_report(gpu.cuda_awareness_report(comm))  # collective
 
@@ -336,8 +318,8 @@ def cmd_demo(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
 
 def run_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> list[dict]:
     """The sweep behind ``credit-mpi bench``; returns one row per (operation, size), same on every rank."""
+    from ..manager import DomainParallelManager
     from . import bench
-    from .manager import DomainParallelManager
 
     d = _check_domain_size(comm, args.domain_size)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
@@ -430,7 +412,7 @@ def _plot(rows: list[dict], path: str, ranks: int) -> None:
 
 def _check_plot_possible(comm: MPI.Comm) -> None:
     """``--plot`` needs matplotlib on rank 0 (which draws); a ValueError on every rank if it is missing."""
-    from .validation import allgather_or_raise
+    from ..validation import allgather_or_raise
 
     def check() -> None:
         if comm.Get_rank() == 0 and importlib.util.find_spec("matplotlib") is None:

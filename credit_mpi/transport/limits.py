@@ -1,0 +1,16 @@
+"""Constants both transports (MPI and torch.distributed) share: message tags and size thresholds."""
+
+from __future__ import annotations
+
+__all__ = ["TAG_UP", "TAG_DOWN", "SLICE_BYTES", "PACK_BYTES"]
+
+# Message tags of the halo exchange (MPI and torch): rows travelling to the
+# previous / next rank of the domain group.
+TAG_UP, TAG_DOWN = 17, 18
+
+# Above this many bytes per outer slice of the output, a gather moves each
+# slice with its own contiguous (I)allgather, straight into place, all in
+# flight at once; below it, slices are gathered in packed groups of at most
+# PACK_BYTES and copied into place.
+SLICE_BYTES = 1 << 15
+PACK_BYTES = 1 << 22
