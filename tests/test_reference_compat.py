@@ -454,7 +454,7 @@ def test_incomplete_stand_ins_are_refused_clearly():
         shard_tensor(x, -2, namespace_manager(0, 0))
     with pytest.raises(TypeError, match="manager.domain_rank must be an int, got float 0.5"):
         shard_tensor(x, -2, namespace_manager(2, 0.5))
-    bare = MagicMock()  # domain_rank left unset: a MagicMock answers __index__ with 1; not taken for a rank
+    bare = mock.MagicMock()  # domain_rank left unset: a MagicMock answers __index__ with 1; not taken for a rank
     bare.domain_parallel_size = 2
     with pytest.raises(TypeError, match="manager.domain_rank must be an int, got MagicMock"):
         shard_tensor(x, -2, bare)
