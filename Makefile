@@ -9,7 +9,7 @@ VENV    ?= .venv
 RANKS   ?= 4
 # The CPU build of torch: a bare `torch` requirement pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
-EXTRAS  ?= mpich,test,io
+EXTRAS  ?= mpich,test,io,plot
 PY      := $(VENV)/bin/python
 
 .PHONY: install demo test docs lint wheel clean
