@@ -48,7 +48,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import buffers
+from . import blocks, buffers
 from .manager import Domain, DomainParallelManager, domain_of
 from .partition import (
     HALO_BOUNDARIES,
@@ -112,6 +112,10 @@ def halo_exchange(
         DomainParallelError: ranks made different calls (a different width,
             boundary, transport, or a band that requires grad on some ranks only).
     """
+    if blocks.is_grid_call(manager, dim, halo_width, boundary):  # pairs: the 2-D grid's halo, corners included
+        from .halo2d import halo_exchange_2d
+
+        return halo_exchange_2d(x, halo_width, dim, manager, boundary, check, transport)
     plan = _plan(x, halo_width, dim, domain_of(manager), boundary, check, transport)
     if plan.autograd:  # differentiable path (torch autograd); the same MPI calls
         from .autograd import halo_autograd

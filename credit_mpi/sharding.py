@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 from mpi4py import MPI
 
-from . import buffers
+from . import blocks, buffers
 from .manager import Domain, DomainParallelManager, domain_of
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
 from .validation import Local, agree, check_bands_fit, check_transport
@@ -95,6 +95,8 @@ def shard_tensor(
         TypeError: unsupported array type.
     """
     collective = _collective(check)
+    if _grid_call(manager, dim):  # a (lat, lon) pair: this rank's block of the 2-D domain grid
+        return blocks.shard_tensor_2d(x, dim, manager, uneven, collective)
     domain = domain_of(manager)
     if domain.size <= 1:
         return x
@@ -168,6 +170,8 @@ def gather_tensor(
         Full (gathered) tensor, identical on every rank of the domain group
         (``out`` when given).
     """
+    if _grid_call(manager, dim):  # a (lat, lon) pair: gather the blocks of the 2-D domain grid
+        return blocks.gather_tensor_2d(x, dim, manager, check, out, transport)
     domain = domain_of(manager)
     if domain.size <= 1:
         check_transport(transport)
@@ -339,10 +343,16 @@ def shard_batch(
     """
     collective = _collective(check)
     check_transport(transport)
+    dims = {5: spatial_dims_5d, 4: spatial_dims_4d}
+    if _grid_call(manager, spatial_dims_5d, spatial_dims_4d):  # (lat, lon) pairs: blocks of the 2-D grid
+        if transport == "torch":
+            from . import torch_bridge
+
+            torch_bridge.domain_group(domain_of(manager).manager)
+        return blocks.shard_batch_2d(batch, dims, manager, uneven, collective)
     domain = domain_of(manager)
     if domain.size <= 1:
         return batch
-    dims = {5: spatial_dims_5d, 4: spatial_dims_4d}
 
     def local() -> Local:
         if transport == "torch":
@@ -388,6 +398,8 @@ def scatter_tensor(
         than the root when the root holds numpy; the root's device type).
         Not differentiable.
     """
+    if _grid_call(manager, dim):  # a (lat, lon) pair: blocks of the 2-D domain grid
+        return blocks.scatter_tensor_2d(x, dim, manager, root, uneven)
     domain = domain_of(manager)
     if domain.size <= 1:
         return x
@@ -430,6 +442,11 @@ def scatter_tensor(
         send_type.Free()
         recv_type.Free()
     return out
+
+
+def _grid_call(manager: Any, *dims: Any) -> bool:
+    """True for the 2-D grid path (a ``dim`` pair); a single dim on a grid of several columns raises."""
+    return blocks.is_grid_call(manager, *dims)
 
 
 def _collective(check: Any) -> bool:
