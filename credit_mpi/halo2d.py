@@ -45,7 +45,7 @@ from .manager import domain_of
 from .partition import HALO_BOUNDARIES, check_halo_width
 from .validation import Local, agree, check_int
 
-__all__ = ["LON_BOUNDARIES", "halo_exchange_2d", "halo2d_kernel", "halo2d_adjoint", "halo2d_elements", "Plan2d"]
+__all__ = ["LON_BOUNDARIES", "halo_exchange_2d", "halo2d_kernel", "halo2d_adjoint", "halo2d_elements", "received_elements", "Plan2d"]
 
 LON_BOUNDARIES = ("periodic", "zero", "reflect")
 # tags on the grid communicator: rows going north / south, columns going west / east, pole pieces
@@ -156,16 +156,33 @@ def halo_exchange_2d(x: Any, halo_width: Any, dim: Any, manager: Any, boundary: 
 
 def halo2d_elements(p: Plan2d) -> int:
     """Elements this rank receives from other ranks in one exchange (rows, pole pieces, columns with corners)."""
-    h, w = p.shape[p.ay], p.shape[p.ax]
     rest = math.prod(s for i, s in enumerate(p.shape) if i not in (p.ay, p.ax))
-    north, south = p.lat_neighbors()
-    west, east = p.lon_neighbors()
-    rows = sum(p.hy for n in (north, south) if n is not None)
-    rows += sum(p.hy for edge, n in ((0, north), (p.grid[0] - 1, south)) if n is None and p.lat == "earth" and p.row == edge)
-    cols = sum(p.hx for n in (west, east) if n is not None)
-    if p.lat == "earth" and p.grid[1] == 1:  # the pole piece is my own block
-        rows -= sum(p.hy for edge, n in ((0, north), (p.grid[0] - 1, south)) if n is None and p.row == edge)
-    return rest * (rows * w + cols * (h + 2 * p.hy))
+    return rest * received_elements(p.grid, list(p.heights), list(p.widths), p.row * p.grid[1] + p.col,
+                                    (p.hy, p.hx), (p.lat, p.lon))
+
+
+def received_elements(grid: tuple[int, int], heights: list[int], widths: list[int], rank: int,
+                      halo_width: tuple[int, int], boundary: tuple[str, str]) -> int:
+    """Elements (per outer slice) that ``rank`` of a grid receives from *other* ranks in one 2-D exchange.
+
+    Pure arithmetic over the block layout, for the bench's "bytes moved":
+    latitude rows from the north / south neighbours (or the opposite-longitude
+    pieces at an ``"earth"`` pole), then longitude columns of the
+    latitude-padded block (which carry the corners); what a rank takes from
+    itself (one column, one row with ``periodic``) is not counted.
+    """
+    (hy, hx), (lat, lon) = halo_width, boundary
+    row, col = grid_coords(rank, grid)
+    plan = Plan2d(None, grid, row, col, 0, 1, hy, hx, lat, lon, (heights[row], widths[col]), tuple(heights), tuple(widths), False)
+    h, w = heights[row], widths[col]
+    north, south = plan.lat_neighbors()
+    west, east = plan.lon_neighbors()
+    count = sum(hy * w for nb in (north, south) if nb is not None and nb != rank)
+    if lat == "earth" and hy:
+        pieces = sum(length for other, _, _, length in opposite_pieces(col, widths) if other != col)
+        count += hy * pieces * ((north is None) + (south is None))
+    count += sum(hx * (h + 2 * hy) for nb in (west, east) if nb is not None and nb != rank)
+    return count
 
 
 # --------------------------------------------------------------------------- kernels

@@ -72,7 +72,9 @@ def shard_tensor(
 
     Args:
         x: Input tensor (numpy array, torch tensor or CuPy array).
-        dim: Dimension to shard along (default: -2 for H in BCHW or BCTHW).
+        dim: Dimension to shard along (default: -2 for H in BCHW or BCTHW),
+            or a pair ``(lat_dim, lon_dim)`` such as ``(-2, -1)`` for this
+            rank's block of a 2-D ``domain_grid`` (:mod:`credit_mpi.blocks`).
         manager: DomainParallelManager instance (uses global singleton if None),
             or any object with ``domain_parallel_size`` and ``domain_rank``.
         uneven: Allow a size that the domain size does not divide
@@ -147,7 +149,8 @@ def gather_tensor(
 
     Args:
         x: Local shard tensor.
-        dim: Dimension that was sharded (default: -2).
+        dim: Dimension that was sharded (default: -2), or a ``(lat_dim,
+            lon_dim)`` pair for the blocks of a 2-D ``domain_grid``.
         manager: DomainParallelManager instance (uses global singleton if None).
         check: Agree first that the shards fit together (same kind, dtype,
             ndim and every dimension but ``dim``); a mismatch raises the same

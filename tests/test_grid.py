@@ -283,15 +283,17 @@ def test_halo_2d_bad_input_everywhere(make_manager, world, rng):
         g = rng.standard_normal((1, grid[0] * 2, grid[1] * 2 + 1))
         block = credit_mpi.shard_tensor(g, (-2, -1), m, uneven=True)
         if grid[0] > 1:
-            raises_everywhere(ValueError, "halo_width=3.*does not fit", lambda: credit_mpi.halo_exchange(block, (3, 1), (-2, -1), m))
+            with pytest.raises(ValueError, match="halo_width=3.*does not fit"):
+                credit_mpi.halo_exchange(block, (3, 1), (-2, -1), m)
         if grid[1] > 1:
-            raises_everywhere(ValueError, "halo_width=3.*does not fit",
-                              lambda: credit_mpi.halo_exchange(block, (1, 3), (-2, -1), m, boundary=("zero", "periodic")))
-        raises_everywhere(ValueError, r"number of longitudes \(dim 2\) must be even, got",
-                          lambda: credit_mpi.halo_exchange(block, (1, 1), (-2, -1), m, boundary="earth"))
+            with pytest.raises(ValueError, match="halo_width=3.*does not fit"):
+                credit_mpi.halo_exchange(block, (1, 3), (-2, -1), m, boundary=("zero", "periodic"))
+        with pytest.raises(ValueError, match=r"number of longitudes \(dim 2\) must be even, got"):
+            credit_mpi.halo_exchange(block, (1, 1), (-2, -1), m, boundary="earth")
         if n > 1:  # one rank asks for another width: the same error everywhere, no hang
             width = (1, 2) if world.Get_rank() == n - 1 else (1, 1)
-            raises_everywhere(ValueError, "different calls", lambda: credit_mpi.halo_exchange(block, width, (-2, -1), m))
+            with pytest.raises(ValueError, match="different calls"):
+                credit_mpi.halo_exchange(block, width, (-2, -1), m)
 
 
 # --------------------------------------------------------------------------- MPI: autograd
@@ -393,3 +395,19 @@ def test_conv_net_on_2x2_grid_matches_one_process(make_manager, world, rng):
         total = p.grad.clone()  # a parameter's gradient is the sum of every block's part
         m.domain_group.Allreduce(MPI.IN_PLACE, total.numpy(), op=MPI.SUM)
         np.testing.assert_allclose(total.numpy(), want.numpy(), rtol=0, atol=1e-11)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_bench_halo_grid_row(world):
+    """The bench's 1-D vs 2-D row at 4 ranks: bytes counted by hand for a 2 x 8 x 12 field, width (1, 1), earth."""
+    from credit_mpi import bench
+
+    if world.Get_size() != 4:
+        pytest.skip("the row is defined at 4 ranks")
+    row = bench.halo_grid_comparison(world, (2, 8, 12), 1, repeats=1)
+    # 4x1: bands of 2 rows; the poles are local (one column), interior ranks get 2 rows, edge ranks 1: 6 rows of 12
+    # 2x2: 4x6 blocks; each gets 1 row of 6 (neighbour), 1 pole row of 6 (opposite column), 2 columns of 4 + 2 rows
+    assert (row["grid_1d"], row["grid_2d"]) == ("4x1", "2x2")
+    assert row["bytes_1d"] == 6 * 12 * 2 * 4 and row["max_bytes_1d"] == 2 * 12 * 2 * 4
+    assert row["bytes_2d"] == 4 * (6 + 6 + 2 * 6) * 2 * 4 and row["max_bytes_2d"] == (6 + 6 + 2 * 6) * 2 * 4
+    assert row["time_1d"].median > 0 and row["time_2d"].median > 0
