@@ -79,14 +79,14 @@ class _GatherTensor(torch.autograd.Function):
         gathered = plan.apply(x)
         if out is not None:
             ctx.mark_dirty(out)  # written in place: autograd moves its version on, as for torch's in-place ops
-        ctx.axis, ctx.rows, ctx.start = plan.axis, plan.sizes[plan.rank], sum(plan.sizes[: plan.rank])
+        ctx.plan = plan
         return gathered
 
     @staticmethod
     def backward(ctx, grad):
-        # Shard <- Replicate: this rank's slice of the (replicated) gradient,
-        # a differentiable torch op (double backward works), no communication.
-        return grad.narrow(ctx.axis, ctx.start, ctx.rows), None, None
+        # Shard <- Replicate: this rank's part of the (replicated) gradient,
+        # differentiable torch ops (double backward works), no communication.
+        return ctx.plan.own(grad), None, None
 
 
 class _HaloExchange(torch.autograd.Function):

@@ -48,6 +48,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from . import blocks
 from .manager import Domain, DomainParallelManager, domain_of
 from .partition import (
     HALO_BOUNDARIES,
@@ -80,6 +81,9 @@ def halo_exchange(
         x: This rank's band (numpy array or torch tensor).
         halo_width: Rows to add before and after along ``dim`` (>= 0).
         dim: The sharded dimension (default: -2, latitude in BCHW / BCTHW).
+            A pair ``(lat_dim, lon_dim)`` (with ``halo_width`` and
+            ``boundary`` optionally pairs too) exchanges the blocks of a 2-D
+            ``domain_grid``, corners included (:mod:`credit_mpi.halo2d`).
         manager: DomainParallelManager (uses the global singleton if None; with
             none, or a domain size of 1, the whole field is on this rank).
         boundary: ``"zero"``, ``"periodic"``, ``"reflect"`` or ``"earth"``
@@ -110,6 +114,10 @@ def halo_exchange(
         DomainParallelError: ranks made different calls (a different width,
             boundary, transport, or a band that requires grad on some ranks only).
     """
+    if blocks.is_grid_call(manager, dim, halo_width, boundary):  # pairs: the 2-D grid's halo, corners included
+        from .halo2d import halo_exchange_2d
+
+        return halo_exchange_2d(x, halo_width, dim, manager, boundary, check, transport)
     plan = _plan(x, halo_width, dim, domain_of(manager), boundary, check, transport)
     if plan.autograd:  # differentiable path (torch autograd); the same MPI calls
         from .autograd import halo_autograd  # imports torch

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 from mpi4py import MPI
 
+from .grid import check_grid, grid_coords, grid_neighbors
 from .partition import halo_neighbors
 from .validation import DomainParallelError, allgather_or_raise, check_int
 
@@ -74,10 +75,18 @@ class DomainParallelManager:
             in a (B, C, H, W) tensor.
         comm: Parent communicator (default ``MPI.COMM_WORLD``). All ranks
             reported by the manager (``neighbor_ranks``) are ranks of it.
+        domain_grid: ``(rows, cols)`` with ``rows * cols ==
+            domain_parallel_size`` lays the domain group out as a row-major
+            grid over latitude x longitude (see :mod:`credit_mpi.grid`): an
+            MPI Cartesian communicator (``domain_cart``, periodic in
+            longitude), ``domain_coords``, :meth:`grid_neighbor_ranks`.
+            ``None`` (default): latitude bands, exactly as without it (an
+            ``(n, 1)`` grid, no extra communicator).
 
     Raises:
-        ValueError: ``world_size`` differs from ``comm``'s size, or
-            ``domain_parallel_size`` is not a positive divisor of it.
+        ValueError: ``world_size`` differs from ``comm``'s size,
+            ``domain_parallel_size`` is not a positive divisor of it, or
+            ``domain_grid`` does not hold ``domain_parallel_size`` ranks.
     """
 
     def __init__(
@@ -87,6 +96,7 @@ class DomainParallelManager:
         shard_dim: int = -2,
         *,
         comm: MPI.Comm | None = None,
+        domain_grid: tuple[int, int] | None = None,
     ) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
@@ -112,17 +122,17 @@ class DomainParallelManager:
                     f"domain_parallel_size={d} does not divide world_size={n}; "
                     f"valid sizes: {divisors}"
                 )
-            return args
+            return (*args, check_grid(domain_grid, d))
 
         everyone = allgather_or_raise(comm, check)
         if any(args != everyone[0] for args in everyone):
             detail = "; ".join(
-                f"rank {r}: world_size={a[0]}, domain_parallel_size={a[1]}, shard_dim={a[2]}"
+                f"rank {r}: world_size={a[0]}, domain_parallel_size={a[1]}, shard_dim={a[2]}, domain_grid={a[3]}"
                 for r, a in enumerate(everyone)
             )
             raise ValueError(f"ranks passed different arguments to DomainParallelManager: {detail}")
 
-        self.world_size, self.domain_parallel_size, self.shard_dim = everyone[0]
+        self.world_size, self.domain_parallel_size, self.shard_dim, self._grid = everyone[0]
         self.data_parallel_size = self.world_size // self.domain_parallel_size
         self._comm = comm
         self._rank = rank
@@ -131,6 +141,7 @@ class DomainParallelManager:
         self._dp_rank = self._domain_group_idx
         self._domain_group: MPI.Intracomm | None = None
         self._dp_group: MPI.Intracomm | None = None
+        self._cart: MPI.Cartcomm | None = None
         # torch.distributed groups mirroring the two communicators: attached
         # by credit_mpi.init_torch_distributed, torn down by free().
         self._torch: TorchGroups | None = None
@@ -141,6 +152,10 @@ class DomainParallelManager:
         self._dp_group = comm.Split(color=self._domain_rank, key=rank)
         self._domain_group.Set_name(f"credit_mpi.domain[{self._domain_group_idx}]")
         self._dp_group.Set_name(f"credit_mpi.data_parallel[{self._domain_rank}]")
+        if self._grid is not None:
+            # reorder=False: Cartesian rank == domain rank, row-major (row = latitude band)
+            self._cart = self._domain_group.Create_cart(list(self._grid), periods=[False, True], reorder=False)
+            self._cart.Set_name(f"credit_mpi.domain_cart[{self._domain_group_idx}]")
         logger.debug(
             "rank %d: domain group %d (domain rank %d of %d), data-parallel rank %d of %d",
             rank,
@@ -284,6 +299,37 @@ class DomainParallelManager:
         d = self.domain_parallel_size
         return [list(range(r, self.world_size, d)) for r in range(d)]
 
+    # -- the 2-D grid (domain_grid=) ----------------------------------------
+
+    @property
+    def domain_grid(self) -> tuple[int, int]:
+        """``(rows, cols)`` of the domain grid; ``(domain_parallel_size, 1)`` without ``domain_grid=``."""
+        return (self.domain_parallel_size, 1) if self._grid is None else self._grid
+
+    @property
+    def domain_coords(self) -> tuple[int, int]:
+        """This rank's ``(row, col)`` in the domain grid (row: latitude band, col: longitude band)."""
+        return grid_coords(self._domain_rank, self.domain_grid)
+
+    @property
+    def domain_cart(self) -> MPI.Cartcomm | None:
+        """The domain group as an MPI Cartesian communicator (periodic in longitude).
+
+        Its ranks are the domain ranks (``reorder=False``). ``None`` without
+        ``domain_grid=`` (no communicator is created then).
+        """
+        if self._grid is None:
+            return None
+        return self._live(self._cart)
+
+    def grid_neighbor_ranks(self) -> dict[str, int | None]:
+        """Domain ranks of the 8 grid neighbours: ``{"north", "south", "west", "east", "northwest", ...}``.
+
+        Longitude wraps around (a one-column grid is its own east/west);
+        latitude does not (``None`` past the first / last grid row).
+        """
+        return grid_neighbors(self._domain_rank, self.domain_grid)
+
     @property
     def freed(self) -> bool:
         """True once :meth:`free` has run."""
@@ -300,10 +346,10 @@ class DomainParallelManager:
             return
         if self._torch is not None:
             self._torch.teardown(self)  # detaches them
-        for comm in (self._domain_group, self._dp_group):
+        for comm in (self._cart, self._domain_group, self._dp_group):
             if comm is not None and comm != MPI.COMM_NULL and not MPI.Is_finalized():
                 comm.Free()
-        self._domain_group = self._dp_group = None
+        self._domain_group = self._dp_group = self._cart = None
         global _MANAGER
         if _MANAGER is self:
             _MANAGER = None
@@ -317,7 +363,8 @@ class DomainParallelManager:
         global _LEAKED
         _LEAKED += 1
         warnings.warn(
-            f"a DomainParallelManager was garbage-collected without free(): its 2 communicators stay allocated "
+            f"a DomainParallelManager was garbage-collected without free(): its {2 if self._cart is None else 3} "
+            f"communicators stay allocated "
             f"({_LEAKED} manager(s) leaked in this process; MPI libraries allow a few thousand communicators). "
             f"Call manager.free(), use `with DomainParallelManager(...) as manager:`, or "
             f"credit_mpi.destroy_domain_parallel() for the singleton",
@@ -335,7 +382,9 @@ class DomainParallelManager:
         state = "freed" if self.freed else f"domain rank {self._domain_rank}, dp rank {self._dp_rank}"
         return (
             f"DomainParallelManager(world_size={self.world_size}, "
-            f"domain_parallel_size={self.domain_parallel_size}, shard_dim={self.shard_dim}; {state})"
+            f"domain_parallel_size={self.domain_parallel_size}, shard_dim={self.shard_dim}"
+            + ("" if self._grid is None else f", domain_grid={self._grid}")
+            + f"; {state})"
         )
 
     def _live(self, comm: MPI.Intracomm | None) -> MPI.Intracomm:
@@ -353,6 +402,7 @@ def initialize_domain_parallel(
     shard_dim: int = -2,
     *,
     comm: MPI.Comm | None = None,
+    domain_grid: tuple[int, int] | None = None,
 ) -> DomainParallelManager:
     """Initialize the global DomainParallelManager singleton.
 
@@ -364,12 +414,14 @@ def initialize_domain_parallel(
         domain_parallel_size: Number of ranks per domain group.
         shard_dim: Spatial dimension to shard (-2 for lat in BCHW).
         comm: Parent communicator (default ``MPI.COMM_WORLD``).
+        domain_grid: ``(rows, cols)`` grid of the domain group over latitude
+            x longitude (see :class:`DomainParallelManager`); None: latitude bands.
 
     Returns:
         DomainParallelManager instance.
     """
     global _MANAGER
-    manager = DomainParallelManager(world_size, domain_parallel_size, shard_dim, comm=comm)
+    manager = DomainParallelManager(world_size, domain_parallel_size, shard_dim, comm=comm, domain_grid=domain_grid)
     if _MANAGER is not None:
         _MANAGER.free()
     _MANAGER = manager

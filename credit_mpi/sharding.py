@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 from mpi4py import MPI
 
+from . import blocks
 from .manager import Domain, DomainParallelManager, domain_of
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
 from .transport import arrays, limits, rowops, staging
@@ -72,7 +73,9 @@ def shard_tensor(
 
     Args:
         x: Input tensor (numpy array, torch tensor or CuPy array).
-        dim: Dimension to shard along (default: -2 for H in BCHW or BCTHW).
+        dim: Dimension to shard along (default: -2 for H in BCHW or BCTHW),
+            or a pair ``(lat_dim, lon_dim)`` such as ``(-2, -1)`` for this
+            rank's block of a 2-D ``domain_grid`` (:mod:`credit_mpi.blocks`).
         manager: DomainParallelManager instance (uses global singleton if None),
             or any object with ``domain_parallel_size`` and ``domain_rank``.
         uneven: Allow a size that the domain size does not divide
@@ -95,6 +98,8 @@ def shard_tensor(
         TypeError: unsupported array type.
     """
     collective = _collective(check)
+    if _grid_call(manager, dim):  # a (lat, lon) pair: this rank's block of the 2-D domain grid
+        return blocks.shard_tensor_2d(x, dim, manager, uneven, collective)
     domain = domain_of(manager)
     if domain.size <= 1:
         return x
@@ -126,6 +131,10 @@ class _Gather(NamedTuple):
         """The gather (:func:`gather_kernel`)."""
         return gather_kernel(x, self)
 
+    def own(self, grad: Any) -> Any:
+        """This rank's rows of the gathered (replicated) gradient: the gather's backward, no communication."""
+        return grad.narrow(self.axis, sum(self.sizes[: self.rank]), self.sizes[self.rank])
+
 
 def gather_tensor(
     x: Any,
@@ -149,7 +158,8 @@ def gather_tensor(
 
     Args:
         x: Local shard tensor.
-        dim: Dimension that was sharded (default: -2).
+        dim: Dimension that was sharded (default: -2), or a ``(lat_dim,
+            lon_dim)`` pair for the blocks of a 2-D ``domain_grid``.
         manager: DomainParallelManager instance (uses global singleton if None).
         check: Agree first that the shards fit together (same kind, dtype,
             ndim and every dimension but ``dim``); a mismatch raises the same
@@ -172,6 +182,8 @@ def gather_tensor(
         Full (gathered) tensor, identical on every rank of the domain group
         (``out`` when given).
     """
+    if _grid_call(manager, dim):  # a (lat, lon) pair: gather the blocks of the 2-D domain grid
+        return blocks.gather_tensor_2d(x, dim, manager, check, out, transport)
     domain = domain_of(manager)
     if domain.size <= 1:
         check_transport(transport)
@@ -335,10 +347,14 @@ def shard_batch(
     """
     collective = _collective(check)
     check_transport(transport)
+    dims = {5: spatial_dims_5d, 4: spatial_dims_4d}
+    if _grid_call(manager, spatial_dims_5d, spatial_dims_4d):  # (lat, lon) pairs: blocks of the 2-D grid
+        if transport == "torch":
+            domain_of(manager).manager.torch_group("domain")  # a clear error when the bridge is missing
+        return blocks.shard_batch_2d(batch, dims, manager, uneven, collective)
     domain = domain_of(manager)
     if domain.size <= 1:
         return batch
-    dims = {5: spatial_dims_5d, 4: spatial_dims_4d}
 
     def local() -> Local:
         if transport == "torch":
@@ -382,6 +398,8 @@ def scatter_tensor(
         than the root when the root holds numpy; the root's device type).
         Not differentiable.
     """
+    if _grid_call(manager, dim):  # a (lat, lon) pair: blocks of the 2-D domain grid
+        return blocks.scatter_tensor_2d(x, dim, manager, root, uneven)
     domain = domain_of(manager)
     if domain.size <= 1:
         return x
@@ -424,6 +442,11 @@ def scatter_tensor(
         send_type.Free()
         recv_type.Free()
     return out
+
+
+def _grid_call(manager: Any, *dims: Any) -> bool:
+    """True for the 2-D grid path (a ``dim`` pair); a single dim on a grid of several columns raises."""
+    return blocks.is_grid_call(manager, *dims)
 
 
 def _collective(check: Any) -> bool:

@@ -43,6 +43,7 @@ THREAD_LEVELS = {
     MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE",
 }
 
+ERA5_SHAPE = (721, 1440)
 DEFAULT_SWEEP = ("4x90x180", "4x180x360", "4x360x720", "4x720x1440")
 
 
@@ -59,6 +60,17 @@ def parse_size(text: str) -> tuple[int, int, int]:
     if len(values) != 3 or min(values) < 1:
         raise argparse.ArgumentTypeError(f"size must be CxHxW with positive integers, e.g. 16x720x1440; got {text!r}")
     return values  # type: ignore[return-value]
+
+
+def parse_grid(text: str) -> tuple[int, int]:
+    """``"2x3"`` -> ``(2, 3)`` (rows x cols of a domain grid)."""
+    try:
+        rows, cols = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a grid is ROWSxCOLS such as 2x2, got {text!r}") from None
+    if rows < 1 or cols < 1:
+        raise argparse.ArgumentTypeError(f"a grid needs at least one row and one column, got {text!r}")
+    return rows, cols
 
 
 def _positive(text: str) -> int:
@@ -83,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="MPI library, threads, CUDA-awareness, GPUs per node, the rank layout")
     info.add_argument("-d", "--domain-size", type=_positive, default=None, help="show the layout for this domain size")
+    info.add_argument("--grid", type=parse_grid, default=None, metavar="ROWSxCOLS",
+                      help="show a latitude x longitude domain grid of the domain group (rows * cols = domain size)")
     info.set_defaults(func=cmd_info)
 
     demo = sub.add_parser(
@@ -99,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("-d", "--domain-size", type=_positive, default=None, help="ranks per domain group (default: all)")
     bench.add_argument("-r", "--repeats", type=_positive, default=5, help="timed repetitions per row (default: 5)")
-    bench.add_argument("--ops", default="gather,shard_batch,halo", help="comma-separated subset of gather,shard_batch,halo")
+    bench.add_argument("--ops", default="gather,shard_batch,halo,halo_grid",
+                       help="comma-separated subset of gather,shard_batch,halo,halo_grid (halo_grid: the same field's "
+                            "halo on an (n x 1) and a square 2-D grid; needs a domain size with a 2-D grid, e.g. 4)")
     bench.add_argument("--no-torch", action="store_true", help="leave out the torch.distributed (gloo) column")
     bench.add_argument("--json", action="store_true", help="print JSON instead of the table")
     bench.add_argument("--plot", metavar="FILE.png", default=None, help="draw bandwidth curves (needs matplotlib)")
@@ -243,6 +259,11 @@ def cmd_info(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
 
     size = comm.Get_size()
     d = _check_domain_size(comm, args.domain_size)
+    if args.grid is not None:
+        from .grid import check_grid
+        from .validation import allgather_or_raise
+
+        allgather_or_raise(comm, lambda: check_grid(args.grid, d))  # the same ValueError on every rank
     say(f"credit_mpi {__version__}")
     _single_rank_note(comm, say, "mpiexec -n 4 credit-mpi info -d 2")
     lines = [" ".join(line.split()) for line in MPI.Get_library_version().splitlines() if line.strip()]
@@ -301,6 +322,12 @@ def cmd_info(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
         say("layout:")
         for line in layout_table(size, d, hosts):
             say(line)
+    if args.grid is not None:
+        from .grid import format_grid
+
+        say(f"grid for ERA5 0.25 degrees ({ERA5_SHAPE[0]} x {ERA5_SHAPE[1]}; rank: block rows x cols):")
+        for line in format_grid(args.grid, ERA5_SHAPE):
+            say(f"  {line}")
     return 0
 
 
@@ -323,9 +350,9 @@ def run_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> list[dict]:
 
     d = _check_domain_size(comm, args.domain_size)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    unknown = set(ops) - {"gather", "shard_batch", "halo"}
+    unknown = set(ops) - {"gather", "shard_batch", "halo", "halo_grid"}
     if unknown:
-        raise ValueError(f"unknown --ops {sorted(unknown)}; choose from gather, shard_batch, halo")
+        raise ValueError(f"unknown --ops {sorted(unknown)}; choose from gather, shard_batch, halo, halo_grid")
     use_torch = not args.no_torch and comm.allreduce(bench.torch_available(), op=MPI.LAND)
     if not args.no_torch and not use_torch:
         say("note: torch is not installed on every rank; the torch.distributed (gloo) column is left out")
@@ -361,6 +388,10 @@ def run_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> list[dict]:
                 if use_torch:
                     row["torch"] = bench.time_collective(dom, bench.gloo_halo_cat(x, 1, group), "gloo", padded, **rep)
                 rows.append(row)
+    if "halo_grid" in ops and d == comm.Get_size() and bench.square_grid(d)[0] > 1:
+        for c, h, w in sizes:
+            if h >= 2 * d and w % 2 == 0:
+                rows.append(bench.halo_grid_comparison(comm, (c, h, w), 1, repeats=args.repeats, seed=1))
     return rows
 
 
@@ -370,6 +401,8 @@ def _table(rows: list[dict]) -> list[str]:
         f"{'gloo ms':>10}{'x credit':>10}"
     )
     lines = [header]
+    grid_rows = [r for r in rows if r["op"] == "halo_grid"]
+    rows = [r for r in rows if r["op"] != "halo_grid"]
     for r in rows:
         c, raw, t = r["credit"], r["raw"], r.get("torch")
         line = (
@@ -381,6 +414,19 @@ def _table(rows: list[dict]) -> list[str]:
         else:
             line += f"{'-':>10}{'-':>10}"
         lines.append(line)
+    if grid_rows:
+        lines.append("")
+        lines.append("halo of the same field on latitude bands (n x 1) and on a 2-D grid: width (1, 1), earth x periodic; "
+                     "bytes = received from other ranks, all ranks / the busiest rank")
+        lines.append(f"{'size':<13}{'grid':<6}{'MB all':>9}{'MB max':>9}{'ms':>9}{'grid':>6}{'MB all':>9}{'MB max':>9}"
+                     f"{'ms':>9}{'bytes 2d/1d':>13}{'time 2d/1d':>12}")
+        for r in grid_rows:
+            t1, t2 = r["time_1d"], r["time_2d"]
+            lines.append(
+                f"{r['size']:<13}{r['grid_1d']:<6}{r['bytes_1d'] / 1e6:>9.3f}{r['max_bytes_1d'] / 1e6:>9.3f}{t1.median * 1e3:>9.3f}"
+                f"{r['grid_2d']:>6}{r['bytes_2d'] / 1e6:>9.3f}{r['max_bytes_2d'] / 1e6:>9.3f}{t2.median * 1e3:>9.3f}"
+                f"{r['bytes_2d'] / r['bytes_1d']:>13.2f}{t2.median / t1.median:>12.2f}"
+            )
     return lines
 
 

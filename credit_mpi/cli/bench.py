@@ -60,6 +60,8 @@ __all__ = [
     "gloo_group",
     "gloo_halo_cat",
     "halo_exchange_fn",
+    "halo_grid_comparison",
+    "square_grid",
     "local_field",
     "raw_allgather",
     "raw_halo",
@@ -356,10 +358,10 @@ def reference_extra_memory(x: np.ndarray, comm: MPI.Comm, dim: int = -2) -> tupl
 
 def halo_exchange_fn(
     x: Any,
-    halo_width: int,
+    halo_width: int | tuple[int, int],
     manager: DomainParallelManager,
-    dim: int = -2,
-    boundary: str = "zero",
+    dim: int | tuple[int, int] = -2,
+    boundary: str | tuple[str, str] = "zero",
     *,
     check: bool = True,
     transport: str = "mpi",
@@ -466,3 +468,41 @@ def verify_identical(comm: MPI.Comm, expected: Any, results: dict[str, Any]) -> 
     if differ:
         ranks = [r for r, names in enumerate(everyone) if names]
         raise AssertionError(f"not bit-identical to the expected result: {', '.join(differ)} (on rank(s) {ranks})")
+
+
+def square_grid(d: int) -> tuple[int, int]:
+    """The most nearly square ``(rows, cols)`` grid of ``d`` ranks (rows <= cols): 4 -> 2x2, 6 -> 2x3, 3 -> 1x3."""
+    rows = max(r for r in range(1, math.isqrt(d) + 1) if d % r == 0)
+    return rows, d // rows
+
+
+def halo_grid_comparison(
+    comm: MPI.Comm, shape: Sequence[int], width: int = 1, *, boundary: str = "earth", repeats: int = 5, seed: int = 0
+) -> dict:
+    """The same global ``(c, h, w)`` field's 2-D halo on an ``(n, 1)`` grid (latitude bands) and on a square grid.
+
+    Both go through :func:`credit_mpi.halo_exchange` with ``dim=(-2, -1)``,
+    ``halo_width=(width, width)`` and ``boundary=(boundary, "periodic")``
+    (on the ``(n, 1)`` grid the longitude halo is a copy within the rank).
+    Collective over ``comm`` (every rank is one domain group). Returns a row
+    with both grids, the bytes every rank receives from other ranks (total
+    and the busiest rank's, from the block layout) and both timings.
+    """
+    from ..halo2d import received_elements
+    from ..sharding import shard_tensor
+
+    n = comm.Get_size()
+    c, h, w = shape
+    field = np.random.default_rng(seed).standard_normal((c, h, w), dtype=np.float32)
+    row = {"op": "halo_grid", "size": f"{c}x{h}x{w}", "width": width, "boundary": boundary}
+    for key, grid in (("1d", (n, 1)), ("2d", square_grid(n))):
+        with DomainParallelManager(None, n, comm=comm, domain_grid=grid) as manager:
+            block = shard_tensor(field, (-2, -1), manager, uneven=True)
+            heights, widths = band_sizes(h, grid[0], True), band_sizes(w, grid[1], True)
+            received = [received_elements(grid, heights, widths, r, (width, width), (boundary, "periodic")) * c * 4 for r in range(n)]
+            row[f"grid_{key}"] = f"{grid[0]}x{grid[1]}"
+            row[f"bytes_{key}"] = sum(received)
+            row[f"max_bytes_{key}"] = max(received)
+            fn = halo_exchange_fn(block, (width, width), manager, dim=(-2, -1), boundary=(boundary, "periodic"))
+            row[f"time_{key}"] = time_collective(manager.domain_group, fn, f"{grid[0]}x{grid[1]} halo", max(received), repeats=repeats, warmup=1)
+    return row

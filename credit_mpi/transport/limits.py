@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["TAG_UP", "TAG_DOWN", "SLICE_BYTES", "PACK_BYTES"]
+__all__ = ["TAG_UP", "TAG_DOWN", "TAG_N", "TAG_S", "TAG_W", "TAG_E", "TAG_POLE_N", "TAG_POLE_S", "SLICE_BYTES", "PACK_BYTES"]
 
 # Message tags of the halo exchange (MPI and torch): rows travelling to the
 # previous / next rank of the domain group.
 TAG_UP, TAG_DOWN = 17, 18
+# Tags of the 2-D grid's halo exchange: rows going north / south, columns
+# going west / east, pole pieces across the opposite longitudes.
+TAG_N, TAG_S, TAG_W, TAG_E, TAG_POLE_N, TAG_POLE_S = 41, 42, 43, 44, 45, 46
 
 # Above this many bytes per outer slice of the output, a gather moves each
 # slice with its own contiguous (I)allgather, straight into place, all in

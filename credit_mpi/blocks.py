@@ -1,0 +1,355 @@
+"""2-D blocks: shard, gather and scatter over a latitude x longitude domain grid.
+
+:func:`credit_mpi.shard_tensor`, :func:`~credit_mpi.gather_tensor`,
+:func:`~credit_mpi.scatter_tensor` and :func:`~credit_mpi.shard_batch` come
+here when their ``dim`` is a pair ``(lat_dim, lon_dim)`` (e.g. ``(-2, -1)``):
+grid row ``i`` of the manager's ``domain_grid`` holds latitude band ``i``,
+grid column ``j`` longitude band ``j``, each cut like :func:`numpy.array_split`
+(``uneven=True``) or evenly. Without ``domain_grid`` the grid is ``(n, 1)``:
+latitude bands with the whole longitude, as with ``dim=-2``.
+
+A single ``dim`` on a grid of more than one column is an error that says so:
+a block is not a band, and slicing one dim of it would silently give
+something else.
+
+* shard: local (a slice in each dim), ``check="collective"`` agrees first.
+* gather: collective; one ``Alltoallw`` whose receive types are MPI
+  subarrays, so every rank's block lands straight in its place in the
+  global output (no list of blocks, no concatenate). Differentiable (the
+  gradient of a block is its slice of the replicated gradient).
+* scatter: collective; one ``Alltoallw`` from the root, which sends each rank
+  a subarray of the global field (the others never hold it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+from mpi4py import MPI
+
+from .grid import block_sizes, grid_coords, grid_of
+from .manager import Domain, domain_of
+from .partition import band_offsets, normalize_dim
+from .transport import arrays, rowops, staging
+from .validation import Local, agree
+
+__all__ = [
+    "is_grid_call",
+    "normalize_dims",
+    "grid_comm",
+    "shard_tensor_2d",
+    "shard_batch_2d",
+    "gather_tensor_2d",
+    "scatter_tensor_2d",
+]
+
+_SHIFT = 32  # a block's (rows, cols) travel as one agreed count: rows << 32 | cols
+
+
+def is_grid_call(manager: Any, *args: Any) -> bool:
+    """True when a public call must take the 2-D path (any of ``args`` is a pair).
+
+    Raises:
+        ValueError: a single ``dim`` on a grid of more than one column (the
+            same on every rank: the grid is agreed when the manager is made).
+    """
+    if any(isinstance(a, (tuple, list)) for a in args):
+        return True
+    domain = domain_of(manager)
+    if domain.size > 1:
+        rows, cols = grid_of(domain.manager, domain.size)
+        if cols > 1:
+            raise ValueError(
+                f"the manager's domain grid is {rows}x{cols} (latitude x longitude blocks), so dim must be a pair "
+                f"(lat_dim, lon_dim) such as dim=(-2, -1); a single dim={args[0]!r} only fits an (n, 1) grid "
+                f"(domain_grid=None): halo_width and boundary may be pairs too"
+            )
+    return False
+
+
+def normalize_dims(dim: Any, ndim: int) -> tuple[int, int]:
+    """``(lat_axis, lon_axis)`` of a ``dim`` pair as non-negative axes.
+
+    Raises:
+        ValueError: not a pair of distinct integers in range.
+    """
+    if not isinstance(dim, (tuple, list)) or len(dim) != 2:
+        raise ValueError(f"dim must be a pair (lat_dim, lon_dim) on a 2-D domain grid, e.g. (-2, -1); got {dim!r}")
+    ay, ax = (normalize_dim(d, ndim) for d in dim)
+    if ay == ax:
+        raise ValueError(f"dim={tuple(dim)!r} names the same axis twice (axis {ay} of a {ndim}-dimensional array)")
+    return ay, ax
+
+
+def grid_comm(domain: Domain) -> MPI.Comm:
+    """The communicator 2-D operations run on: the manager's Cartesian one (its ranks are the domain ranks)."""
+    cart = getattr(domain.manager, "domain_cart", None) if domain.size > 1 else None
+    return cart if isinstance(cart, MPI.Intracomm) else domain.comm
+
+
+def _block_slice(x: Any, ay: int, ax: int, heights: list[int], widths: list[int], coords: tuple[int, int]) -> Any:
+    row, col = coords
+    band = arrays.narrow(x, ay, sum(heights[:row]), heights[row])
+    return arrays.narrow(band, ax, sum(widths[:col]), widths[col])
+
+
+def shard_tensor_2d(x: Any, dim: Any, manager: Any, uneven: bool, collective: bool) -> Any:
+    """This rank's block of the global ``x`` (see :func:`credit_mpi.shard_tensor`)."""
+    domain = domain_of(manager)
+    grid = grid_of(domain.manager, domain.size)
+
+    def local() -> Local:
+        info = arrays.describe(x)
+        ay, ax = normalize_dims(dim, len(info.shape))
+        heights, widths = block_sizes((info.shape[ay], info.shape[ax]), grid, uneven, tuple(dim))
+        return Local((ay, ax, heights, widths), ("2d", ay, ax, uneven), (info.kind, info.shape, info.dtype, info.device_type))
+
+    if collective and domain.size > 1:
+        def explain(locals_: list[Local]) -> None:
+            raise ValueError("shard_tensor: ranks of the domain group passed different arrays or dims ("
+                             + "; ".join(f"rank {r}: {loc.same} dims {loc.calls[1:3]}" for r, loc in enumerate(locals_)) + ")")
+
+        ay, ax, heights, widths = agree(grid_comm(domain), "shard_tensor", local, explain=explain)[0]
+    else:
+        ay, ax, heights, widths = local().plan
+    if domain.size <= 1:
+        return x
+    return _block_slice(x, ay, ax, heights, widths, grid_coords(domain.rank, grid))
+
+
+def shard_batch_2d(batch: Mapping[str, Any], dims: dict[int, Any], manager: Any, uneven: bool, collective: bool) -> dict:
+    """``batch`` with every 4-D / 5-D array cut to this rank's block (see :func:`credit_mpi.shard_batch`)."""
+    domain = domain_of(manager)
+    grid = grid_of(domain.manager, domain.size)
+
+    def local() -> Local:
+        plans = {}
+        for key, value in batch.items():
+            if arrays.is_array(value) and value.ndim in dims:
+                try:
+                    info = arrays.describe(value)
+                    d = dims[value.ndim]
+                    ay, ax = normalize_dims(d, len(info.shape))
+                    plans[key] = (info, ay, ax, *block_sizes((info.shape[ay], info.shape[ax]), grid, uneven, tuple(d)))
+                except (TypeError, ValueError) as exc:
+                    raise type(exc)(f"{exc} (in batch[{key!r}])") from None
+        same = tuple((k, i.kind, i.shape, i.dtype, i.device_type, ay, ax) for k, (i, ay, ax, _, _) in plans.items())
+        return Local(plans, ("2d", uneven), same)
+
+    if collective and domain.size > 1:
+        def explain(locals_: list[Local]) -> None:
+            raise ValueError("shard_batch: ranks of the domain group passed different batches ("
+                             + "; ".join(f"rank {r}: {loc.same}" for r, loc in enumerate(locals_)) + ")")
+
+        plans = agree(grid_comm(domain), "shard_batch", local, explain=explain)[0]
+    else:
+        plans = local().plan
+    if domain.size <= 1:
+        return batch
+    coords = grid_coords(domain.rank, grid)
+    sharded = dict(batch)
+    for key, (_, ay, ax, heights, widths) in plans.items():
+        sharded[key] = _block_slice(batch[key], ay, ax, heights, widths, coords)
+    return sharded
+
+
+class Gather2d(NamedTuple):
+    """What every rank agreed on before a 2-D gather moves data."""
+
+    comm: MPI.Comm
+    info: arrays.ArrayInfo
+    ay: int
+    ax: int
+    grid: tuple[int, int]
+    heights: list  # rows of each grid row
+    widths: list  # columns of each grid column
+    rank: int
+    out: Any
+
+    @property
+    def shape(self) -> tuple:
+        shape = list(self.info.shape)
+        shape[self.ay], shape[self.ax] = sum(self.heights), sum(self.widths)
+        return tuple(shape)
+
+    @property
+    def start(self) -> tuple[int, int]:
+        """This rank's first (row, column) in the global field."""
+        row, col = grid_coords(self.rank, self.grid)
+        return sum(self.heights[:row]), sum(self.widths[:col])
+
+    def apply(self, x: Any) -> Any:
+        """The gather (:func:`gather2d_kernel`)."""
+        return gather2d_kernel(x, self)
+
+    def own(self, grad: Any) -> Any:
+        """This rank's block of the gathered (replicated) gradient: the gather's backward, no communication."""
+        (y0, x0), (row, col) = self.start, grid_coords(self.rank, self.grid)
+        return grad.narrow(self.ay, y0, self.heights[row]).narrow(self.ax, x0, self.widths[col])
+
+
+def block_table(counts: list[int], grid: tuple[int, int], what: str, ay: int, ax: int) -> tuple[list[int], list[int]]:
+    """``(heights, widths)`` from every rank's agreed ``rows << 32 | cols``; ValueError if the blocks do not tile a grid."""
+    rows, cols = grid
+    blocks = [(c >> _SHIFT, c & ((1 << _SHIFT) - 1)) for c in counts]
+    heights = [blocks[i * cols][0] for i in range(rows)]
+    widths = [blocks[j][1] for j in range(cols)]
+    if any(blocks[i * cols + j] != (heights[i], widths[j]) for i in range(rows) for j in range(cols)):
+        detail = "; ".join(f"rank {r} {grid_coords(r, grid)}: {h}x{w}" for r, (h, w) in enumerate(blocks))
+        raise ValueError(
+            f"{what}: the blocks do not tile the {rows}x{cols} domain grid (every block of a grid row needs the same "
+            f"rows along dim {ay}, every block of a grid column the same columns along dim {ax}): {detail}"
+        )
+    return heights, widths
+
+
+def encode_block(shape: tuple, ay: int, ax: int) -> int:
+    """A block's rows and columns as the one count :func:`credit_mpi.validation.agree` shares."""
+    if shape[ax] >= 1 << _SHIFT:
+        raise ValueError(f"a block of {shape[ax]} columns is too wide (at most {(1 << _SHIFT) - 1})")
+    return shape[ay] << _SHIFT | shape[ax]
+
+
+def _rest(shape: tuple, ay: int, ax: int) -> tuple:
+    return tuple(s for i, s in enumerate(shape) if i not in (ay, ax))
+
+
+def gather_tensor_2d(x: Any, dim: Any, manager: Any, check: bool, out: Any, transport: str) -> Any:
+    """The global field from every rank's block (see :func:`credit_mpi.gather_tensor`)."""
+    domain = domain_of(manager)
+    grid = grid_of(domain.manager, domain.size)
+    comm = grid_comm(domain)
+
+    def local() -> Local:
+        if transport != "mpi":
+            raise ValueError(f"transport={transport!r} is not supported for a 2-D gather (dim={dim!r}); use transport='mpi'")
+        info = arrays.describe(x)
+        ay, ax = normalize_dims(dim, len(info.shape))
+        out_shape = None
+        if out is not None:
+            o = arrays.describe(out)
+            if not o.same_kind(info) or len(o.shape) != len(info.shape) or not arrays.is_contiguous(out):
+                raise ValueError(f"gather_tensor: out must be a C-contiguous {info.kind} {info.dtype} array with "
+                                 f"{len(info.shape)} dims on {info.device_type}, got {o.kind} {o.dtype} {o.shape} on {o.device}")
+            arrays.check_writable(out, "gather_tensor's out")
+            out_shape = o.shape
+        calls = ("2d", ay, ax, len(info.shape), _rest(info.shape, ay, ax), info.itemsize, out_shape)
+        return Local((info, ay, ax), calls, (info.kind, info.dtype, info.device_type), encode_block(info.shape, ay, ax))
+
+    def explain(locals_: list[Local]) -> None:
+        detail = "; ".join(f"rank {r}: {loc.plan[0].kind} {loc.plan[0].dtype} {loc.plan[0].shape} dims {loc.calls[1:3]}, "
+                           f"out {loc.calls[-1]}" for r, loc in enumerate(locals_))
+        raise ValueError(f"gather_tensor: the blocks do not fit together (same kind, dtype, dims, every dim but the "
+                         f"two grid dims, and out's shape on every rank): {detail}")
+
+    (info, ay, ax), counts = agree(comm, "gather_tensor", local, check=check, explain=explain)
+    heights, widths = block_table(counts, grid, "gather_tensor", ay, ax)
+    plan = Gather2d(comm, info, ay, ax, grid, heights, widths, domain.rank, out)
+    if out is not None and tuple(out.shape) != plan.shape:  # out's shape is agreed: every rank raises alike
+        raise ValueError(f"gather_tensor: out has shape {tuple(out.shape)}, the gathered field {plan.shape}")
+    if arrays.requires_grad(x):
+        from .autograd import gather_autograd  # imports torch
+
+        return gather_autograd(x, plan)
+    return gather2d_kernel(x, plan)
+
+
+def _subarray(shape: tuple, sub: tuple, start: tuple, itemsize: int) -> MPI.Datatype:
+    """Bytes of the block ``sub`` at ``start`` of a C-contiguous array of ``shape``."""
+    return MPI.BYTE.Create_subarray([*shape, itemsize], [*sub, itemsize], [*start, 0]).Commit()
+
+
+def _block_types(p_shape: tuple, ay: int, ax: int, grid: tuple[int, int], heights: list[int], widths: list[int],
+                 itemsize: int) -> list[MPI.Datatype | None]:
+    """Per domain rank: the subarray type of its block in the global array (None for an empty block)."""
+    types: list[MPI.Datatype | None] = []
+    ys, xs = band_offsets(heights), band_offsets(widths)
+    for r in range(grid[0] * grid[1]):
+        i, j = grid_coords(r, grid)
+        sub, start = list(p_shape), [0] * len(p_shape)
+        sub[ay], sub[ax], start[ay], start[ax] = heights[i], widths[j], ys[i], xs[j]
+        types.append(_subarray(p_shape, tuple(sub), tuple(start), itemsize) if math.prod(sub) else None)
+    return types
+
+
+def gather2d_kernel(x: Any, p: Gather2d) -> Any:
+    """Move the blocks of an agreed 2-D gather (no checks, no autograd): returns the global array."""
+    shape = p.shape
+    out = arrays.empty(x, shape) if p.out is None else p.out
+    if math.prod(shape) == 0:
+        return out
+    if p.out is not None and arrays.shares_memory(x, out):
+        x = rowops.clone(x)
+    n = p.comm.Get_size()
+    types = _block_types(shape, p.ay, p.ax, p.grid, p.heights, p.widths, p.info.itemsize)
+    nbytes = math.prod(p.info.shape) * p.info.itemsize
+    try:
+        with staging.send_buffer(arrays.contiguous(x), p.comm) as send, staging.recv_buffer(out, p.comm) as recv:
+            p.comm.Alltoallw(
+                [send, ([nbytes] * n, [0] * n), [MPI.BYTE] * n],
+                [recv, ([0 if t is None else 1 for t in types], [0] * n), [MPI.BYTE if t is None else t for t in types]],
+            )
+    finally:
+        for t in types:
+            if t is not None:
+                t.Free()
+    if p.out is not None:
+        arrays.mark_written(out)
+    return out
+
+
+def scatter_tensor_2d(x: Any, dim: Any, manager: Any, root: int, uneven: bool) -> Any:
+    """This rank's block of the root's global ``x`` (see :func:`credit_mpi.scatter_tensor`)."""
+    domain = domain_of(manager)
+    grid = grid_of(domain.manager, domain.size)
+    comm, n, rank = grid_comm(domain), domain.size, domain.rank
+
+    def local() -> Local:
+        if isinstance(root, bool) or not (isinstance(root, int) and 0 <= root < n):
+            raise ValueError(f"root must be a domain rank in 0..{n - 1}, got {root!r}")
+        plan = None
+        if rank == root:
+            info = arrays.describe(x)
+            ay, ax = normalize_dims(dim, len(info.shape))
+            plan = (info, arrays.dtype_of(x), ay, ax, *block_sizes((info.shape[ay], info.shape[ax]), grid, uneven, tuple(dim)))
+        return Local(plan, ("2d", root, uneven, repr(dim)))
+
+    def explain(locals_: list[Local]) -> None:
+        detail = ", ".join(f"rank {r}: root={loc.calls[1]}, uneven={loc.calls[2]}, dim={loc.calls[3]}" for r, loc in enumerate(locals_))
+        raise ValueError(f"scatter_tensor: ranks of the domain group passed different roots, uneven or dims ({detail})")
+
+    if n <= 1:
+        return x
+    plan, _ = agree(comm, "scatter_tensor", local, explain=explain)
+    # the root described the array; it tells the others (the dtype object itself travels)
+    info, dtype, ay, ax, heights, widths = comm.bcast(plan, root=root)
+    i, j = grid_coords(rank, grid)
+    shape = list(info.shape)
+    shape[ay], shape[ax] = heights[i], widths[j]
+    out = arrays.empty(x, shape) if rank == root else arrays.empty_described(info, shape, dtype)
+    if math.prod(info.shape) == 0:
+        return out
+    mine = math.prod(shape) * info.itemsize
+    recv_counts = [0] * n
+    recv_counts[root] = mine
+    with staging.recv_buffer(out, comm) as recv:
+        if rank == root:
+            types = _block_types(info.shape, ay, ax, grid, heights, widths, info.itemsize)
+            try:
+                with staging.send_buffer(arrays.contiguous(x), comm) as send:
+                    comm.Alltoallw(
+                        [send, ([0 if t is None else 1 for t in types], [0] * n), [MPI.BYTE if t is None else t for t in types]],
+                        [recv, (recv_counts, [0] * n), [MPI.BYTE] * n],
+                    )
+            finally:
+                for t in types:
+                    if t is not None:
+                        t.Free()
+        else:
+            empty = np.empty(1, dtype=np.uint8)
+            comm.Alltoallw([empty, ([0] * n, [0] * n), [MPI.BYTE] * n], [recv, (recv_counts, [0] * n), [MPI.BYTE] * n])
+    return out
+
