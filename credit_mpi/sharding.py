@@ -338,13 +338,14 @@ def shard_batch(
         New dict with sharded tensors (each differentiable like a slice).
     """
     collective = _collective(check)
-    check_transport(transport)
     domain = domain_of(manager)
     if domain.size <= 1:
+        check_transport(transport)
         return batch
     dims = {5: spatial_dims_5d, 4: spatial_dims_4d}
 
     def local() -> Local:
+        check_transport(transport)  # inside the agreement: a bad transport on one rank is every rank's error
         if transport == "torch":
             from . import torch_bridge
 
@@ -450,6 +451,8 @@ def _different_arrays(what: str):
     """``explain`` for the sharding calls: name each rank's array(s)."""
 
     def explain(locals_: list[Local]) -> None:
+        if all(loc.same == locals_[0].same for loc in locals_):
+            return  # the same arrays, different calls (uneven, transport): agree's DomainParallelError names them
         detail = "; ".join(f"rank {r}: {_summary(loc.plan)}" for r, loc in enumerate(locals_))
         raise ValueError(f"{what}: ranks of the domain group passed different arrays ({detail})")
 
