@@ -18,7 +18,15 @@ import pytest
 from mpi4py import MPI
 
 import credit_mpi
-from credit_mpi import DomainParallelError, gather_tensor, halo_exchange, reduce_gradients, scatter_tensor, shard_batch, shard_tensor
+from credit_mpi import (
+    DomainParallelError,
+    gather_tensor,
+    halo_exchange,
+    reduce_gradients,
+    scatter_tensor,
+    shard_batch,
+    shard_tensor,
+)
 from credit_mpi.manager import ResourceLeakWarning
 from credit_mpi.partition import band_sizes
 
