@@ -451,9 +451,10 @@ def _different_arrays(what: str):
     """``explain`` for the sharding calls: name each rank's array(s)."""
 
     def explain(locals_: list[Local]) -> None:
-        if all(loc.same == locals_[0].same for loc in locals_):
-            return  # the same arrays, different calls (uneven, transport): agree's DomainParallelError names them
-        detail = "; ".join(f"rank {r}: {_summary(loc.plan)}" for r, loc in enumerate(locals_))
+        summaries = [_summary(loc.plan) for loc in locals_]
+        if len(set(summaries)) == 1:
+            return  # the same arrays and dims, different calls (uneven, transport): agree's DomainParallelError names them
+        detail = "; ".join(f"rank {r}: {summary}" for r, summary in enumerate(summaries))
         raise ValueError(f"{what}: ranks of the domain group passed different arrays ({detail})")
 
     return explain
