@@ -346,17 +346,19 @@ def shard_batch(
         New dict with sharded tensors (each differentiable like a slice).
     """
     collective = _collective(check)
-    check_transport(transport)
     dims = {5: spatial_dims_5d, 4: spatial_dims_4d}
     if _grid_call(manager, spatial_dims_5d, spatial_dims_4d):  # (lat, lon) pairs: blocks of the 2-D grid
+        check_transport(transport)  # (the 2-D path validates locally: see blocks.shard_batch_2d)
         if transport == "torch":
             domain_of(manager).manager.torch_group("domain")  # a clear error when the bridge is missing
         return blocks.shard_batch_2d(batch, dims, manager, uneven, collective)
     domain = domain_of(manager)
     if domain.size <= 1:
+        check_transport(transport)
         return batch
 
     def local() -> Local:
+        check_transport(transport)  # inside the agreement: a bad transport on one rank is every rank's error
         if transport == "torch":
             domain.manager.torch_group("domain")  # a clear error when the bridge is missing
         bands = {}
@@ -467,7 +469,10 @@ def _different_arrays(what: str):
     """``explain`` for the sharding calls: name each rank's array(s)."""
 
     def explain(locals_: list[Local]) -> None:
-        detail = "; ".join(f"rank {r}: {_summary(loc.plan)}" for r, loc in enumerate(locals_))
+        summaries = [_summary(loc.plan) for loc in locals_]
+        if len(set(summaries)) == 1:
+            return  # the same arrays and dims, different calls (uneven, transport): agree's DomainParallelError names them
+        detail = "; ".join(f"rank {r}: {summary}" for r, summary in enumerate(summaries))
         raise ValueError(f"{what}: ranks of the domain group passed different arrays ({detail})")
 
     return explain

@@ -1,5 +1,7 @@
 """Ownership arithmetic and datatypes, in one process."""
 
+import re
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -31,9 +33,11 @@ def test_indivisible_size_names_size_ranks_and_option():
         band_sizes(721, 4)
 
 
-@pytest.mark.parametrize("bad", [(5, 0), (-1, 2)])
-def test_bad_counts(bad):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    "bad,message", [((5, 0), "number of ranks must be >= 1, got 0"), ((-1, 2), "size must be >= 0, got -1")]
+)
+def test_bad_counts(bad, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         band_sizes(*bad)
 
 
@@ -47,9 +51,18 @@ def test_normalize_dim(dim, ndim, expected):
     assert normalize_dim(dim, ndim) == expected
 
 
-@pytest.mark.parametrize("dim,ndim", [(4, 4), (-5, 4), (0, 0), (1.0, 3), ("x", 3)])
-def test_normalize_dim_rejects(dim, ndim):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    "dim,ndim,message",
+    [
+        (4, 4, "dim 4 is out of range for a 4-dimensional array (valid: -4 to 3)"),
+        (-5, 4, "dim -5 is out of range for a 4-dimensional array (valid: -4 to 3)"),
+        (0, 0, "cannot shard a 0-dimensional (scalar) array; need ndim >= 1"),
+        (1.0, 3, "dim must be an integer, got 1.0"),
+        ("x", 3, "dim must be an integer, got 'x'"),
+    ],
+)
+def test_normalize_dim_rejects(dim, ndim, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         normalize_dim(dim, ndim)
 
 
