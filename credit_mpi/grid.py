@@ -74,7 +74,7 @@ def check_grid(domain_grid: Any, domain_parallel_size: int) -> tuple[int, int] |
 def grid_of(manager: Any, size: int) -> tuple[int, int]:
     """The manager's ``(rows, cols)``; ``(size, 1)`` for a manager (or stand-in) without a grid."""
     grid = getattr(manager, "domain_grid", None)
-    if grid is None:
+    if not (isinstance(grid, (tuple, list)) and len(grid) == 2):  # none, or a stand-in's (a MagicMock's) attribute
         return (size, 1)
     rows, cols = grid
     if rows * cols != size:
