@@ -1,4 +1,4 @@
-"""credit_mpi.bench: every measurement computes what it claims to (bit for bit); never its speed."""
+"""credit_mpi.cli.bench: every measurement computes what it claims to (bit for bit); never its speed."""
 
 from __future__ import annotations
 

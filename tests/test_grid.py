@@ -400,7 +400,7 @@ def test_conv_net_on_2x2_grid_matches_one_process(make_manager, world, rng):
 @pytest.mark.mpi(min_size=4)
 def test_bench_halo_grid_row(world):
     """The bench's 1-D vs 2-D row at 4 ranks: bytes counted by hand for a 2 x 8 x 12 field, width (1, 1), earth."""
-    from credit_mpi import bench
+    from credit_mpi.cli import bench
 
     if world.Get_size() != 4:
         pytest.skip("the row is defined at 4 ranks")
