@@ -195,7 +195,7 @@ def main(argv=None) -> int:
             rows = {}
             if "halo" in ops:
                 cases = {
-                    "credit": lambda: halo_exchange(x, 1, manager=manager),
+                    "credit": lambda x=x: halo_exchange(x, 1, manager=manager),
                     "raw": raw_halo(comm, x),
                     "gloo": gloo_halo(xt, 1, group),
                 }
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
                 xg = xt.clone().requires_grad_(True)
                 g = torch.ones((b, c, h + 2, w))
 
-                def fwd_bwd(f):
+                def fwd_bwd(f, xg=xg, g=g):
                     def run():
                         y = f(xg)
                         y.backward(g)
@@ -219,10 +219,10 @@ def main(argv=None) -> int:
             if "gather" in ops:
                 out = gather_tensor(x, manager=manager)
                 rows["gather"] = {
-                    "credit": lambda: gather_tensor(x, manager=manager),
+                    "credit": lambda x=x: gather_tensor(x, manager=manager),
                     "raw": raw_allgather(comm, x, fresh=False),
                     "raw fresh": raw_allgather(comm, x, fresh=True),
-                    "credit out=": lambda out=out: gather_tensor(x, manager=manager, out=out),
+                    "credit out=": lambda x=x, out=out: gather_tensor(x, manager=manager, out=out),
                     "gloo": gloo_gather(xt, group),
                 }
             for op, cases in rows.items():
