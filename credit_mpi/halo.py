@@ -42,10 +42,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 from . import blocks
@@ -57,7 +59,7 @@ from .partition import (
     normalize_dim,
 )
 from .transport import arrays, limits, rowops, staging
-from .validation import Local, agree, check_bands_fit, check_int, check_transport
+from .validation import Local, agree_cached, check_bands_fit, check_int, check_transport
 
 __all__ = ["HALO_BOUNDARIES", "halo_exchange"]
 
@@ -142,6 +144,9 @@ class _Plan:
     shape: tuple  # this rank's band
     autograd: bool  # torch autograd records the exchange (agreed: its backward is collective too)
     torch_group: Any = None  # transport="torch": the mirrored torch domain group
+    # packed edge rows of host exchanges, reused call after call (a plan is remembered per call shape)
+    scratch: dict = field(default_factory=dict, compare=False, repr=False)
+    lock: Any = field(default_factory=threading.Lock, compare=False, repr=False)
 
     def apply(self, x: Any) -> Any:
         """The exchange (:func:`halo_kernel`)."""
@@ -173,30 +178,47 @@ def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi") 
         check_bands_fit("halo_exchange", [loc.plan for loc in locals_], ("dim", "halo_width", "boundary"), comm,
                         note="; for 'earth' the whole longitude on every rank")
 
+    def finish(plan: tuple, sizes: list[int]) -> _Plan:
+        info, axis, width, _ = plan
+        check_halo_width(sizes, width, boundary, axis)  # every rank's rows are agreed: every rank raises alike
+        prev, nxt = domain.neighbors(boundary == "periodic")
+        shape = info.shape
+        return _Plan(
+            comm=comm,
+            axis=axis,
+            width=width,
+            boundary=boundary,
+            rows=shape[axis],
+            prev=prev,
+            next=nxt,
+            outer=math.prod(shape[:axis]),
+            row_bytes=math.prod(shape[axis + 1 :]) * info.itemsize,
+            lon_axis=len(shape) - 1,
+            lon=shape[-1],
+            shape=shape,
+            autograd=arrays.requires_grad(x),
+            torch_group=_torch_group(domain) if transport == "torch" and n > 1 else None,
+        )
+
     if n > 1:
-        (info, axis, width, _), sizes = agree(comm, "halo_exchange", local, check=check, explain=explain)
-    else:  # the whole field is here: nothing to agree on
-        info, axis, width, _ = local().plan
-        sizes = [info.shape[axis]]
-    check_halo_width(sizes, width, boundary, axis)  # every rank's rows are agreed: every rank raises alike
-    prev, nxt = domain.neighbors(boundary == "periodic")
-    shape = info.shape
-    return _Plan(
-        comm=comm,
-        axis=axis,
-        width=width,
-        boundary=boundary,
-        rows=shape[axis],
-        prev=prev,
-        next=nxt,
-        outer=math.prod(shape[:axis]),
-        row_bytes=math.prod(shape[axis + 1 :]) * info.itemsize,
-        lon_axis=len(shape) - 1,
-        lon=shape[-1],
-        shape=shape,
-        autograd=arrays.requires_grad(x),
-        torch_group=_torch_group(domain) if transport == "torch" and n > 1 else None,
-    )
+        # The same call shape as last time skips the local checks and the planning, never the agreement.
+        key = _call_key(x, halo_width, dim, boundary, transport)
+        return agree_cached(comm, "halo_exchange", key, local, finish, check=check, explain=explain)
+    plan = local().plan  # the whole field is here: nothing to agree on
+    return finish(plan, [plan[0].shape[plan[1]]])
+
+
+def _call_key(x: Any, halo_width: Any, dim: Any, boundary: Any, transport: Any) -> tuple | None:
+    """What decides ``_plan``'s local part on this rank, or None (not remembered: device arrays, torch transport)."""
+    array = arrays.cache_key(x)
+    if array is None or transport != "mpi":
+        return None
+    key = (array, type(halo_width), halo_width, type(dim), dim, type(boundary), boundary)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _torch_group(domain: Domain) -> Any:
@@ -210,6 +232,21 @@ def halo_kernel(x: Any, p: _Plan) -> Any:
     shape = list(p.shape)
     shape[axis] = rows + 2 * w
     out = arrays.empty(x, shape)
+    xb, ob = _host_rows(x, p, rows), _host_rows(out, p, rows + 2 * w)
+    if xb is not None and ob is not None and p.torch_group is None:
+        # host arrays over MPI: bytes in numpy views, one round of non-blocking messages
+        ob[:, w : w + rows] = xb
+        if w == 0:
+            return out
+        if p.prev is not None or p.next is not None:
+            _host_swap(p, xb[:, :w], xb[:, rows - w :], ob[:, w + rows :], ob[:, :w])
+        for side, neighbour, at in (("before", p.prev, 0), ("after", p.next, w + rows)):
+            if neighbour is None:
+                if p.boundary == "zero":
+                    ob[:, at : at + w] = 0  # all-zero bytes are zero in every dtype credit_mpi moves
+                else:
+                    _fill_edge(out, x, p, side, at)
+        return out
     rowops.copy_rows(out, axis, w, x)
     if w == 0:
         return out
@@ -226,6 +263,67 @@ def halo_kernel(x: Any, p: _Plan) -> Any:
     return out
 
 
+def _host_rows(x: Any, p: _Plan, rows: int) -> Any:
+    """Contiguous host ``x`` as a ``(outer, rows, row_bytes)`` uint8 numpy view, or None (device arrays)."""
+    flat = arrays.host_bytes(x)
+    return None if flat is None else flat.reshape(p.outer, rows, p.row_bytes)
+
+
+def _host_swap(p: _Plan, up: Any, down: Any, into_next: Any, into_prev: Any) -> tuple[Any, Any]:
+    """:func:`_swap_edges` of host bytes: ``up`` to the previous rank, ``down`` to the next, in one round.
+
+    ``up``/``down`` are ``(outer, width, row_bytes)`` uint8 views (read only
+    where that neighbour exists). What the next and the previous rank sent
+    is written into ``into_next``/``into_prev`` (same shape; None: returned
+    in scratch instead) and returned as ``(from_next, from_prev)`` (None
+    where there is no neighbour). Contiguous views travel in place, others
+    through packed buffers that the plan keeps (one set per plan, taken
+    under a lock; a second thread on the same plan gets new ones). The four
+    messages are posted at once (``Irecv``, ``Isend``, one ``Waitall``):
+    the same messages, tags and peers as :func:`_swap_edges`' two
+    ``Sendrecv``, so ranks on either path pair up, and one round instead of two.
+    """
+    if p.outer * p.row_bytes == 0:
+        return None, None
+    comm, shape = p.comm, (p.outer, p.width, p.row_bytes)
+    mine = p.lock.acquire(blocking=False)
+    scratch = p.scratch if mine else {}
+    try:
+
+        def buffer(name: str, view: Any) -> Any:
+            if view is not None and view.flags.c_contiguous:
+                return view
+            if name not in scratch:
+                scratch[name] = np.empty(shape, dtype=np.uint8)
+            return scratch[name]
+
+        requests, unpack = [], []
+        from_next = from_prev = None
+        if p.next is not None:
+            from_next = buffer("next", into_next)
+            requests.append(comm.Irecv([from_next, MPI.BYTE], p.next, limits.TAG_UP))
+            if into_next is not None and from_next is not into_next:
+                unpack.append((into_next, from_next))
+        if p.prev is not None:
+            from_prev = buffer("prev", into_prev)
+            requests.append(comm.Irecv([from_prev, MPI.BYTE], p.prev, limits.TAG_DOWN))
+            if into_prev is not None and from_prev is not into_prev:
+                unpack.append((into_prev, from_prev))
+        for edge, peer, name, tag in ((up, p.prev, "up", limits.TAG_UP), (down, p.next, "down", limits.TAG_DOWN)):
+            if peer is not None:
+                send = buffer(name, edge)
+                if send is not edge:
+                    send[...] = edge
+                requests.append(comm.Isend([send, MPI.BYTE], peer, tag))
+        MPI.Request.Waitall(requests)
+        for dst, src in unpack:
+            dst[...] = src
+    finally:
+        if mine:
+            p.lock.release()
+    return (from_next if into_next is None else into_next, from_prev if into_prev is None else into_prev)
+
+
 def _swap_edges(up: Callable[[], Any], down: Callable[[], Any], p: _Plan) -> tuple[Any, Any]:
     """Send ``up()`` to the previous rank and ``down()`` to the next; return ``(from_next, from_prev)``.
 
@@ -240,6 +338,7 @@ def _swap_edges(up: Callable[[], Any], down: Callable[[], Any], p: _Plan) -> tup
     but MPICH moves such strided types several times slower than the same
     contiguous bytes (measured: ~150 us more per exchange on the 2 MiB band
     of benchmarks/bench_halo.py), and packing ``2 * width`` rows costs little.
+    Host arrays over MPI take :func:`_host_swap` (the same messages).
     """
     if p.prev is None and p.next is None or p.outer * p.row_bytes == 0:
         return None, None
@@ -253,6 +352,10 @@ def _swap_edges(up: Callable[[], Any], down: Callable[[], Any], p: _Plan) -> tup
     like = up_edge if up_edge is not None else down_edge
     from_next = arrays.empty(like, like.shape) if p.next is not None else None
     from_prev = arrays.empty(like, like.shape) if p.prev is not None else None
+    host = [None if e is None else _host_rows(e, p, p.width) for e in (up_edge, down_edge, from_next, from_prev)]
+    if all(h is not None for h, e in zip(host, (up_edge, down_edge, from_next, from_prev), strict=True) if e is not None):
+        _host_swap(p, host[0], host[1], host[2], host[3])
+        return from_next, from_prev
     with _bytes(up_edge, comm, staging.send_buffer) as send, _bytes(from_next, comm, staging.recv_buffer) as recv:
         comm.Sendrecv(send, _rank(p.prev), limits.TAG_UP, recv, _rank(p.next), limits.TAG_UP)
     with _bytes(down_edge, comm, staging.send_buffer) as send, _bytes(from_prev, comm, staging.recv_buffer) as recv:

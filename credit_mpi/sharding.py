@@ -40,17 +40,20 @@ gradient of a gather is this rank's rows of the gathered gradient (see
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
 from mpi4py import MPI
 
 from . import blocks
 from .manager import Domain, DomainParallelManager, domain_of
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
 from .transport import arrays, limits, rowops, staging
-from .validation import Local, agree, check_bands_fit, check_transport
+from .validation import Local, agree, agree_cached, check_bands_fit, check_transport
 
 __all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
 
@@ -218,16 +221,34 @@ def _gather_plan(x: Any, dim: int, domain: Domain, check: bool, out: Any, transp
             detail = ", ".join(f"rank {r}: " + ("None" if o is None else f"{o.kind} {o.dtype} {o.shape}") for r, o in enumerate(outs))
             raise ValueError(f"gather_tensor: out must have the gathered shape on every rank (or None on every rank); got {detail}")
 
-    (info, axis, _), sizes = agree(comm, "gather_tensor", local, check=check, explain=explain)
-    if out is not None:  # out's rows are agreed (a call argument): every rank raises alike
-        _check_out(out, info, axis, sum(sizes))
-    return _Gather(comm, info, axis, sizes, domain.rank, out, transport, domain.manager)
+    def finish(plan: tuple, sizes: list[int]) -> _Gather:
+        info, axis, _ = plan
+        if out is not None:  # out's rows are agreed (a call argument): every rank raises alike
+            _check_out(out, info, axis, sum(sizes))
+        return _Gather(comm, info, axis, sizes, domain.rank, out, transport, domain.manager)
+
+    # The same call shape as last time skips the local checks and the planning, never the agreement.
+    return agree_cached(comm, "gather_tensor", _call_key(x, dim, out, transport), local, finish, check=check, explain=explain)
+
+
+def _call_key(x: Any, dim: Any, out: Any, transport: Any) -> tuple | None:
+    """What decides ``_gather_plan``'s local part on this rank, or None (not remembered: ``out=``, device arrays, torch)."""
+    array = arrays.cache_key(x)
+    if array is None or out is not None or transport != "mpi":
+        return None
+    key = (array, type(dim), dim)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def gather_kernel(x: Any, p: _Gather) -> Any:
     """Move the bands of an agreed gather (no checks, no autograd): returns the output."""
     shape = _gathered_shape(p.info.shape, p.axis, sum(p.sizes))
-    out = arrays.empty(x, shape) if p.out is None else p.out
+    # A new output each call, from memory no live array uses (a loop does not first-touch fresh pages every step).
+    out = arrays.pooled_empty(x, shape) if p.out is None else p.out
     if math.prod(shape) == 0:
         return out
     if p.out is not None and arrays.shares_memory(x, out):
@@ -293,23 +314,49 @@ def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: lis
             row.Free()
         return
     group = max(1, min(outer, limits.PACK_BYTES // slice_bytes))
-    scratch = arrays.empty(recv, (group * slice_bytes,))
-    offsets = band_offsets(sizes)
-    for first in range(0, outer, group):
-        k = min(group, outer - first)
-        counts = [k * size * row_bytes for size in sizes]
-        displs = [k * offset * row_bytes for offset in offsets]
-        mine_bytes = k * mine * row_bytes
-        if first and on_device:
-            arrays.sync_stream(scratch)  # the copies out of the last group have read scratch
-        comm.Allgatherv(
-            [send[first * mine * row_bytes : first * mine * row_bytes + mine_bytes], mine_bytes, MPI.BYTE],
-            [scratch, (counts, displs), MPI.BYTE],
-        )
-        target = recv[first * slice_bytes : (first + k) * slice_bytes].reshape(k, slice_bytes)
-        for size, offset, displ, count in zip(sizes, offsets, displs, counts, strict=True):
-            if count:
-                target[:, offset * row_bytes : (offset + size) * row_bytes] = scratch[displ : displ + count].reshape(k, size * row_bytes)
+    host = isinstance(recv, np.ndarray) and not on_device
+    with _scratch(recv, group * slice_bytes, host) as scratch:
+        offsets = band_offsets(sizes)
+        for first in range(0, outer, group):
+            k = min(group, outer - first)
+            counts = [k * size * row_bytes for size in sizes]
+            displs = [k * offset * row_bytes for offset in offsets]
+            mine_bytes = k * mine * row_bytes
+            if first and on_device:
+                arrays.sync_stream(scratch)  # the copies out of the last group have read scratch
+            send_part = [send[first * mine * row_bytes : first * mine * row_bytes + mine_bytes], mine_bytes, MPI.BYTE]
+            if even:
+                comm.Allgather(send_part, [scratch[: len(sizes) * mine_bytes], mine_bytes, MPI.BYTE])
+            else:
+                comm.Allgatherv(send_part, [scratch, (counts, displs), MPI.BYTE])
+            target = recv[first * slice_bytes : (first + k) * slice_bytes].reshape(k, slice_bytes)
+            if even and host:  # one strided copy: rank-major (n, k, band) into slice-major (k, n, band)
+                band = mine * row_bytes
+                target.reshape(k, len(sizes), band)[...] = scratch[: len(sizes) * k * band].reshape(len(sizes), k, band).transpose(1, 0, 2)
+                continue
+            for size, offset, displ, count in zip(sizes, offsets, displs, counts, strict=True):
+                if count:
+                    target[:, offset * row_bytes : (offset + size) * row_bytes] = scratch[displ : displ + count].reshape(k, size * row_bytes)
+
+
+_SCRATCH: dict = {}  # "bytes": one host scratch buffer of the packed gathers, grown as needed
+_SCRATCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _scratch(like: Any, nbytes: int, host: bool) -> Iterator[Any]:
+    """``nbytes`` of scratch of ``like``'s kind: on the host one buffer kept across calls (a second thread gets a new one)."""
+    if not host or not _SCRATCH_LOCK.acquire(blocking=False):
+        yield arrays.empty(like, (nbytes,))
+        return
+    try:
+        buf = _SCRATCH.get("bytes")
+        if buf is None or buf.size < nbytes:
+            _SCRATCH.pop("bytes", None)
+            buf = _SCRATCH["bytes"] = np.empty(nbytes, dtype=np.uint8)
+        yield buf[:nbytes]
+    finally:
+        _SCRATCH_LOCK.release()
 
 
 def shard_batch(

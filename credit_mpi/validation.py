@@ -21,9 +21,10 @@ inside this agreement, never before or after it.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -33,6 +34,8 @@ __all__ = [
     "DomainParallelError",
     "Local",
     "agree",
+    "agree_cached",
+    "forget_agreements",
     "allgather_or_raise",
     "raise_on_all",
     "comm_label",
@@ -107,6 +110,7 @@ class Local(NamedTuple):
 OPERATIONS = (
     "shard_tensor", "shard_batch", "gather_tensor", "scatter_tensor", "halo_exchange", "reduce_gradients",
     "collective",  # agree()'s default, for code outside the core operations
+    "layer",  # a converted model's layer (credit_mpi.nn)
 )
 _HEADER = 5  # operation, check, failed, digest, count
 
@@ -147,6 +151,14 @@ def agree(
     Returns:
         ``(plan, counts)``: this rank's plan and every rank's count.
     """
+    mine, error, header = _local_header(operation, check, local)
+    table = np.empty((comm.Get_size(), _HEADER), dtype=np.int64)
+    comm.Allgather(header, table)
+    return _settle(comm, operation, check, explain, mine, error, table)
+
+
+def _local_header(operation: str, check: bool, local: Callable[[], Local]) -> tuple[Local | None, Exception | None, np.ndarray]:
+    """This rank's :class:`Local` (or its error) and its header row for :func:`agree`."""
     error: Exception | None = None
     mine: Local | None = None
     try:
@@ -156,8 +168,23 @@ def agree(
     except Exception as exc:  # noqa: BLE001 - every rank raises it below
         error, digest, count = exc, 0, 0
     header = np.array([OPERATIONS.index(operation), bool(check), error is not None, digest, count], dtype=np.int64)
-    table = np.empty((comm.Get_size(), _HEADER), dtype=np.int64)
-    comm.Allgather(header, table)
+    return mine, error, header
+
+
+def _settle(
+    comm: MPI.Comm,
+    operation: str,
+    check: bool,
+    explain: Callable[[list[Local]], None] | None,
+    mine: Local | None,
+    error: Exception | None,
+    table: np.ndarray,
+) -> tuple[Any, list[int]]:
+    """What every rank does with the agreed ``table``: ``(plan, counts)``, or the same exception everywhere.
+
+    Decided by ``table`` alone (the same on every rank), so every rank takes
+    the second, pickled round or none does.
+    """
     if not table[:, 2].any() and (table[:, :4] == table[0, :4]).all():
         return mine.plan, table[:, 4].tolist()
     # Some rank failed or differs: every rank saw the same table, so every rank is here.
@@ -180,6 +207,79 @@ def agree(
         f"ranks of {where} made different calls (every rank must call the same operation with the same "
         f"arguments, check mode, transport and autograd state): {detail}"
     )
+
+
+class _Agreed:
+    """One remembered agreement of :func:`agree_cached`."""
+
+    __slots__ = ("comm", "mine", "header", "table", "table_bytes", "result")
+
+    def __init__(self, comm: MPI.Comm, mine: Local, header: np.ndarray, table: np.ndarray, result: Any) -> None:
+        self.comm, self.mine, self.header = comm, mine, header
+        self.table, self.table_bytes, self.result = table, table.tobytes(), result
+
+
+_AGREED: collections.OrderedDict = collections.OrderedDict()
+AGREED_ENTRIES = 256  # remembered agreements (least recently used go first)
+
+
+def agree_cached(
+    comm: MPI.Comm,
+    operation: str,
+    key: Hashable | None,
+    local: Callable[[], Local],
+    finish: Callable[[Any, list[int]], Any],
+    *,
+    check: bool = True,
+    explain: Callable[[list[Local]], None] | None = None,
+) -> Any:
+    """:func:`agree`, then ``finish(plan, counts)``; both remembered per ``key`` for the next identical call.
+
+    ``key`` must decide everything ``local()`` returns on this rank (the
+    array's description, the arguments; ``None``: nothing is remembered).
+    Every call still makes the same fixed-size ``Allgather`` of five int64
+    per rank as :func:`agree`, so a change on any rank (another shape, dtype,
+    argument, operation, a failure) is still seen by every rank: a rank
+    whose key is new runs ``local()`` and sends a new header, and every rank
+    whose table differs from the one it remembered settles it as
+    :func:`agree` does (the same exception on every rank, or a new
+    agreement). What a repeated call skips is this rank's local checks, the
+    digest, and ``finish`` (planning), when the whole table is the one it
+    agreed on last time.
+
+    ``finish`` must be deterministic in ``(plan, counts)`` (they are agreed,
+    so an exception it raises is raised on every rank alike); an exception
+    is never remembered.
+
+    Returns:
+        ``finish(plan, counts)``.
+    """
+    if key is None:
+        return finish(*agree(comm, operation, local, check=check, explain=explain))
+    full = (id(comm), operation, bool(check), key)
+    entry = _AGREED.get(full)
+    if entry is not None and entry.comm is comm:
+        _AGREED.move_to_end(full)
+        table = np.empty_like(entry.table)
+        comm.Allgather(entry.header, table)
+        if table.tobytes() == entry.table_bytes:
+            return entry.result
+        mine, error, header = entry.mine, None, entry.header
+    else:
+        mine, error, header = _local_header(operation, check, local)
+        table = np.empty((comm.Get_size(), _HEADER), dtype=np.int64)
+        comm.Allgather(header, table)
+    plan, counts = _settle(comm, operation, check, explain, mine, error, table)
+    result = finish(plan, counts)
+    _AGREED[full] = _Agreed(comm, mine, header, table, result)
+    while len(_AGREED) > AGREED_ENTRIES:
+        _AGREED.popitem(last=False)
+    return result
+
+
+def forget_agreements() -> None:
+    """Forget every remembered agreement (the next call of each operation plans again)."""
+    _AGREED.clear()
 
 
 def _digest(values: tuple) -> int:

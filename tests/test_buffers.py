@@ -49,7 +49,7 @@ def transport(monkeypatch):
     staging.release_staging_buffers()
 
     def setup(simulate: bool = True, aware: str = "0") -> None:
-        monkeypatch.setattr(staging, "_SIMULATE_DEVICE", simulate)
+        monkeypatch.setattr(arrays, "_SIMULATE_DEVICE", simulate)
         monkeypatch.setenv(gpu.ENV_OVERRIDE, aware)
 
     yield setup

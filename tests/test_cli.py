@@ -136,7 +136,7 @@ def test_tiny_bench_json(capsys):
         result = json.loads(out.out[out.out.index("{") :])
         assert result["ranks"] == world.Get_size()
         ops = {r["op"] for r in result["rows"]}
-        assert {"gather", "shard_batch"} <= ops
+        assert {"gather", "gather out=", "shard_batch"} <= ops
         assert "halo" in ops
         gather = next(r for r in result["rows"] if r["op"] == "gather")
         assert gather["bytes"] == 2 * h * 8 * 4 and gather["credit"]["median_s"] > 0

@@ -194,7 +194,7 @@ def test_one_disagreeing_rank_moves_everyone_to_staging(fresh, monkeypatch):
     assert [r["cuda_aware"] for r in report["ranks"]] == [r == 1 for r in range(fresh.Get_size())]
 
     # Every rank takes the staged path (never "direct"), and the data arrive.
-    monkeypatch.setattr(staging, "_SIMULATE_DEVICE", True)
+    monkeypatch.setattr(arrays, "_SIMULATE_DEVICE", True)
     x = torch.arange(6.0) + fresh.Get_rank()
     out = torch.empty(6 * fresh.Get_size())
     with warnings.catch_warnings():
@@ -210,7 +210,7 @@ def test_one_disagreeing_rank_moves_everyone_to_staging(fresh, monkeypatch):
 def test_override_on_every_rank_takes_the_direct_path_everywhere(make_manager, monkeypatch, rng):
     torch = pytest.importorskip("torch")
     monkeypatch.setenv(gpu.ENV_OVERRIDE, "1")
-    monkeypatch.setattr(staging, "_SIMULATE_DEVICE", True)  # host memory: safe to hand to any MPI
+    monkeypatch.setattr(arrays, "_SIMULATE_DEVICE", True)  # host memory: safe to hand to any MPI
     manager = make_manager()
     x = torch.from_numpy(rng.standard_normal((3, 2 * manager.domain_parallel_size, 5)))
     shard = credit_mpi.shard_tensor(x, dim=1, manager=manager)

@@ -366,11 +366,16 @@ def run_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> list[dict]:
             total = c * h * w * 4
             x = bench.local_field((c, h, w), -2, dom, seed=manager.dp_rank)
             if "gather" in ops:
+                # the same allocation policy on both sides: a new output per call, then one reused output
                 row = {"op": "gather", "size": f"{c}x{h}x{w}", "bytes": total}
                 row["credit"] = bench.time_collective(dom, bench.credit_gather(x, manager), "credit_mpi", total, **rep)
-                row["raw"] = bench.time_collective(dom, bench.raw_allgather(dom, x), "raw mpi4py", x.nbytes * d, **rep)
+                row["raw"] = bench.time_collective(dom, bench.raw_allgather(dom, x, fresh=True), "raw mpi4py", x.nbytes * d, **rep)
                 if use_torch and h % d == 0:
                     row["torch"] = bench.time_collective(dom, bench.gloo_all_gather_cat(x, -2, group), "gloo", total, **rep)
+                rows.append(row)
+                row = {"op": "gather out=", "size": f"{c}x{h}x{w}", "bytes": total}
+                row["credit"] = bench.time_collective(dom, bench.credit_gather(x, manager, reuse=True), "credit_mpi", total, **rep)
+                row["raw"] = bench.time_collective(dom, bench.raw_allgather(dom, x), "raw mpi4py", x.nbytes * d, **rep)
                 rows.append(row)
             if "shard_batch" in ops:
                 batch = {"x": np.random.default_rng(0).standard_normal((1, c, h, w), dtype=np.float32)}

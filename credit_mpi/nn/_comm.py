@@ -1,9 +1,9 @@
 """The collectives of the model-side layers, in one place.
 
-* :func:`agree` - every rank's band of a layer input (one allgather through
-  :func:`credit_mpi.validation.allgather_or_raise`: a bad input on one rank
-  is the same exception on every rank). Layers learn the band layout here
-  at run time; a later cache per shape belongs in this one function.
+* :func:`agree` - every rank's band of a layer input (one fixed-size
+  ``Allgather`` through :func:`credit_mpi.validation.agree_cached`: a bad
+  input on one rank is the same exception on every rank). Layers learn the
+  band layout here at run time, remembered per call shape.
 * :func:`fetch_rows` - the global input rows ``[lo, hi)`` a band needs, from
   :func:`credit_mpi.halo_exchange` (differentiable) plus the module's own
   padding at the global edges.
@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 from ..autograd import check_backward_thread
 from ..halo import halo_exchange
 from ..partition import check_halo_width
-from ..validation import DomainParallelError, allgather_or_raise, comm_label
+from ..validation import DomainParallelError, Local, agree_cached, comm_label
 
 
 class ConversionError(DomainParallelError):
@@ -62,26 +62,45 @@ def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Com
     ``extra`` returns more arguments that must be equal on every rank.
     Raises (on every rank alike) when a rank's checks fail or when the bands
     differ in anything but their rows along the axis.
+
+    One fixed-size agreement (:func:`credit_mpi.validation.agree_cached`:
+    an ``Allgather`` of five int64 per rank, every call); the band layout of
+    a call shape seen before is remembered, so a layer called with the same
+    shapes step after step does not plan again. A change on any rank is
+    still seen by every rank (its header differs).
     """
 
-    def local() -> tuple:
-        axis = axis_of(x)
+    def describe(axis: int) -> tuple:
         shape = tuple(x.shape)
         grad = bool(torch.is_grad_enabled() and x.requires_grad)
-        return axis, shape[:axis] + shape[axis + 1 :], str(x.dtype), x.device.type, grad, extra() if extra else None, shape[axis]
+        return axis, shape[:axis] + shape[axis + 1 :], str(x.dtype), x.device.type, grad, extra() if extra else None
 
-    everyone = allgather_or_raise(comm, local)
-    if any(e[:6] != everyone[0][:6] for e in everyone):
+    def local() -> Local:
+        axis = axis_of(x)
+        mine = describe(axis)
+        return Local(mine, (mine[0], mine[1], mine[2], mine[3], mine[4], repr(mine[5])), (), x.shape[axis])
+
+    def explain(locals_: list[Local]) -> None:
         detail = "; ".join(
             f"rank {r}: axis {e[0]}, other dims {e[1]}, {e[2]} on {e[3]}, requires_grad={e[4]}"
             + (f", {e[5]}" if e[5] is not None else "")
-            for r, e in enumerate(everyone)
+            for r, e in enumerate(loc.plan for loc in locals_)
         )
         raise ValueError(
             f"{path}: the bands do not fit together across {comm_label(comm)} (the same dtype, device type, "
             f"requires_grad and every dimension but the sharded one are needed on every rank): {detail}"
         )
-    return Bands([e[6] for e in everyone], comm.Get_rank(), everyone[0][0])
+
+    def finish(plan: tuple, sizes: list[int]) -> Bands:
+        return Bands(sizes, comm.Get_rank(), plan[0])
+
+    key = None
+    try:  # the layer's own checks run every call (local, cheap); a failure is carried into the agreement
+        key = (path, x.shape, describe(axis_of(x)))
+        hash(key)
+    except Exception:  # noqa: BLE001 - local() raises it again inside the agreement, on every rank
+        key = None
+    return agree_cached(comm, "layer", key, local, finish, explain=explain)
 
 
 def check_halo(path: str, sizes: list[int], width: int, boundary: str, axis: int) -> None:

@@ -22,6 +22,7 @@ How those bytes reach MPI (directly or staged through host memory) is
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import sys
@@ -32,6 +33,11 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import gpu
+
+# Internal switch for tests (never set in production code): treat CPU arrays
+# as device arrays, so the CUDA-aware decision and the staging copies run on
+# a machine without a GPU (transport.staging routes them).
+_SIMULATE_DEVICE = False
 
 __all__ = [
     "ArrayInfo",
@@ -305,7 +311,7 @@ def narrow(x: Any, dim: int, start: int, length: int) -> Any:
 
 
 class _NumpyOps:
-    """numpy arrays (treated as on a device only under ``staging._SIMULATE_DEVICE``)."""
+    """numpy arrays (treated as on a device only under ``_SIMULATE_DEVICE``)."""
 
     name = "numpy"
 
@@ -532,3 +538,119 @@ def requires_grad(x: Any) -> bool:
     torch = _torch()
     return torch is not None and isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()
 
+
+# -- per-call fast paths (issue 13): cache keys, host byte views, an output pool ----
+
+
+def cache_key(x: Any) -> tuple | None:
+    """A hashable key that decides :func:`describe` of ``x`` (and its kind), or None when none is cheap.
+
+    Two arrays with the same key describe alike, so a plan made for one is
+    the plan for the other. Host arrays only (numpy, torch CPU with the
+    strided layout): a device array's description also depends on this
+    rank's current device, and under ``_SIMULATE_DEVICE`` every array takes
+    the device paths. ``requires_grad`` (with grad mode) is part of the key.
+    """
+    if _SIMULATE_DEVICE:
+        return None
+    if isinstance(x, np.ndarray):
+        return (type(x), x.shape, x.dtype)
+    if _is_torch(x) and x.device.type == "cpu" and x.layout == _torch().strided:
+        return (type(x), tuple(x.shape), x.dtype, requires_grad(x))
+    return None
+
+
+def host_bytes(x: Any) -> np.ndarray | None:
+    """A flat ``uint8`` numpy view of contiguous host ``x`` (numpy or torch CPU; shares memory), or None.
+
+    None for device arrays (and under ``_SIMULATE_DEVICE``): they go
+    through :func:`send_buffer` / :func:`recv_buffer`.
+    """
+    if _SIMULATE_DEVICE:
+        return None
+    if isinstance(x, np.ndarray):
+        return x.reshape(-1).view(np.uint8)
+    if _is_torch(x) and x.device.type == "cpu":
+        return _torch_bytes(x.detach()).numpy()
+    return None
+
+
+class _OutputPool:
+    """Host buffers for outputs a collective returns new each call, reused once no array uses them.
+
+    A loop that gathers the same shape every step would otherwise get fresh
+    memory every call and pay for first touching its pages. The pool keeps
+    at most :attr:`per_key` buffers per (kind, dtype, shape) and
+    :attr:`max_bytes` in all (least recently used keys go first). A buffer
+    is handed out again only when nothing but the pool refers to it: every
+    numpy view of it and every torch tensor made from it holds a reference
+    (torch keeps the numpy array alive), so a live array keeps its memory.
+    """
+
+    per_key = 2
+    max_bytes = 1 << 30
+
+    def __init__(self) -> None:
+        self.buffers: collections.OrderedDict = collections.OrderedDict()  # key -> list of uint8 bases
+        self.reused = 0
+        self.allocated = 0
+
+    def take(self, nbytes: int, key: tuple) -> np.ndarray:
+        free = self.buffers.pop(key, None) or []
+        self.buffers[key] = free  # most recently used last
+        for i in range(len(free)):
+            # references: the list, and getrefcount's argument (nothing else: no live view)
+            if sys.getrefcount(free[i]) == 2:
+                self.reused += 1
+                return free[i]
+        base = np.empty(nbytes, dtype=np.uint8)
+        self.allocated += 1
+        if len(free) < self.per_key and nbytes <= self.max_bytes:
+            free.append(base)
+            self._trim()
+        return base
+
+    def _trim(self) -> None:
+        total = sum(b.nbytes for bases in self.buffers.values() for b in bases)
+        while total > self.max_bytes and self.buffers:
+            _, bases = self.buffers.popitem(last=False)
+            total -= sum(b.nbytes for b in bases)
+
+    def clear(self) -> None:
+        self.buffers.clear()
+
+
+_POOL = _OutputPool()
+
+
+def pooled_empty(like: Any, shape: Sequence[int]) -> Any:
+    """:func:`empty` for outputs returned new on every call: host memory comes from a reuse pool.
+
+    The result is a new array object of ``like``'s kind, dtype and device;
+    on the host its memory is a pooled buffer that no live array uses (see
+    :class:`_OutputPool`), so a loop that drops last step's result does not
+    first-touch new pages every call. Device arrays: :func:`empty` (torch
+    and CuPy have caching allocators of their own).
+    """
+    if _SIMULATE_DEVICE:
+        return empty(like, shape)
+    shape = tuple(int(s) for s in shape)
+    if isinstance(like, np.ndarray):
+        dtype = like.dtype
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        if dtype.hasobject or nbytes == 0:
+            return empty(like, shape)
+        return _POOL.take(nbytes, ("numpy", dtype, shape)).view(dtype).reshape(shape)
+    if _is_torch(like) and like.device.type == "cpu":
+        torch = _torch()
+        nbytes = like.element_size() * int(np.prod(shape, dtype=np.int64))
+        if nbytes == 0:
+            return empty(like, shape)
+        base = _POOL.take(nbytes, ("torch", str(like.dtype), shape))
+        return torch.from_numpy(base).view(like.dtype).reshape(shape)
+    return empty(like, shape)
+
+
+def release_output_pool() -> None:
+    """Let go of the pooled output buffers (arrays still using one keep it alive)."""
+    _POOL.clear()

@@ -32,16 +32,13 @@ from mpi4py import MPI
 
 from .. import gpu
 from ..validation import comm_label
+from . import arrays
 from .arrays import _ops, _torch
 
 __all__ = ["send_buffer", "recv_buffer", "release_staging_buffers"]
 
 logger = logging.getLogger(__name__)
 
-# Internal switches for tests (never set in production code):
-# _SIMULATE_DEVICE treats CPU arrays as device arrays, so the CUDA-aware
-# decision and the staging copies run on a machine without a GPU.
-_SIMULATE_DEVICE = False
 # How many transfers took each path ("host", "direct", "staged"), per direction.
 _ROUTES: collections.Counter = collections.Counter()
 _WARNED_STAGING = False
@@ -109,7 +106,7 @@ def release_staging_buffers() -> None:
 
 def _route(ops, x: Any, comm: MPI.Comm | None) -> str:
     """"host", "direct" (device pointer to CUDA-aware MPI) or "staged"."""
-    if not (ops.on_device(x) or _SIMULATE_DEVICE):
+    if not (ops.on_device(x) or arrays._SIMULATE_DEVICE):
         return "host"
     comm = MPI.COMM_WORLD if comm is None else comm
     if gpu.is_cuda_aware(comm):

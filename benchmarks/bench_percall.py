@@ -1,0 +1,262 @@
+"""Per-call cost of a training loop: halo_exchange, HaloExchange and gather_tensor against raw mpi4py and gloo.
+
+    mpiexec -n 2 python benchmarks/bench_percall.py [--repeats 15] [--json FILE]
+
+The figures of issue 13: each rank holds a float32 band (B, C, h, W), the
+same shapes call after call, and the script times, interleaved (so that the
+machine's noise falls on every method alike):
+
+* ``halo``: ``halo_exchange(x, 1)`` (numpy) against the least raw mpi4py
+  code with the same result (allocate the padded array, copy the band in,
+  two ``Sendrecv`` of the packed edge rows, zeros at the global edges) and
+  against the reference's method (torch.distributed gloo
+  ``batch_isend_irecv`` of the edge rows, then ``torch.cat``);
+* ``halo fwd+bwd``: ``HaloExchange(1)`` forward and backward of a torch
+  tensor that requires grad, against the same raw code forward and its
+  adjoint (two ``Sendrecv`` of the halo gradients, added to the edge rows)
+  inside a ``torch.autograd.Function``;
+* ``gather``: ``gather_tensor(x)`` returning a new array each call against
+  raw ``Allgather`` into a reused buffer (the issue's floor), raw
+  ``Allgather`` into a fresh buffer, ``gather_tensor(x, out=...)`` and the
+  reference's ``all_gather`` + ``torch.cat`` (gloo).
+
+Every method's result is checked against the others before timing. A time
+is the slowest rank's mean per call over a block of calls (``Barrier``
+before each block); the table shows the median over ``--repeats`` blocks
+and the ratio of medians. Only public names of credit_mpi are used, so the
+script also runs against older checkouts (``PYTHONPATH=<checkout>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+SHAPES = {"0.26 MB": (4, 8, 23, 90), "2 MB": (4, 16, 45, 180), "33 MB": (4, 16, 180, 720)}
+
+
+def raw_halo(comm, x, w=1):
+    """The least raw mpi4py halo (zero boundary, dim -2): padded array, band copied in, two Sendrecv."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    up = rank - 1 if rank > 0 else MPI.PROC_NULL
+    down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
+    rows = x.shape[-2]
+    shape = (*x.shape[:-2], rows + 2 * w, x.shape[-1])
+
+    def run():
+        out = np.empty(shape, dtype=x.dtype)
+        out[..., w : w + rows, :] = x
+        first = np.ascontiguousarray(x[..., :w, :])
+        last = np.ascontiguousarray(x[..., rows - w :, :])
+        from_up, from_down = np.zeros_like(last), np.zeros_like(first)
+        comm.Sendrecv(last, down, 0, from_up, up, 0)
+        comm.Sendrecv(first, up, 1, from_down, down, 1)
+        out[..., :w, :] = from_up
+        out[..., w + rows :, :] = from_down
+        return out
+
+    return run
+
+
+def raw_adjoint(comm, g, w=1):
+    """The adjoint of :func:`raw_halo`: the band's gradient, halo gradients sent home and added."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    up = rank - 1 if rank > 0 else MPI.PROC_NULL
+    down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
+    rows = g.shape[-2] - 2 * w
+    gx = g[..., w : w + rows, :].copy()
+    top = np.ascontiguousarray(g[..., :w, :])
+    bottom = np.ascontiguousarray(g[..., w + rows :, :])
+    from_up, from_down = np.zeros_like(top), np.zeros_like(bottom)
+    comm.Sendrecv(top, up, 2, from_down, down, 2)
+    comm.Sendrecv(bottom, down, 3, from_up, up, 3)
+    gx[..., rows - w :, :] += from_down
+    gx[..., :w, :] += from_up
+    return gx
+
+
+def raw_halo_module(comm, w=1):
+    """raw_halo / raw_adjoint as a differentiable function of a torch CPU tensor."""
+    import torch
+
+    class RawHalo(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return torch.from_numpy(raw_halo(comm, x.detach().numpy(), w)())
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.from_numpy(raw_adjoint(comm, g.contiguous().numpy(), w))
+
+    return RawHalo.apply
+
+
+def gloo_halo(x, w, group):
+    import torch
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    prev = dist.get_global_rank(group, rank - 1) if rank > 0 else None
+    nxt = dist.get_global_rank(group, rank + 1) if rank < size - 1 else None
+
+    def run():
+        top, bottom = torch.zeros_like(x[..., :w, :]), torch.zeros_like(x[..., :w, :])
+        ops = []
+        if prev is not None:
+            ops += [dist.P2POp(dist.isend, x[..., :w, :].contiguous(), prev, group), dist.P2POp(dist.irecv, top, prev, group)]
+        if nxt is not None:
+            ops += [dist.P2POp(dist.isend, x[..., -w:, :].contiguous(), nxt, group), dist.P2POp(dist.irecv, bottom, nxt, group)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        return torch.cat([top, x, bottom], dim=-2)
+
+    return run
+
+
+def gloo_gather(x, group):
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+
+    def run():
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=-2)
+
+    return run
+
+
+def raw_allgather(comm, x, fresh):
+    recv = np.empty((comm.Get_size(), *x.shape), x.dtype)
+
+    def run():
+        r = np.empty_like(recv) if fresh else recv
+        comm.Allgather(x, r)
+        return r
+
+    return run
+
+
+def time_cases(comm, cases, repeats, number):
+    """Interleaved blocks: {name: [slowest rank's mean seconds per call, per block]}."""
+    for fn in cases.values():
+        for _ in range(3):
+            fn()
+    local = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            local[name].append((time.perf_counter() - t0) / number)
+    slowest = {}
+    for name, t in local.items():
+        mine = np.array(t)
+        worst = np.empty_like(mine)
+        comm.Allreduce(mine, worst, op=MPI.MAX)
+        slowest[name] = worst.tolist()
+    return slowest
+
+
+def main(argv=None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import credit_mpi
+    from credit_mpi import DomainParallelManager, gather_tensor, halo_exchange
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--sizes", default=",".join(SHAPES), help="comma-separated subset of " + ", ".join(SHAPES))
+    parser.add_argument("--ops", default="halo,halo fwd+bwd,gather")
+    parser.add_argument("--json", default=None, help="write the raw times here (rank 0)")
+    args = parser.parse_args(argv)
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    ops = args.ops.split(",")
+    report = {"ranks": size, "credit_mpi": credit_mpi.__file__, "rows": []}
+    with DomainParallelManager(None, size) as manager:
+        comm = manager.domain_group
+        from credit_mpi.bench import gloo_group
+
+        group = gloo_group(manager)
+        for label in args.sizes.split(","):
+            b, c, h, w = SHAPES[label]
+            x = np.random.default_rng(rank).standard_normal((b, c, h, w), dtype=np.float32)
+            xt = torch.from_numpy(x)
+            number = max(2, int(2e6 // x.nbytes)) if x.nbytes < 1e7 else 3
+            rows = {}
+            if "halo" in ops:
+                cases = {
+                    "credit": lambda x=x: halo_exchange(x, 1, manager=manager),
+                    "raw": raw_halo(comm, x),
+                    "gloo": gloo_halo(xt, 1, group),
+                }
+                rows["halo"] = cases
+            if "halo fwd+bwd" in ops:
+                module = credit_mpi.HaloExchange(1, manager=manager)
+                raw = raw_halo_module(comm)
+                xg = xt.clone().requires_grad_(True)
+                g = torch.ones((b, c, h + 2, w))
+
+                def fwd_bwd(f, xg=xg, g=g):
+                    def run():
+                        y = f(xg)
+                        y.backward(g)
+                        grad, xg.grad = xg.grad, None
+                        return y.detach(), grad
+
+                    return run
+
+                rows["halo fwd+bwd"] = {"credit": fwd_bwd(module), "raw": fwd_bwd(raw)}
+            if "gather" in ops:
+                out = gather_tensor(x, manager=manager)
+                rows["gather"] = {
+                    "credit": lambda x=x: gather_tensor(x, manager=manager),
+                    "raw": raw_allgather(comm, x, fresh=False),
+                    "raw fresh": raw_allgather(comm, x, fresh=True),
+                    "credit out=": lambda x=x, out=out: gather_tensor(x, manager=manager, out=out),
+                    "gloo": gloo_gather(xt, group),
+                }
+            for op, cases in rows.items():
+                _verify(op, cases, comm)
+                times = time_cases(comm, cases, args.repeats, number)
+                med = {name: statistics.median(t) for name, t in times.items()}
+                report["rows"].append({"op": op, "size": label, "shape": [b, c, h, w], "times": times, "median": med})
+                if rank == 0:
+                    cells = "  ".join(f"{n} {m * 1e6:8.1f} us" for n, m in med.items())
+                    ratios = "  ".join(f"{n}/credit {m / med['credit']:.2f}" for n, m in med.items() if n != "credit")
+                    print(f"{op:13s} {label:8s} {cells}   credit/raw {med['credit'] / med['raw']:.2f}  {ratios}", flush=True)
+        dist.barrier(group)
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def _verify(op, cases, comm):
+    import torch
+
+    results = {name: fn() for name, fn in cases.items()}
+    if op == "gather":
+        results["raw"] = np.concatenate(list(results["raw"]), axis=-2)
+        results["raw fresh"] = np.concatenate(list(results["raw fresh"]), axis=-2)
+    first = None
+    for name, r in results.items():
+        parts = r if isinstance(r, tuple) else (r,)
+        parts = [p.numpy() if isinstance(p, torch.Tensor) else p for p in parts]
+        if first is None:
+            first = parts
+        elif not all(np.array_equal(a, b) for a, b in zip(parts, first, strict=True)):
+            raise AssertionError(f"{op}: {name} differs from credit on rank {comm.Get_rank()}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
