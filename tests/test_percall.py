@@ -176,13 +176,13 @@ def test_gather_torch_pool_and_change_on_one_rank(make_manager):
 
 @pytest.mark.mpi(min_size=1)
 def test_packed_and_sliced_gathers_are_exact(make_manager, monkeypatch):
-    from credit_mpi import sharding
+    from credit_mpi.transport import limits
 
     manager = make_manager()
     d = manager.domain_parallel_size
     for slice_bytes, pack_bytes in ((1 << 40, 1 << 23), (1 << 40, 64), (1, 1 << 23)):
-        monkeypatch.setattr(sharding, "SLICE_BYTES", slice_bytes)
-        monkeypatch.setattr(sharding, "PACK_BYTES", pack_bytes)
+        monkeypatch.setattr(limits, "SLICE_BYTES", slice_bytes)
+        monkeypatch.setattr(limits, "PACK_BYTES", pack_bytes)
         for total in (2 * d, 2 * d + d - 1):
             g = np.random.default_rng(total).standard_normal((3, 4, total, 6)).astype(np.float32)
             start, stop = band(total, manager)
