@@ -37,6 +37,7 @@ mpi4py.rc.initialize = __name__ != "__mp_main__"
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
+import itertools  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
@@ -106,7 +107,7 @@ def train(model, batches, steps, lr, loss_fn, manager=None, clip=None) -> list[f
     """
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     curve = []
-    for _, (x, y) in zip(range(steps), batches):
+    for x, y in itertools.islice(batches, steps):
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
@@ -243,27 +244,38 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.make_store and args.store is None:
         parser.error("--make-store needs --store PATH")
+    for name in ("steps", "samples", "batch", "workers"):
+        value, least = getattr(args, name), 1 if name in ("samples", "batch") else 0
+        if value is not None and value < least:
+            parser.error(f"--{name} must be at least {least}, got {value}")
     world = MPI.COMM_WORLD
     domain = world.Get_size() // args.data_parallel
     manager = credit_mpi.DomainParallelManager(None, domain)
     solo = credit_mpi.DomainParallelManager(None, 1, comm=MPI.COMM_SELF)  # the one-process reference
     replicas = manager.data_parallel_size
-    if args.store is None:
-        bands, reference, lat, nlon, channels = memory_data(args, manager, replicas)
-    else:
-        if args.make_store:
-            make_store(args.store, era5_like(args.samples * replicas, args.lat, args.lon, seed=1), manager)
-        bands, reference, lat, nlon, channels = store_data(args, manager, solo, replicas)
-    torch.manual_seed(0)
-    ref = UNet(channels).double()
-    model = credit_mpi.convert_to_domain_parallel(copy.deepcopy(ref), manager)
-    batch = args.batch or args.samples
-    plan = credit_mpi.nn.describe(model, (batch, channels, len(lat), nlon), manager=manager)  # no MPI
-    if world.Get_rank() == 0:
-        print(plan, flush=True)
-    loss_fn = LatitudeWeightedMSELoss(lat, manager)  # this band's weights, the global row count
-    curve = train(model, bands, args.steps, 0.05, loss_fn, manager, args.clip)
-    if world.Get_rank() == 0:
+    try:
+        if args.store is None:
+            bands, reference, lat, nlon, channels = memory_data(args, manager, replicas)
+        else:
+            if args.make_store:
+                make_store(args.store, era5_like(args.samples * replicas, args.lat, args.lon, seed=1), manager)
+            bands, reference, lat, nlon, channels = store_data(args, manager, solo, replicas)
+        torch.manual_seed(0)
+        ref = UNet(channels).double()
+        model = credit_mpi.convert_to_domain_parallel(copy.deepcopy(ref), manager)
+        batch = args.batch or args.samples
+        plan = credit_mpi.nn.describe(model, (batch, channels, len(lat), nlon), manager=manager)  # no MPI
+        if world.Get_rank() == 0:
+            print(plan, flush=True)
+        loss_fn = LatitudeWeightedMSELoss(lat, manager)  # this band's weights, the global row count
+        curve = train(model, bands, args.steps, 0.05, loss_fn, manager, args.clip)
+    except (ValueError, TypeError, credit_mpi.DomainParallelError):
+        # credit_mpi raises these on every rank alike (agreed before any MPI call), so every rank frees here;
+        # anything else may be one rank's: that rank exits and the launcher ends the job (no collective free)
+        solo.free()
+        manager.free()
+        raise
+    if world.Get_rank() == 0:  # the single-process run: the same model, data and loss on the whole field
         reference = train(ref, reference, args.steps, 0.05, LatitudeWeightedMSELoss(lat, solo), clip=args.clip)
     reference = world.bcast(reference, root=0)
     solo.free()
