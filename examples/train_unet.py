@@ -93,6 +93,29 @@ def era5_like(samples: int, lat: int, lon: int, seed: int) -> torch.Tensor:
     return torch.stack(states)
 
 
+def check_layout(plan, lat: int, domain: int) -> None:
+    """ValueError unless the skip connection joins equal bands: ``up``'s output bands must be ``enc``'s.
+
+    The stride-2 conv and the transposed conv give back the input's band
+    layout only when the latitude count is even and every band offset is a
+    multiple of 2; otherwise ``torch.cat`` would fail on some ranks only
+    (and the others would wait in the next collective). Decided from the
+    plan, which every rank computes alike without MPI.
+    """
+    rows = {row.path: row for row in plan.rows}
+    if not plan.exact or rows["up"].bands_out != rows["enc.1"].bands_out:
+        raise ValueError(
+            f"--lat {lat} on {domain} band(s): the skip connection joins bands {list(rows['enc.1'].bands_out)} "
+            f"with {list(rows['up'].bands_out)}; {fitting(lat, domain)}"
+        )
+
+
+def fitting(lat: int, domain: int) -> str:
+    """What latitude counts the UNet runs on with ``domain`` bands."""
+    fits = 2 * domain * max(1, math.ceil(lat / (2 * domain)))
+    return f"the UNet needs an even latitude count cut at even band offsets, e.g. --lat {fits} (a multiple of {2 * domain})"
+
+
 def latitudes(lat: int) -> np.ndarray:
     """The synthetic field's latitudes in degrees, 90 to -90."""
     return np.linspace(90.0, -90.0, lat)
@@ -264,9 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         ref = UNet(channels).double()
         model = credit_mpi.convert_to_domain_parallel(copy.deepcopy(ref), manager)
         batch = args.batch or args.samples
-        plan = credit_mpi.nn.describe(model, (batch, channels, len(lat), nlon), manager=manager)  # no MPI
+        try:  # a dry run on the meta device, no MPI: the same outcome on every rank
+            plan = credit_mpi.nn.describe(model, (batch, channels, len(lat), nlon), manager=manager)
+        except RuntimeError as exc:  # e.g. an odd latitude count: the skip connection cannot join, on any layout
+            raise ValueError(f"--lat {len(lat)}: the UNet does not run on this field ({exc}); {fitting(len(lat), domain)}") from exc
         if world.Get_rank() == 0:
             print(plan, flush=True)
+        check_layout(plan, len(lat), domain)  # the same verdict on every rank (no MPI), before the first step
         loss_fn = LatitudeWeightedMSELoss(lat, manager)  # this band's weights, the global row count
         curve = train(model, bands, args.steps, 0.05, loss_fn, manager, args.clip)
     except (ValueError, TypeError, credit_mpi.DomainParallelError):

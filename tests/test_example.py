@@ -90,3 +90,12 @@ def test_example_make_store_needs_a_path(capsys):
         example().main(["--make-store"])
     assert exc.value.code == 2
     assert "--make-store needs --store PATH" in capsys.readouterr().err
+
+
+@pytest.mark.mpi(min_size=1)
+def test_example_refuses_a_layout_its_skip_connection_cannot_join():
+    """16 latitudes on 3 bands (6/5/5, offset 11), 15 on any: one ValueError on every rank before the first step."""
+    size = MPI.COMM_WORLD.Get_size()
+    lat = "16" if size == 3 else "15"
+    with pytest.raises(ValueError, match=rf"--lat {lat}[ :].*the UNet needs an even latitude count"):
+        example().main(["--data-parallel", "1", "--lat", lat, "--lon", "16", "--steps", "1"])
