@@ -2,31 +2,58 @@
 
     mpiexec -n 2 python examples/train_unet.py --steps 20
     mpiexec -n 4 python examples/train_unet.py --data-parallel 2   # 2 bands x 2 sample groups
+    mpiexec -n 4 python examples/train_unet.py --data-parallel 2 --store /tmp/era5.zarr --make-store
 
 The model has a strided conv down, a transposed conv up, GroupNorm and
 circular longitude padding. Every rank trains its latitude band of its
-samples; the loss of a band is its sum of squared errors divided by the
-GLOBAL number of points of its data-parallel group's samples, so that
-credit_mpi.reduce_gradients (sum over the domain, mean over data-parallel
-ranks) gives the single-process gradient. Rank 0 also trains the same model
-on the whole field in one process; every rank exits 1 if the loss curves
-differ (float64: relative 1e-9).
+samples. The loss is credit_mpi.nn.LatitudeWeightedMSELoss: a band's share
+of the global latitude-weighted MSE (its weighted sum of squared errors over
+the GLOBAL number of points), so that credit_mpi.reduce_gradients (sum over
+the domain, mean over data-parallel ranks) gives the single-process
+gradient; credit_mpi.nn.global_loss gives the value that is logged, and
+``--clip`` clips the global gradient norm (credit_mpi.nn.clip_grad_norm_).
+
+Data: by default every rank builds the whole field in memory and slices its
+band. With ``--store PATH`` the samples come from a Zarr store (variables
+``t`` and ``u``, dims (time, latitude, longitude); sample i is time i -> time
+i + 1) through credit_mpi.io.BandDataset and a torch DataLoader with the
+dataset's data-parallel sampler: every rank reads only its band of its
+replica's samples. ``--make-store`` first writes the synthetic field there:
+the ranks of data-parallel group 0 each write their band with
+credit_mpi.io.write_bands. The single-process reference reads the same
+store whole and trains on the same global batches (the union of every
+replica's batch, in the sampler's order).
+
+Rank 0 also trains the same model on the whole field in one process; every
+rank exits 1 if the loss curves differ (float64: relative 1e-9).
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
-import math
-import sys
+import mpi4py
 
-import torch
-from mpi4py import MPI
-from torch import nn
+# DataLoader workers (--workers, started with spawn) import this file again as __mp_main__: no MPI there.
+mpi4py.rc.initialize = __name__ != "__mp_main__"
 
-import credit_mpi
-import credit_mpi.nn
-from credit_mpi.partition import band_range
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import itertools  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from torch import nn  # noqa: E402
+
+import credit_mpi  # noqa: E402
+import credit_mpi.nn  # noqa: E402
+from credit_mpi.nn import LatitudeWeightedMSELoss, clip_grad_norm_, global_loss  # noqa: E402
+from credit_mpi.partition import band_range  # noqa: E402
+from credit_mpi.validation import allgather_or_raise  # noqa: E402
+
+VARIABLES = ("t", "u")
 
 
 class UNet(nn.Module):
@@ -45,40 +72,182 @@ class UNet(nn.Module):
         return x + self.dec(torch.cat([a, self.up(self.down(a))], dim=1))
 
 
-def era5_like(samples: int, lat: int, lon: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input, target): a temperature-like and a wind-like field; the target is advected by one grid point."""
+def era5_like(samples: int, lat: int, lon: int, seed: int) -> torch.Tensor:
+    """A trajectory of ``samples + 1`` states, shape (time, 2, lat, lon): a temperature-like and a wind-like field.
+
+    Each state is the previous one advected east by one grid point plus a
+    small random forcing; sample ``i`` is (state ``i``, state ``i + 1``).
+    Latitudes run from 90 to -90 degrees (ERA5's order).
+    """
     g = torch.Generator().manual_seed(seed)
-    phi = torch.linspace(-math.pi / 2, math.pi / 2, lat, dtype=torch.float64).view(lat, 1)
+    phi = torch.deg2rad(torch.linspace(90, -90, lat, dtype=torch.float64)).view(lat, 1)
     lam = torch.linspace(0, 2 * math.pi, lon + 1, dtype=torch.float64)[:-1].view(1, lon)
-    fields = []
+    states = []
     for _ in range(samples + 1):
         k = torch.randint(1, 5, (2,), generator=g)
         a = torch.randn(4, generator=g, dtype=torch.float64)
         t = torch.cos(phi) * (1 + 0.3 * a[0] * torch.cos(k[0] * lam + a[1]))
         u = torch.sin(2 * phi) * (0.5 + 0.2 * a[2] * torch.sin(k[1] * lam + a[3]))
-        fields.append(torch.stack([t, u]))
-    x = torch.stack(fields[:samples])
-    return x, torch.roll(x, 1, dims=-1) + 0.05 * torch.stack(fields[1:])
+        forcing = torch.stack([t, u])
+        states.append(forcing if not states else torch.roll(states[-1], 1, dims=-1) + 0.05 * forcing)
+    return torch.stack(states)
 
 
-def train(model, x, y, steps, lr, manager=None, rows=None):
-    """The loss curve; on bands, ``rows`` = (start, stop) of this rank's latitudes and the loss is the band's share."""
+def check_layout(plan, lat: int, domain: int) -> None:
+    """ValueError unless the skip connection joins equal bands: ``up``'s output bands must be ``enc``'s.
+
+    The stride-2 conv and the transposed conv give back the input's band
+    layout only when the latitude count is even and every band offset is a
+    multiple of 2; otherwise ``torch.cat`` would fail on some ranks only
+    (and the others would wait in the next collective). Decided from the
+    plan, which every rank computes alike without MPI.
+    """
+    rows = {row.path: row for row in plan.rows}
+    if not plan.exact or rows["up"].bands_out != rows["enc.1"].bands_out:
+        raise ValueError(
+            f"--lat {lat} on {domain} band(s): the skip connection joins bands {list(rows['enc.1'].bands_out)} "
+            f"with {list(rows['up'].bands_out)}; {fitting(lat, domain)}"
+        )
+
+
+def fitting(lat: int, domain: int) -> str:
+    """What latitude counts the UNet runs on with ``domain`` bands."""
+    fits = 2 * domain * max(1, math.ceil(lat / (2 * domain)))
+    return f"the UNet needs an even latitude count cut at even band offsets, e.g. --lat {fits} (a multiple of {2 * domain})"
+
+
+def latitudes(lat: int) -> np.ndarray:
+    """The synthetic field's latitudes in degrees, 90 to -90."""
+    return np.linspace(90.0, -90.0, lat)
+
+
+def train(model, batches, steps, lr, loss_fn, manager=None, clip=None) -> list[float]:
+    """The loss curve of ``steps`` SGD steps on ``(x, y)`` batches.
+
+    On bands (``manager`` given), ``loss_fn`` returns the band's share of the
+    global loss; the gradients are reduced, the logged value is the global
+    loss and clipping uses the global norm.
+    """
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     curve = []
-    points = y.numel()  # of this data-parallel group's samples: the global count
-    if rows is not None:
-        x, y = x[..., rows[0] : rows[1], :], y[..., rows[0] : rows[1], :]
-    for _ in range(steps):
+    for x, y in itertools.islice(batches, steps):
         opt.zero_grad()
-        loss = ((model(x) - y) ** 2).sum() / points
+        loss = loss_fn(model(x), y)
         loss.backward()
-        value = float(loss.detach())
         if manager is not None:
             credit_mpi.reduce_gradients(model.parameters(), manager)
-            value = manager.comm.allreduce(value) / manager.data_parallel_size
+            value = global_loss(loss, manager)
+            if clip is not None:
+                clip_grad_norm_(model.parameters(), clip, manager)
+        else:
+            value = float(loss.detach())
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         curve.append(value)
         opt.step()
     return curve
+
+
+def repeat(x: torch.Tensor, y: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The same (full) batch every step."""
+    while True:
+        yield x, y
+
+
+def two_d(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """BandDataset's (B, C, 1, H, W) history/forecast of one time each as the model's (B, C, H, W)."""
+    return batch["x"][:, :, 0], batch["y"][:, :, 0]
+
+
+def band_batches(dataset, batch: int, seed: int, workers: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's batches: its replica's samples (the dataset's data-parallel sampler), its band, epoch after epoch."""
+    sampler = dataset.sampler(shuffle=True, seed=seed)  # collective over every rank: call it on all of them
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch,
+        sampler=sampler,
+        num_workers=workers,
+        multiprocessing_context="spawn" if workers else None,
+        persistent_workers=workers > 0,
+    )
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        for b in loader:
+            yield two_d(b)
+        epoch += 1
+
+
+def global_batches(whole, replicas: int, batch: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The single-process batches: step k's is every replica's k-th batch, replica 0 first, from the whole store."""
+    samplers = [
+        torch.utils.data.DistributedSampler(whole, num_replicas=replicas, rank=r, shuffle=True, seed=seed)
+        for r in range(replicas)
+    ]  # the same samplers as BandDataset.sampler(shuffle=True, seed=seed) on each data-parallel rank
+    epoch = 0
+    while True:
+        order = []
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+            order.append(list(sampler))
+        for start in range(0, len(order[0]), batch):
+            indices = [i for mine in order for i in mine[start : start + batch]]
+            yield two_d(torch.utils.data.default_collate([whole[i] for i in indices]))
+        epoch += 1
+
+
+def make_store(path: str, trajectory: torch.Tensor, manager) -> None:
+    """Write the trajectory as a Zarr store: each rank of data-parallel group 0 writes its band (write_bands).
+
+    The other groups hold the same samples and write nothing (two groups
+    writing one store would race). Collective over every rank: an error in
+    the writing group is raised on every rank.
+    """
+    import xarray as xr
+
+    from credit_mpi import io as cio
+
+    steps, _, lat, lon = trajectory.shape
+    rows = slice(*band_range(lat, manager.domain_parallel_size, manager.domain_rank, uneven=True))
+    data = trajectory.numpy()[:, :, rows]
+    band = xr.Dataset(
+        {name: (("time", "latitude", "longitude"), data[:, c]) for c, name in enumerate(VARIABLES)},
+        coords={"time": np.arange(steps), "latitude": latitudes(lat)[rows], "longitude": np.arange(lon) * 360.0 / lon},
+    )
+
+    def write() -> None:
+        if manager.dp_rank == 0:
+            cio.write_bands(band, path, manager, chunks={"time": 1})  # one time per chunk: a sample reads its own
+
+    allgather_or_raise(manager.comm, write)  # also the barrier: the store is complete when it returns
+
+
+def store_data(args, manager, solo, replicas: int):
+    """(band batches, reference batches or None, latitudes, longitudes, channels) read from ``args.store``."""
+    from credit_mpi import io as cio
+
+    box = []  # the dataset, built on every rank; a failure on one domain group is raised on every rank
+    allgather_or_raise(manager.comm, lambda: box.append(cio.BandDataset(args.store, list(args.variables), manager)))
+    dataset = box[0]
+    whole = cio.BandDataset(args.store, list(args.variables), solo)  # one process: the whole store, lazily
+    coords = cio.open_band(args.store, solo)
+    lat, nlon = coords["latitude"].values, coords.sizes["longitude"]
+    coords.close()
+    batch = args.batch or args.samples
+    bands = band_batches(dataset, batch, args.seed, args.workers)
+    reference = global_batches(whole, replicas, batch, args.seed) if manager.comm.Get_rank() == 0 else None
+    return bands, reference, lat, nlon, dataset.channels
+
+
+def memory_data(args, manager, replicas: int):
+    """(band batches, reference batches or None, latitudes, longitudes, channels) of the field built in memory."""
+    trajectory = era5_like(args.samples * replicas, args.lat, args.lon, seed=1)
+    x, y = trajectory[:-1], trajectory[1:]
+    mine = slice(manager.dp_rank * args.samples, (manager.dp_rank + 1) * args.samples)
+    rows = slice(*band_range(args.lat, manager.domain_parallel_size, manager.domain_rank, uneven=True))
+    bands = repeat(x[mine][..., rows, :], y[mine][..., rows, :])
+    reference = repeat(x, y) if manager.comm.Get_rank() == 0 else None
+    return bands, reference, latitudes(args.lat), args.lon, len(VARIABLES)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,29 +257,62 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lat", type=int, default=32)
     parser.add_argument("--lon", type=int, default=64)
     parser.add_argument("--samples", type=int, default=2, help="samples per data-parallel rank")
+    parser.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this value")
+    parser.add_argument("--store", default=None, help="read the samples from this Zarr store through BandDataset")
+    parser.add_argument("--make-store", action="store_true", help="first write the synthetic field to --store")
+    parser.add_argument("--variables", nargs="+", default=list(VARIABLES), help="the store's variables (channels)")
+    parser.add_argument("--batch", type=int, default=None, help="samples per replica and step (default --samples)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data-parallel sampler's shuffle")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (spawn)")
     args = parser.parse_args(argv)
+    if args.make_store and args.store is None:
+        parser.error("--make-store needs --store PATH")
+    for name in ("steps", "samples", "batch", "workers"):
+        value, least = getattr(args, name), 1 if name in ("samples", "batch") else 0
+        if value is not None and value < least:
+            parser.error(f"--{name} must be at least {least}, got {value}")
     world = MPI.COMM_WORLD
     domain = world.Get_size() // args.data_parallel
     manager = credit_mpi.DomainParallelManager(None, domain)
-    dp, i = manager.data_parallel_size, manager.dp_rank
-    torch.manual_seed(0)
-    ref = UNet().double()
-    model = credit_mpi.convert_to_domain_parallel(copy.deepcopy(ref), manager)
-    x, y = era5_like(args.samples * dp, args.lat, args.lon, seed=1)
-    mine = slice(i * args.samples, (i + 1) * args.samples)
-    plan = credit_mpi.nn.describe(model, (args.samples, 2, args.lat, args.lon), manager=manager)  # no MPI
-    if world.Get_rank() == 0:
-        print(plan, flush=True)
-    rows = band_range(args.lat, domain, manager.domain_rank, uneven=True)
-    curve = train(model, x[mine], y[mine], args.steps, 0.05, manager, rows)
-    reference = train(ref, x, y, args.steps, 0.05) if world.Get_rank() == 0 else None
+    solo = credit_mpi.DomainParallelManager(None, 1, comm=MPI.COMM_SELF)  # the one-process reference
+    replicas = manager.data_parallel_size
+    try:
+        if args.store is None:
+            bands, reference, lat, nlon, channels = memory_data(args, manager, replicas)
+        else:
+            if args.make_store:
+                make_store(args.store, era5_like(args.samples * replicas, args.lat, args.lon, seed=1), manager)
+            bands, reference, lat, nlon, channels = store_data(args, manager, solo, replicas)
+        torch.manual_seed(0)
+        ref = UNet(channels).double()
+        model = credit_mpi.convert_to_domain_parallel(copy.deepcopy(ref), manager)
+        batch = args.batch or args.samples
+        try:  # a dry run on the meta device, no MPI: the same outcome on every rank
+            plan = credit_mpi.nn.describe(model, (batch, channels, len(lat), nlon), manager=manager)
+        except RuntimeError as exc:  # e.g. an odd latitude count: the skip connection cannot join, on any layout
+            raise ValueError(f"--lat {len(lat)}: the UNet does not run on this field ({exc}); {fitting(len(lat), domain)}") from exc
+        if world.Get_rank() == 0:
+            print(plan, flush=True)
+        check_layout(plan, len(lat), domain)  # the same verdict on every rank (no MPI), before the first step
+        loss_fn = LatitudeWeightedMSELoss(lat, manager)  # this band's weights, the global row count
+        curve = train(model, bands, args.steps, 0.05, loss_fn, manager, args.clip)
+    except (ValueError, TypeError, credit_mpi.DomainParallelError):
+        # credit_mpi raises these on every rank alike (agreed before any MPI call), so every rank frees here;
+        # anything else may be one rank's: that rank exits and the launcher ends the job (no collective free)
+        solo.free()
+        manager.free()
+        raise
+    if world.Get_rank() == 0:  # the single-process run: the same model, data and loss on the whole field
+        reference = train(ref, reference, args.steps, 0.05, LatitudeWeightedMSELoss(lat, solo), clip=args.clip)
     reference = world.bcast(reference, root=0)
+    solo.free()
+    manager.free()
     ok = all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-14) for a, b in zip(curve, reference, strict=True))
     if world.Get_rank() == 0:
+        source = f"store {args.store}" if args.store else "memory"
         for step, (a, b) in enumerate(zip(curve, reference, strict=True)):
-            print(f"step {step:3d}  loss on {domain} band(s) x {dp} group(s) {a:.12e}   one process {b:.12e}")
-        print("loss curves equal" if ok else "LOSS CURVES DIFFER", flush=True)
-    manager.free()
+            print(f"step {step:3d}  loss on {domain} band(s) x {replicas} group(s) {a:.12e}   one process {b:.12e}")
+        print(f"loss curves equal (data from {source})" if ok else "LOSS CURVES DIFFER", flush=True)
     return 0 if ok else 1
 
 
