@@ -17,7 +17,7 @@ from .manager import (
     initialize_domain_parallel,
 )
 from .sharding import gather_tensor, scatter_tensor, shard_batch, shard_tensor
-from .validation import DomainParallelError
+from .validation import DomainParallelError, allgather_or_raise
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ __all__ = [
     "halo_exchange",
     "reduce_gradients",
     "abort_on_exception",
+    "allgather_or_raise",
     "__version__",
 ]
 

@@ -49,9 +49,9 @@ from torch import nn  # noqa: E402
 
 import credit_mpi  # noqa: E402
 import credit_mpi.nn  # noqa: E402
+from credit_mpi import allgather_or_raise  # noqa: E402
 from credit_mpi.nn import LatitudeWeightedMSELoss, clip_grad_norm_, global_loss  # noqa: E402
 from credit_mpi.partition import band_range  # noqa: E402
-from credit_mpi.validation import allgather_or_raise  # noqa: E402
 
 VARIABLES = ("t", "u")
 

@@ -172,6 +172,8 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim) -> PlanRow:
                       lay.min_rows, exact, note)
     if h_out in layouts and layouts[h_out] != list(out_sizes) and h_out != 1:
         extra = f"output bands {list(out_sizes)} differ from an earlier {h_out}-row tensor's {layouts[h_out]} (joining them fails)"
-        row = PlanRow(**{**row.__dict__, "note": f"{row.note}; {extra}" if row.note else extra})
+        # A skip connection that joins the two would fail on some ranks only (torch.cat of different rows)
+        # while the others wait in the next layer's agreement: not a layout to run.
+        row = PlanRow(**{**row.__dict__, "exact": False, "note": f"{row.note}; {extra}" if row.note else extra})
     layouts.setdefault(h_out, list(out_sizes))
     return row
