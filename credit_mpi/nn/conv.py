@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import geometry
-from ._comm import agree, check_halo, fetch_rows, overlap_add
+from ._comm import agree, agree_blocks, check_halo, fetch_block, fetch_rows, overlap_add
 from .base import DomainParallelModule
 
 __all__ = [
@@ -80,6 +80,8 @@ class _ConvMixin(DomainParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.dp_active():
             return super().forward(x)
+        if self.dp_on_grid():
+            return self._grid_forward(x)
         manager, nd = self.dp_manager, self._nd
         bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path)
         axis = bands.axis
@@ -103,12 +105,42 @@ class _ConvMixin(DomainParallelModule):
             rows = F.pad(rows, _pad_arg(pads, sd, nd), mode=self.padding_mode)
         return _CONV[nd](rows, self.weight, self.bias, self.stride, conv_padding, self.dilation, self.groups)
 
+    def _grid_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """On a 2-D grid: fetch the (latitude, longitude) window of this block's output block, then convolve."""
+        manager, nd = self.dp_manager, self._nd
+        blocks = agree_blocks(x, lambda t: self.dp_grid_axes(t, nd, type(self).__name__), manager, self.dp_path)
+        ay, ax = blocks.axes
+        sy, sx = ay - (x.ndim - nd), ax - (x.ndim - nd)
+        lays = (conv_layout(self, blocks.heights, sy), conv_layout(self, blocks.widths, sx))
+        boundary = _BOUNDARY[self.padding_mode]
+        for what, lay, sd, sizes, axis in (("latitude", lays[0], sy, blocks.heights, ay),
+                                           ("longitude", lays[1], sx, blocks.widths, ax)):
+            if lay.problem:
+                raise layout_error(f"{self.dp_path} ({what} blocks {sizes})", lay, self.stride[sd])
+            if boundary != "replicate":
+                check_halo(f"{self.dp_path} ({what} blocks)", sizes, lay.width, boundary, axis)
+        by, bx = lays[0].bands[blocks.row], lays[1].bands[blocks.col]
+        rows = fetch_block(x, blocks, (by.in_lo, by.in_hi), (bx.in_lo, bx.in_hi), (lays[0].width, lays[1].width),
+                           manager, (boundary, boundary))
+        pads = conv_paddings(self)
+        skip = {sy, sx}
+        conv_padding = [0] * nd
+        if self.padding_mode == "zeros":
+            conv_padding = [0 if i in skip else pads[i][0] for i in range(nd)]
+            if any(pads[i][0] != pads[i][1] for i in range(nd) if i not in skip):  # "same" with an even kernel
+                rows = F.pad(rows, _pad_arg(pads, skip, nd, skip_symmetric=True))
+                conv_padding = [0 if i in skip or pads[i][0] != pads[i][1] else pads[i][0] for i in range(nd)]
+        elif any(p != (0, 0) for i, p in enumerate(pads) if i not in skip):
+            rows = F.pad(rows, _pad_arg(pads, skip, nd), mode=self.padding_mode)
+        return _CONV[nd](rows, self.weight, self.bias, self.stride, conv_padding, self.dilation, self.groups)
 
-def _pad_arg(pads: list[tuple[int, int]], sd: int, nd: int, skip_symmetric: bool = False) -> list[int]:
+
+def _pad_arg(pads: list[tuple[int, int]], sd: int | set[int], nd: int, skip_symmetric: bool = False) -> list[int]:
+    skip = sd if isinstance(sd, set) else {sd}
     arg: list[int] = []
     for i in reversed(range(nd)):
         before, after = pads[i]
-        if i == sd or (skip_symmetric and before == after):
+        if i in skip or (skip_symmetric and before == after):
             arg += [0, 0]
         else:
             arg += [before, after]
