@@ -304,3 +304,35 @@ def fetch_block(
         else:
             padded = padded.narrow(axis, lo - (start - w), hi - lo)
     return padded
+
+
+class _OverlapAdd2d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, own, width, axes, manager):
+        ctx.width, ctx.axes, ctx.manager = width, axes, manager
+        shape = list(y.shape)
+        shape[axes[0]], shape[axes[1]] = own
+        with torch.enable_grad():
+            z = torch.zeros(shape, dtype=y.dtype, device=y.device, requires_grad=True)
+            padded = halo_exchange(z, width, axes, manager, boundary=("zero", "zero"), check=False)
+            (out,) = torch.autograd.grad(padded, z, y)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        check_backward_thread()
+        # the adjoint of the adjoint: the plain exchange (no grad of its own: double backward is refused)
+        g = grad.detach().contiguous()
+        return halo_exchange(g, ctx.width, ctx.axes, ctx.manager, boundary=("zero", "zero"), check=False), None, None, None, None
+
+
+def overlap_add_2d(y: torch.Tensor, own: tuple[int, int], width: tuple[int, int], axes: tuple[int, int], manager: Any) -> torch.Tensor:
+    """The 2-D :func:`overlap_add`: ``y`` holds this block's ``own`` (rows, cols) plus ``width`` (hy, hx) on every side.
+
+    The outer rows, columns and corners are added to the neighbours' blocks
+    (the adjoint of the 2-D halo exchange with zero boundaries: what falls
+    beyond the global edges is dropped). Collective over the domain grid;
+    differentiable once.
+    """
+    return _OverlapAdd2d.apply(y, tuple(own), tuple(width), tuple(axes), manager)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import geometry
-from ._comm import agree, agree_blocks, check_halo, fetch_block, fetch_rows, overlap_add
+from ._comm import agree, agree_blocks, check_halo, fetch_block, fetch_rows, overlap_add, overlap_add_2d
 from .base import DomainParallelModule
 
 __all__ = [
@@ -153,6 +153,8 @@ class _ConvTransposeMixin(DomainParallelModule):
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         if not self.dp_active():
             return super().forward(x, output_size)
+        if self.dp_on_grid():
+            return self._grid_forward(x, output_size)
         manager, nd = self.dp_manager, self._nd
 
         def axis_of(t: torch.Tensor) -> int:
@@ -179,6 +181,41 @@ class _ConvTransposeMixin(DomainParallelModule):
         pad = [0, 0] * (x.ndim - 1 - axis) + [before, after]
         y = F.pad(y, pad)
         out = overlap_add(y, band.out_rows, w, axis, manager)
+        if self.bias is not None:
+            out = out + self.bias.view([-1] + [1] * nd)
+        return out
+
+    def _grid_forward(self, x: torch.Tensor, output_size: list[int] | None) -> torch.Tensor:
+        """On a 2-D grid: this block's full contribution, the overlap added to the neighbouring blocks (corners too)."""
+        manager, nd = self.dp_manager, self._nd
+
+        def axes_of(t: torch.Tensor) -> tuple[int, int]:
+            if output_size is not None:
+                raise ValueError(f"{self.dp_path}: output_size is not supported on blocks; set output_padding on the module")
+            if self.padding_mode != "zeros":
+                raise ValueError(f"{self.dp_path}: padding_mode={self.padding_mode!r} (torch supports only 'zeros')")
+            return self.dp_grid_axes(t, nd, type(self).__name__)
+
+        blocks = agree_blocks(x, axes_of, manager, self.dp_path)
+        ay, ax = blocks.axes
+        sy, sx = ay - (x.ndim - nd), ax - (x.ndim - nd)
+        lays = (transposed_layout(self, blocks.heights, sy), transposed_layout(self, blocks.widths, sx))
+        for what, lay, sizes in (("latitude", lays[0], blocks.heights), ("longitude", lays[1], blocks.widths)):
+            if lay.problem:
+                raise layout_error(f"{self.dp_path} ({what} blocks {sizes})", lay, 1)
+        skip = {sy, sx}
+        padding = [0 if i in skip else self.padding[i] for i in range(nd)]
+        output_padding = [0 if i in skip else self.output_padding[i] for i in range(nd)]
+        y = _CONV_T[nd](x, self.weight, None, self.stride, padding, output_padding, self.groups, self.dilation)
+        # y holds output rows [in_lo, in_hi) in each grid dim; overlap_add_2d wants [out_start - width, out_stop + width)
+        # (the grid dims are the last two: F.pad's first pair is longitude, the second latitude)
+        by, bx = lays[0].bands[blocks.row], lays[1].bands[blocks.col]
+        wy, wx = lays[0].width, lays[1].width
+        pad = [bx.in_lo - (bx.out_start - wx), (bx.out_stop + wx) - bx.in_hi,
+               by.in_lo - (by.out_start - wy), (by.out_stop + wy) - by.in_hi]
+        own, width = (by.out_rows, bx.out_rows), (wy, wx)
+        y = F.pad(y, pad)
+        out = overlap_add_2d(y, tuple(own), tuple(width), (ay, ax), manager)
         if self.bias is not None:
             out = out + self.bias.view([-1] + [1] * nd)
         return out
