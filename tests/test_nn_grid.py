@@ -280,28 +280,57 @@ def _block(x, manager):
     return x[..., band_offsets(hs)[i] : band_offsets(hs)[i] + hs[i], band_offsets(ws)[j] : band_offsets(ws)[j] + ws[j]]
 
 
-REFUSED = {
-    "upsample": (lambda: nn.Upsample(scale_factor=2, mode="bilinear"), "interpolate"),
+REFUSED_AT_CONVERSION = {
+    "upsample": (lambda: nn.Upsample(scale_factor=2, mode="bilinear"), "Upsample"),
     "maxpool": (lambda: nn.MaxPool2d(2), "MaxPool2d"),
     "avgpool": (lambda: nn.AvgPool2d(3, 2, 1), "AvgPool2d"),
     "adaptive": (lambda: nn.AdaptiveAvgPool2d(1), "AdaptiveAvgPool2d"),
-    "layernorm_lon": (lambda: nn.LayerNorm(12), "LayerNorm"),
+    "conv1d": (lambda: nn.Conv1d(2, 2, 3), "Conv1d"),
+    "circular_pad_lon": (lambda: nn.CircularPad2d((1, 1, 0, 0)), "CircularPad2d"),
+    "linear": (lambda: nn.Linear(12, 12), "Linear"),
 }
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("name", sorted(REFUSED))
-def test_refused_on_grid(name, make_manager):
-    """What has no exact rule on a grid of more than one column raises ConversionError on every rank, naming the layer."""
-    build, kind = REFUSED[name]
+@pytest.mark.parametrize("name", sorted(REFUSED_AT_CONVERSION))
+def test_refused_at_conversion_on_grid(name, make_manager):
+    """What has no exact rule on a grid of more than one column: ConversionError on every rank, naming the path."""
+    build, kind = REFUSED_AT_CONVERSION[name]
+    for grid, manager in grid_managers(make_manager):
+        model = nn.Sequential(nn.Identity(), nn.Sequential(build()))
+        if grid[1] == 1:  # latitude bands: the 1-D rules (a longitude pad / Linear on the last dim stay local)
+            convert_to_domain_parallel(model, manager)
+            continue
+        message = same_error_everywhere(manager.domain_group, lambda m=model: convert_to_domain_parallel(m, manager), ConversionError)
+        assert "1.0" in message and kind in message and f"{grid[0]}x{grid[1]}" in message, message
+
+
+FORWARD_REFUSED = {
+    "layernorm_lon": (lambda: nn.LayerNorm(12), None),
+    "maxpool_adopted": (lambda: nn.MaxPool2d(2), "DomainParallelMaxPool2d"),
+    "upsample_adopted": (lambda: nn.Upsample(scale_factor=2), "DomainParallelUpsample"),
+    "avgpool_adopted": (lambda: nn.AvgPool2d(2), "DomainParallelAvgPool2d"),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", sorted(FORWARD_REFUSED))
+def test_refused_in_forward_on_grid(name, make_manager):
+    """A layer that reaches forward on a grid without a rule (LayerNorm over longitude only; a band wrapper made by
+    hand) raises ConversionError on every rank before any data moves, naming the layer and the grid."""
+    from credit_mpi.nn import base, resample
+
+    build, wrapper = FORWARD_REFUSED[name]
     for grid, manager in grid_managers(make_manager):
         if grid[1] == 1:
             continue
-        model = convert_to_domain_parallel(nn.Sequential(nn.Identity(), build()).double(), manager)
+        if wrapper is None:
+            model = convert_to_domain_parallel(nn.Sequential(nn.Identity(), build()).double(), manager)
+        else:
+            model = nn.Sequential(nn.Identity(), base.adopt(getattr(resample, wrapper), build(), manager, -2, "1"))
         x = _block(torch.randn(2, 2, 2 * grid[0] + 2, 12, dtype=torch.float64), manager)
         message = same_error_everywhere(manager.domain_group, lambda m=model, x=x: m(x), ConversionError)
-        assert message.startswith("1 (") or "] 1 (" in message or " 1 (" in message, message
-        assert kind in message and f"{grid[0]}x{grid[1]}" in message, message
+        assert "1 (" in message and f"{grid[0]}x{grid[1]}" in message, message
 
 
 @pytest.mark.mpi(min_size=2)
@@ -312,10 +341,12 @@ def test_bad_input_on_grid(make_manager):
             continue
         comm = manager.domain_group
         rows, cols = grid
-        # a Conv1d has one spatial dim: no rule on a grid
-        conv1d = convert_to_domain_parallel(nn.Conv1d(2, 2, 3, padding=1).double(), manager)
+        # a Conv1d wrapper made by hand (the converter refuses it): one spatial dim, no rule on a grid
+        from credit_mpi.nn import base, conv
+
+        conv1d = base.adopt(conv.DomainParallelConv1d, nn.Conv1d(2, 2, 3, padding=1).double(), manager, -2, "c1")
         msg = same_error_everywhere(comm, lambda m=conv1d: m(torch.zeros(1, 2, 4, dtype=torch.float64)), ConversionError)
-        assert "Conv1d" in msg
+        assert "c1 (DomainParallelConv1d)" in msg
         # shard_dim must be the latitude (second-to-last) dim
         conv3 = convert_to_domain_parallel(nn.Conv3d(2, 2, 3, padding=1).double(), manager, shard_dim=-3)
         msg = same_error_everywhere(comm, lambda m=conv3: m(torch.zeros(1, 2, 4, 4, 4, dtype=torch.float64)), ValueError)
