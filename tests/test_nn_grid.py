@@ -301,7 +301,7 @@ def test_refused_at_conversion_on_grid(name, make_manager):
         if grid[1] == 1:  # latitude bands: the 1-D rules (a longitude pad / Linear on the last dim stay local)
             convert_to_domain_parallel(model, manager)
             continue
-        message = same_error_everywhere(manager.domain_group, lambda m=model: convert_to_domain_parallel(m, manager), ConversionError)
+        message = same_error_everywhere(manager.domain_group, lambda m=model, g=manager: convert_to_domain_parallel(m, g), ConversionError)
         assert "1.0" in message and kind in message and f"{grid[0]}x{grid[1]}" in message, message
 
 
