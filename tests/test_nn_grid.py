@@ -364,3 +364,43 @@ def test_bad_input_on_grid(make_manager):
         odd = torch.zeros(1, 2, 4, 4, dtype=torch.float32 if manager.domain_rank == 0 else torch.float64)
         msg = same_error_everywhere(comm, lambda m=conv, b=odd: m(b), ValueError)
         assert "float32" in msg and "<root>" in msg
+
+
+# -- the plan ------------------------------------------------------------------------------------
+
+
+def test_describe_on_a_grid():
+    """describe(..., domain_grid=(rows, cols)): one plan per grid dim, the grid's refusals, no MPI."""
+    from credit_mpi.nn import GridPlan, Plan, describe
+
+    plan = describe(ConvNormConv(), (1, 2, 13, 40), domain_grid=(2, 4))
+    assert isinstance(plan, GridPlan) and plan.exact
+    assert plan.latitude.rows == describe(ConvNormConv(), (1, 2, 13, 40), 2).rows  # latitude: 2 bands of dim -2
+    assert plan.longitude.rows == describe(ConvNormConv(), (1, 2, 13, 40), 4, shard_dim=-1).rows
+    down = [r for r in plan.longitude.rows if r.path == "down"][0]
+    assert (down.rows_in, down.rows_out, down.bands_in, down.bands_out) == (40, 20, (10, 10, 10, 10), (5, 5, 5, 5))
+    assert "2x4 latitude x longitude grid: runs exactly" in str(plan) and "longitude (4 block column(s)" in str(plan)
+    # too narrow in longitude: a k5 p2 halo of 2 columns from blocks of 1
+    narrow = describe(nn.Conv2d(2, 2, 5, padding=2), (1, 2, 8, 4), domain_grid=(1, 4))
+    assert narrow.latitude.exact and not narrow.longitude.exact and not narrow.exact
+    # an (n, 1) grid is latitude bands: the plain plan
+    bands = describe(ConvNormConv(), (1, 2, 13, 40), domain_grid=(4, 1))
+    assert isinstance(bands, Plan) and bands.domain_size == 4
+    with pytest.raises(ConversionError, match=r"1 \(Upsample\).*2x2 latitude x longitude"):
+        describe(nn.Sequential(nn.Conv2d(2, 2, 3), nn.Upsample(scale_factor=2)), (1, 2, 8, 8), domain_grid=(2, 2))
+    with pytest.raises(ValueError, match="shard_dim must be -2"):
+        describe(ConvNormConv(), (1, 2, 8, 8), shard_dim=-1, domain_grid=(2, 2))
+    with pytest.raises(ValueError, match="pair of positive integers"):
+        describe(ConvNormConv(), (1, 2, 8, 8), domain_grid=(2,))
+
+
+@pytest.mark.mpi(min_size=4)
+def test_describe_takes_the_managers_grid(make_manager):
+    """describe(model, shape, manager=m) on a grid manager plans the grid (what the converted model will run)."""
+    from credit_mpi.nn import GridPlan, describe
+
+    for grid, manager in grid_managers(make_manager):
+        model = convert_to_domain_parallel(ConvNormConv(), manager)
+        plan = describe(model, (1, 2, 16, 24), manager=manager)
+        assert isinstance(plan, GridPlan) == (grid[1] > 1), (grid, type(plan))
+        assert plan.exact
