@@ -9,6 +9,15 @@ pads the other spatial dims locally like the module, and runs the
 convolution with no padding along the sharded dim. Transposed convolutions
 compute their band's full contribution and add the rows that fall on the
 neighbours' output rows there (overlap-add), then the bias.
+
+On a 2-D latitude x longitude domain grid (``domain_grid=(rows, cols)``,
+``cols > 1``) the same happens in both of the last two dims at once: the
+layer agrees on every rank's block, fetches its window with the 2-D halo
+(:func:`credit_mpi.halo_exchange` with pairs: corners included; the
+module's padding mode at the edges, ``circular`` wrapping the longitude),
+and computes exactly its own output block (the ownership rule of
+:mod:`credit_mpi.nn.geometry` in each dim). Transposed convolutions add
+their overlap to the neighbouring blocks, corners included.
 """
 
 from __future__ import annotations

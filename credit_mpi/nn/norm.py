@@ -9,6 +9,12 @@ is differentiable: its backward sums the statistics' gradients over the
 ranks, so the input and parameter gradients are those of one process (after
 :func:`credit_mpi.reduce_gradients`).
 
+On a 2-D latitude x longitude domain grid (``domain_grid=(rows, cols)``,
+``cols > 1``) the blocks are agreed in both dims and the statistics span
+every block of the grid (the domain group); LayerNorm must normalise
+latitude and longitude together there (longitude alone would need the
+statistics of one grid row: refused with ``ConversionError``).
+
 BatchNorm has ``torch.nn.SyncBatchNorm``'s semantics over every rank of the
 manager (domain x data parallel): the batch statistics are those of all
 samples of all bands, and the running statistics are updated identically on
@@ -182,7 +188,6 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
         if self.bias is not None:
             y = y + self.bias.narrow(sd, bands.start, bands.sizes[bands.rank])
         return y
-
 
     def _grid_forward(self, x: torch.Tensor) -> torch.Tensor:
         """On a 2-D grid: statistics over the whole grid when latitude and longitude are both normalised."""
