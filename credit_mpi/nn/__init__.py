@@ -34,7 +34,7 @@ from .norm import (
     DomainParallelInstanceNorm3d,
     DomainParallelLayerNorm,
 )
-from .plan import Plan, PlanRow, describe
+from .plan import GridPlan, Plan, PlanRow, describe
 from .resample import (
     DomainParallelAdaptiveAvgPool1d,
     DomainParallelAdaptiveAvgPool2d,
@@ -64,6 +64,7 @@ __all__ = [
     "describe",
     "Plan",
     "PlanRow",
+    "GridPlan",
     "ConversionError",
     "DomainParallelConv1d",
     "DomainParallelConv2d",

@@ -25,6 +25,7 @@ from mpi4py import MPI
 from torch.autograd.function import once_differentiable
 
 from ..autograd import check_backward_thread
+from ..grid import grid_coords, grid_of
 from ..halo import halo_exchange
 from ..partition import check_halo_width
 from ..validation import DomainParallelError, Local, agree_cached, comm_label
@@ -203,3 +204,154 @@ def overlap_add(y: torch.Tensor, rows: int, width: int, axis: int, manager: Any)
     group; differentiable once.
     """
     return _OverlapAdd.apply(y, rows, width, axis, manager)
+
+
+# --------------------------------------------------------------------------- the 2-D domain grid
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The agreed block layout of one layer input on a ``rows x cols`` domain grid.
+
+    ``heights[i]`` are the latitude rows of grid row ``i``, ``widths[j]`` the
+    longitudes of grid column ``j``; this rank sits at ``(row, col)``;
+    ``axes`` are the (latitude, longitude) axes of the input.
+    """
+
+    heights: list[int]
+    widths: list[int]
+    row: int
+    col: int
+    axes: tuple[int, int]
+
+    @property
+    def y0(self) -> int:
+        """First global latitude row of this rank's block."""
+        return sum(self.heights[: self.row])
+
+    @property
+    def x0(self) -> int:
+        """First global longitude of this rank's block."""
+        return sum(self.widths[: self.col])
+
+    @property
+    def sizes(self) -> list[int]:
+        """Every domain rank's element count of one (latitude x longitude) slice (row-major ranks)."""
+        return [h * w for h in self.heights for w in self.widths]
+
+
+def agree_blocks(
+    x: torch.Tensor,
+    axes_of: Callable[[torch.Tensor], tuple[int, int]],
+    manager: Any,
+    path: str,
+    extra: Callable[[], Any] | None = None,
+) -> Blocks:
+    """Every rank's block of ``x`` on the manager's 2-D domain grid (collective over the domain group).
+
+    ``axes_of`` runs the layer's local checks and returns the (latitude,
+    longitude) axes; ``extra`` returns more arguments that must be equal on
+    every rank. Raises (on every rank alike) when a rank's checks fail, when
+    the blocks differ in anything but their two grid dims, or when they do
+    not tile the globe (every block of a grid row needs the same latitude
+    rows, every block of a grid column the same longitudes).
+    """
+    comm = manager.domain_group
+    grid = grid_of(manager, comm.Get_size())
+
+    def local() -> tuple:
+        ay, ax = axes_of(x)
+        shape = tuple(x.shape)
+        rest = tuple(s for i, s in enumerate(shape) if i not in (ay, ax))
+        grad = bool(torch.is_grad_enabled() and x.requires_grad)
+        return (ay, ax), rest, str(x.dtype), x.device.type, grad, extra() if extra else None, (shape[ay], shape[ax])
+
+    everyone = allgather_or_raise(comm, local)
+    if any(e[:6] != everyone[0][:6] for e in everyone):
+        detail = "; ".join(
+            f"rank {r}: axes {e[0]}, other dims {e[1]}, {e[2]} on {e[3]}, requires_grad={e[4]}"
+            + (f", {e[5]}" if e[5] is not None else "")
+            for r, e in enumerate(everyone)
+        )
+        raise ValueError(
+            f"{path}: the blocks do not fit together across {comm_label(comm)} (the same dtype, device type, "
+            f"requires_grad and every dimension but the two grid dims are needed on every rank): {detail}"
+        )
+    rows, cols = grid
+    table = [[everyone[i * cols + j][6] for j in range(cols)] for i in range(rows)]
+    heights = [table[i][0][0] for i in range(rows)]
+    widths = [table[0][j][1] for j in range(cols)]
+    if any(table[i][j] != (heights[i], widths[j]) for i in range(rows) for j in range(cols)):
+        raise ValueError(
+            f"{path}: the blocks of the {rows}x{cols} domain grid do not tile a global field (every block of a grid "
+            f"row needs the same latitude rows, every block of a grid column the same longitudes); (rows, cols) of "
+            f"each block, grid row by grid row: {table}"
+        )
+    row, col = grid_coords(comm.Get_rank(), grid)
+    return Blocks(heights, widths, row, col, everyone[0][0])
+
+
+def fetch_block(
+    x: torch.Tensor,
+    blocks: Blocks,
+    lat: tuple[int, int],
+    lon: tuple[int, int],
+    width: tuple[int, int],
+    manager: Any,
+    boundary: tuple[str, str],
+) -> torch.Tensor:
+    """Global latitude rows ``lat = (lo, hi)`` x longitudes ``lon = (lo, hi)`` for this rank (collective).
+
+    ``width`` is the agreed ``(hy, hx)`` halo (at least what any rank needs
+    on either side); ``boundary`` the (latitude, longitude) boundaries of
+    :func:`credit_mpi.halo_exchange` (``"zero"``, ``"periodic"``,
+    ``"reflect"``), or ``"replicate"`` in a dim (the edge row/column repeated,
+    corners included: the index is clamped into the field). Differentiable.
+    """
+    ay, ax = blocks.axes
+    hy, hx = width
+    exchange = tuple("zero" if b == "replicate" else b for b in boundary)
+    padded = halo_exchange(x, (hy, hx), (ay, ax), manager, boundary=exchange, check=False) if hy or hx else x
+    spans = (
+        (ay, lat, blocks.y0, hy, sum(blocks.heights), boundary[0]),
+        (ax, lon, blocks.x0, hx, sum(blocks.widths), boundary[1]),
+    )
+    for axis, (lo, hi), start, w, total, bnd in spans:
+        if bnd == "replicate":
+            index = torch.arange(lo, hi, device=x.device).clamp(0, total - 1) - (start - w)
+            padded = padded.index_select(axis, index)
+        else:
+            padded = padded.narrow(axis, lo - (start - w), hi - lo)
+    return padded
+
+
+class _OverlapAdd2d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, own, width, axes, manager):
+        ctx.width, ctx.axes, ctx.manager = width, axes, manager
+        shape = list(y.shape)
+        shape[axes[0]], shape[axes[1]] = own
+        with torch.enable_grad():
+            z = torch.zeros(shape, dtype=y.dtype, device=y.device, requires_grad=True)
+            padded = halo_exchange(z, width, axes, manager, boundary=("zero", "zero"), check=False)
+            (out,) = torch.autograd.grad(padded, z, y)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        check_backward_thread()
+        # the adjoint of the adjoint: the plain exchange (no grad of its own: double backward is refused)
+        g = grad.detach().contiguous()
+        return halo_exchange(g, ctx.width, ctx.axes, ctx.manager, boundary=("zero", "zero"), check=False), None, None, None, None
+
+
+def overlap_add_2d(y: torch.Tensor, own: tuple[int, int], width: tuple[int, int], axes: tuple[int, int], manager: Any) -> torch.Tensor:
+    """The 2-D :func:`overlap_add`: ``y`` holds this block's ``own`` (rows, cols) plus ``width`` (hy, hx) on every side.
+
+    The outer rows, columns and corners are added to the neighbours' blocks
+    (the adjoint of the 2-D halo exchange with zero boundaries: what falls
+    beyond the global edges is dropped). Collective over the domain grid;
+    differentiable once.
+    """
+    return _OverlapAdd2d.apply(y, tuple(own), tuple(width), tuple(axes), manager)

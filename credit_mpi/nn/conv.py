@@ -9,6 +9,15 @@ pads the other spatial dims locally like the module, and runs the
 convolution with no padding along the sharded dim. Transposed convolutions
 compute their band's full contribution and add the rows that fall on the
 neighbours' output rows there (overlap-add), then the bias.
+
+On a 2-D latitude x longitude domain grid (``domain_grid=(rows, cols)``,
+``cols > 1``) the same happens in both of the last two dims at once: the
+layer agrees on every rank's block, fetches its window with the 2-D halo
+(:func:`credit_mpi.halo_exchange` with pairs: corners included; the
+module's padding mode at the edges, ``circular`` wrapping the longitude),
+and computes exactly its own output block (the ownership rule of
+:mod:`credit_mpi.nn.geometry` in each dim). Transposed convolutions add
+their overlap to the neighbouring blocks, corners included.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import geometry
-from ._comm import agree, check_halo, fetch_rows, overlap_add
+from ._comm import agree, agree_blocks, check_halo, fetch_block, fetch_rows, overlap_add, overlap_add_2d
 from .base import DomainParallelModule
 
 __all__ = [
@@ -80,6 +89,8 @@ class _ConvMixin(DomainParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.dp_active():
             return super().forward(x)
+        if self.dp_on_grid():
+            return self._grid_forward(x)
         manager, nd = self.dp_manager, self._nd
         bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path)
         axis = bands.axis
@@ -103,12 +114,42 @@ class _ConvMixin(DomainParallelModule):
             rows = F.pad(rows, _pad_arg(pads, sd, nd), mode=self.padding_mode)
         return _CONV[nd](rows, self.weight, self.bias, self.stride, conv_padding, self.dilation, self.groups)
 
+    def _grid_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """On a 2-D grid: fetch the (latitude, longitude) window of this block's output block, then convolve."""
+        manager, nd = self.dp_manager, self._nd
+        blocks = agree_blocks(x, lambda t: self.dp_grid_axes(t, nd, type(self).__name__), manager, self.dp_path)
+        ay, ax = blocks.axes
+        sy, sx = ay - (x.ndim - nd), ax - (x.ndim - nd)
+        lays = (conv_layout(self, blocks.heights, sy), conv_layout(self, blocks.widths, sx))
+        boundary = _BOUNDARY[self.padding_mode]
+        for what, lay, sd, sizes, axis in (("latitude", lays[0], sy, blocks.heights, ay),
+                                           ("longitude", lays[1], sx, blocks.widths, ax)):
+            if lay.problem:
+                raise layout_error(f"{self.dp_path} ({what} blocks {sizes})", lay, self.stride[sd])
+            if boundary != "replicate":
+                check_halo(f"{self.dp_path} ({what} blocks)", sizes, lay.width, boundary, axis)
+        by, bx = lays[0].bands[blocks.row], lays[1].bands[blocks.col]
+        rows = fetch_block(x, blocks, (by.in_lo, by.in_hi), (bx.in_lo, bx.in_hi), (lays[0].width, lays[1].width),
+                           manager, (boundary, boundary))
+        pads = conv_paddings(self)
+        skip = {sy, sx}
+        conv_padding = [0] * nd
+        if self.padding_mode == "zeros":
+            conv_padding = [0 if i in skip else pads[i][0] for i in range(nd)]
+            if any(pads[i][0] != pads[i][1] for i in range(nd) if i not in skip):  # "same" with an even kernel
+                rows = F.pad(rows, _pad_arg(pads, skip, nd, skip_symmetric=True))
+                conv_padding = [0 if i in skip or pads[i][0] != pads[i][1] else pads[i][0] for i in range(nd)]
+        elif any(p != (0, 0) for i, p in enumerate(pads) if i not in skip):
+            rows = F.pad(rows, _pad_arg(pads, skip, nd), mode=self.padding_mode)
+        return _CONV[nd](rows, self.weight, self.bias, self.stride, conv_padding, self.dilation, self.groups)
 
-def _pad_arg(pads: list[tuple[int, int]], sd: int, nd: int, skip_symmetric: bool = False) -> list[int]:
+
+def _pad_arg(pads: list[tuple[int, int]], sd: int | set[int], nd: int, skip_symmetric: bool = False) -> list[int]:
+    skip = sd if isinstance(sd, set) else {sd}
     arg: list[int] = []
     for i in reversed(range(nd)):
         before, after = pads[i]
-        if i == sd or (skip_symmetric and before == after):
+        if i in skip or (skip_symmetric and before == after):
             arg += [0, 0]
         else:
             arg += [before, after]
@@ -121,6 +162,8 @@ class _ConvTransposeMixin(DomainParallelModule):
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         if not self.dp_active():
             return super().forward(x, output_size)
+        if self.dp_on_grid():
+            return self._grid_forward(x, output_size)
         manager, nd = self.dp_manager, self._nd
 
         def axis_of(t: torch.Tensor) -> int:
@@ -147,6 +190,41 @@ class _ConvTransposeMixin(DomainParallelModule):
         pad = [0, 0] * (x.ndim - 1 - axis) + [before, after]
         y = F.pad(y, pad)
         out = overlap_add(y, band.out_rows, w, axis, manager)
+        if self.bias is not None:
+            out = out + self.bias.view([-1] + [1] * nd)
+        return out
+
+    def _grid_forward(self, x: torch.Tensor, output_size: list[int] | None) -> torch.Tensor:
+        """On a 2-D grid: this block's full contribution, the overlap added to the neighbouring blocks (corners too)."""
+        manager, nd = self.dp_manager, self._nd
+
+        def axes_of(t: torch.Tensor) -> tuple[int, int]:
+            if output_size is not None:
+                raise ValueError(f"{self.dp_path}: output_size is not supported on blocks; set output_padding on the module")
+            if self.padding_mode != "zeros":
+                raise ValueError(f"{self.dp_path}: padding_mode={self.padding_mode!r} (torch supports only 'zeros')")
+            return self.dp_grid_axes(t, nd, type(self).__name__)
+
+        blocks = agree_blocks(x, axes_of, manager, self.dp_path)
+        ay, ax = blocks.axes
+        sy, sx = ay - (x.ndim - nd), ax - (x.ndim - nd)
+        lays = (transposed_layout(self, blocks.heights, sy), transposed_layout(self, blocks.widths, sx))
+        for what, lay, sizes in (("latitude", lays[0], blocks.heights), ("longitude", lays[1], blocks.widths)):
+            if lay.problem:
+                raise layout_error(f"{self.dp_path} ({what} blocks {sizes})", lay, 1)
+        skip = {sy, sx}
+        padding = [0 if i in skip else self.padding[i] for i in range(nd)]
+        output_padding = [0 if i in skip else self.output_padding[i] for i in range(nd)]
+        y = _CONV_T[nd](x, self.weight, None, self.stride, padding, output_padding, self.groups, self.dilation)
+        # y holds output rows [in_lo, in_hi) in each grid dim; overlap_add_2d wants [out_start - width, out_stop + width)
+        # (the grid dims are the last two: F.pad's first pair is longitude, the second latitude)
+        by, bx = lays[0].bands[blocks.row], lays[1].bands[blocks.col]
+        wy, wx = lays[0].width, lays[1].width
+        pad = [bx.in_lo - (bx.out_start - wx), (bx.out_stop + wx) - bx.in_hi,
+               by.in_lo - (by.out_start - wy), (by.out_stop + wy) - by.in_hi]
+        own, width = (by.out_rows, bx.out_rows), (wy, wx)
+        y = F.pad(y, pad)
+        out = overlap_add_2d(y, tuple(own), tuple(width), (ay, ax), manager)
         if self.bias is not None:
             out = out + self.bias.view([-1] + [1] * nd)
         return out

@@ -22,6 +22,13 @@ Policy (every module of the model, the root included, is visited once):
    ``shard_dim`` is the last dim, global pooling other than the adaptive
    average, and unknown leaf modules.
 
+On a 2-D latitude x longitude domain grid of more than one column
+(``domain_grid=(rows, cols)``, ``cols > 1``) the last two dims of every layer
+input are split (latitude = ``shard_dim``, which must be -2, and longitude):
+convolutions (2-D/3-D, transposed too) and the norms run on blocks; the
+layers without a grid rule (1-D layers, upsampling, pooling) and padding
+modules or ``nn.Linear`` that act on the longitude are refused here.
+
 The conversion is deterministic (the same model gives the same verdict on
 every rank) and moves no data.
 """
@@ -33,6 +40,7 @@ from typing import Any
 
 from torch import nn
 
+from ..grid import grid_of
 from ..manager import DomainParallelManager, get_domain_parallel_manager
 from ..validation import check_int
 from . import conv, norm, resample
@@ -177,18 +185,28 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
     kind = type(module)
     if isinstance(module, DomainParallelModule):  # converted already: the same wrapper with this manager
         return adopt(kind, module, manager, shard_dim, label)
+    grid = _grid_with_columns(manager)
     if kind in RULES:
         _check_supported(module, label)
+        if grid and kind in _NO_GRID_RULE:
+            _refuse(module, label, f"it has no exact rule on a {grid[0]}x{grid[1]} latitude x longitude domain grid yet "
+                                   f"(use latitude bands: domain_grid=None or ({grid[0] * grid[1]}, 1))")
         return adopt(RULES[kind], module, manager, shard_dim, label)
     if kind in POINTWISE:
         return module
     if kind in _PADS:
         if _pads_sharded_dim(module, shard_dim):
             _refuse(module, label, "it pads the sharded dim (only the global edges may be padded: use the conv's own padding)")
+        if grid and _pads_sharded_dim(module, -1):
+            _refuse(module, label, f"it pads the longitude (the last dim), which the {grid[0]}x{grid[1]} domain grid "
+                                   f"splits (use the conv's own padding, e.g. padding_mode='circular')")
         return module
     if kind is nn.Linear:
         if shard_dim == -1:
             _refuse(module, label, "nn.Linear acts on the last dim, which is the sharded one")
+        if grid:
+            _refuse(module, label, f"nn.Linear acts on the last dim, the longitude, which the {grid[0]}x{grid[1]} "
+                                   f"domain grid splits")
         return module
     if kind in _REFUSED_WHY:
         _refuse(module, label, _REFUSED_WHY[kind])
@@ -201,6 +219,22 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
         return module
     _refuse(module, label, "it is a module the converter has no rule for (it may mix rows along the sharded dim)")
     raise AssertionError("unreachable")
+
+
+# layers in RULES whose wrappers know latitude bands only (a 2-D grid with more than one column refuses them)
+_NO_GRID_RULE: tuple[type, ...] = (
+    nn.Conv1d, nn.ConvTranspose1d, nn.InstanceNorm1d, nn.Upsample,
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+)
+
+
+def _grid_with_columns(manager: Any) -> tuple[int, int] | None:
+    """The manager's ``(rows, cols)`` when it is a 2-D grid of more than one column (blocks), else None."""
+    if manager is None or manager.domain_parallel_size <= 1:
+        return None
+    grid = grid_of(manager, manager.domain_parallel_size)
+    return grid if grid[1] > 1 else None
 
 
 def _check_supported(module: nn.Module, label: str) -> None:

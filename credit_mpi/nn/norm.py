@@ -9,6 +9,12 @@ is differentiable: its backward sums the statistics' gradients over the
 ranks, so the input and parameter gradients are those of one process (after
 :func:`credit_mpi.reduce_gradients`).
 
+On a 2-D latitude x longitude domain grid (``domain_grid=(rows, cols)``,
+``cols > 1``) the blocks are agreed in both dims and the statistics span
+every block of the grid (the domain group); LayerNorm must normalise
+latitude and longitude together there (longitude alone would need the
+statistics of one grid row: refused with ``ConversionError``).
+
 BatchNorm has ``torch.nn.SyncBatchNorm``'s semantics over every rank of the
 manager (domain x data parallel): the batch statistics are those of all
 samples of all bands, and the running statistics are updated identically on
@@ -24,7 +30,7 @@ import torch
 from torch import nn
 
 from ..validation import allgather_or_raise
-from ._comm import ConversionError, agree, allgather_stats
+from ._comm import ConversionError, agree, agree_blocks, allgather_stats
 from .base import DomainParallelModule
 
 __all__ = [
@@ -79,10 +85,11 @@ class DomainParallelGroupNorm(DomainParallelModule, nn.GroupNorm):
         def axis_of(t):
             if t.ndim < 3:
                 raise ValueError(f"{self.dp_path} (GroupNorm): needs an (N, C, *spatial) input, got shape {tuple(t.shape)}")
+            if self.dp_on_grid():
+                return self.dp_grid_axes(t, t.ndim - 2, "GroupNorm")
             return self.dp_spatial_axis(t, t.ndim - 2, "GroupNorm")
 
-        bands = agree(x, axis_of, manager.domain_group, self.dp_path)
-        _no_empty(self.dp_path, bands.sizes)
+        _no_empty(self.dp_path, _agreed_sizes(self, x, axis_of))
         n, c = x.shape[:2]
         xs = x.reshape(n, self.num_groups, -1)
         mean, var, _ = global_mean_var(xs, [2], manager.domain_group)
@@ -106,10 +113,11 @@ class _InstanceNormMixin(DomainParallelModule):
                 raise ValueError(f"{self.dp_path} (InstanceNorm{nd}d): needs a batched (N, C, *spatial) input on bands, got shape {tuple(t.shape)}")
             if self.track_running_stats:
                 raise ConversionError(f"{self.dp_path}: InstanceNorm with track_running_stats=True is not supported in training on bands")
+            if self.dp_on_grid():
+                return self.dp_grid_axes(t, nd, f"InstanceNorm{nd}d")
             return self.dp_spatial_axis(t, nd, f"InstanceNorm{nd}d")
 
-        bands = agree(x, axis_of, manager.domain_group, self.dp_path)
-        _no_empty(self.dp_path, bands.sizes)
+        _no_empty(self.dp_path, _agreed_sizes(self, x, axis_of))
         n, c = x.shape[:2]
         dims = list(range(2, x.ndim))
         mean, var, _ = global_mean_var(x, dims, manager.domain_group)
@@ -148,6 +156,8 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.dp_active():
             return super().forward(x)
+        if self.dp_on_grid():
+            return self._grid_forward(x)
         k = len(self.normalized_shape)
         axis = self.dp_shard_dim % x.ndim if -x.ndim <= self.dp_shard_dim < x.ndim else None
         if axis is None or axis < x.ndim - k:
@@ -177,6 +187,44 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
             y = y * self.weight.narrow(sd, bands.start, bands.sizes[bands.rank])
         if self.bias is not None:
             y = y + self.bias.narrow(sd, bands.start, bands.sizes[bands.rank])
+        return y
+
+    def _grid_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """On a 2-D grid: statistics over the whole grid when latitude and longitude are both normalised."""
+        manager, k = self.dp_manager, len(self.normalized_shape)
+
+        def axes_of(t):
+            if k < 2:
+                rows, cols = self.dp_grid()
+                raise ConversionError(
+                    f"{self.dp_path} (LayerNorm): normalized_shape {tuple(self.normalized_shape)} normalises the "
+                    f"longitude only, whose statistics span one grid row of the {rows}x{cols} domain grid: no rule "
+                    f"yet; normalise latitude and longitude together or use latitude bands (domain_grid=None)"
+                )
+            if t.ndim < k:
+                raise ValueError(f"{self.dp_path} (LayerNorm): input shape {tuple(t.shape)} has fewer dims than normalized_shape {tuple(self.normalized_shape)}")
+            ay, ax = self.dp_grid_axes(t, k, "LayerNorm")
+            if list(t.shape[t.ndim - k : ay]) != list(self.normalized_shape[: k - 2]):
+                raise ValueError(f"{self.dp_path} (LayerNorm): input shape {tuple(t.shape)} does not end in normalized_shape {tuple(self.normalized_shape)}")
+            return ay, ax
+
+        blocks = agree_blocks(x, axes_of, manager, self.dp_path)
+        _no_empty(self.dp_path, blocks.sizes)
+        if (sum(blocks.heights), sum(blocks.widths)) != tuple(self.normalized_shape[-2:]):
+            raise ValueError(
+                f"{self.dp_path} (LayerNorm): the blocks hold {sum(blocks.heights)} x {sum(blocks.widths)} "
+                f"(latitude x longitude) in all, normalized_shape {tuple(self.normalized_shape)} expects "
+                f"{tuple(self.normalized_shape[-2:])}"
+            )
+        dims = list(range(x.ndim - k, x.ndim))
+        lead = list(x.shape[: x.ndim - k])
+        mean, var, _ = global_mean_var(x, dims, manager.domain_group)
+        y = _normalize(x, mean, var, self.eps, lead + [1] * k)
+        h, w = x.shape[-2], x.shape[-1]
+        if self.weight is not None:
+            y = y * self.weight.narrow(k - 2, blocks.y0, h).narrow(k - 1, blocks.x0, w)
+        if self.bias is not None:
+            y = y + self.bias.narrow(k - 2, blocks.y0, h).narrow(k - 1, blocks.x0, w)
         return y
 
 
@@ -222,6 +270,14 @@ class DomainParallelBatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
 
 class DomainParallelBatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` with SyncBatchNorm semantics over the manager's ranks."""
+
+
+def _agreed_sizes(layer: DomainParallelModule, x: torch.Tensor, axis_of) -> list[int]:
+    """Agree on every rank's band (latitude bands) or block (a 2-D grid): each rank's rows / elements per slice."""
+    manager = layer.dp_manager
+    if layer.dp_on_grid():
+        return agree_blocks(x, axis_of, manager, layer.dp_path).sizes
+    return agree(x, axis_of, manager.domain_group, layer.dp_path).sizes
 
 
 def _no_empty(path: str, sizes: list[int]) -> None:

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
+from ..grid import check_grid, grid_of
 from ..partition import band_sizes, normalize_dim
 from . import conv, geometry, norm, resample
 from .base import DomainParallelModule
 from .convert import _convert
 
-__all__ = ["describe", "Plan", "PlanRow"]
+__all__ = ["describe", "Plan", "PlanRow", "GridPlan"]
 
 
 @dataclass(frozen=True)
@@ -78,30 +80,85 @@ class Plan:
         return "\n".join(out)
 
 
+@dataclass
+class GridPlan:
+    """The plan of a model on a ``rows x cols`` latitude x longitude domain grid: one :class:`Plan` per grid dim.
+
+    ``latitude`` follows the latitude blocks (``rows`` bands of dim -2),
+    ``longitude`` the longitude blocks (``cols`` bands of dim -1); a layer
+    runs exactly on the grid when it does in both.
+    """
+
+    domain_grid: tuple[int, int]
+    latitude: Plan
+    longitude: Plan
+
+    @property
+    def exact(self) -> bool:
+        """True when every layer runs exactly in both grid dims."""
+        return self.latitude.exact and self.longitude.exact
+
+    def __str__(self) -> str:
+        rows, cols = self.domain_grid
+        head = (f"plan for input {tuple(self.latitude.input_shape)} on a {rows}x{cols} latitude x longitude grid: "
+                + ("runs exactly" if self.exact else "does NOT run exactly"))
+        lat = str(self.latitude).split("\n", 1)[1]
+        lon = str(self.longitude).split("\n", 1)[1]
+        return f"{head}\nlatitude ({rows} block row(s), dim -2):\n{lat}\nlongitude ({cols} block column(s), dim -1):\n{lon}"
+
+
 def describe(model: nn.Module, input_shape: tuple[int, ...], domain_size: int | None = None, manager=None,
-             shard_dim: int = -2) -> Plan:
+             shard_dim: int = -2, *, domain_grid: tuple[int, int] | None = None) -> Plan | GridPlan:
     """The plan of ``model`` (converted or not) for a global input of ``input_shape`` on ``domain_size`` bands.
 
     Args:
         model: A model, converted or not (it is not modified).
         input_shape: The GLOBAL input shape.
         domain_size: Number of bands (default: the manager's domain size, else 1).
-        manager: A DomainParallelManager to take the domain size from.
+        manager: A DomainParallelManager to take the domain size (and its ``domain_grid``) from.
         shard_dim: The sharded dim (default -2).
+        domain_grid: ``(rows, cols)`` of a latitude x longitude domain grid (default: the manager's).
 
     Returns:
-        A :class:`Plan` (``print(plan)`` shows the table; ``plan.exact``; ``plan.rows``).
+        A :class:`Plan` (``print(plan)`` shows the table; ``plan.exact``; ``plan.rows``); on a grid of
+        more than one column a :class:`GridPlan` (one plan per grid dim).
 
     Raises:
-        ConversionError: the model has a module without a rule.
+        ConversionError: the model has a module without a rule (on a grid: without a block rule).
+        ValueError: ``domain_grid`` is not a pair of positive ints, or ``shard_dim`` is not -2 on a grid.
     """
+    if domain_grid is None and manager is not None and manager.domain_parallel_size > 1:
+        domain_grid = grid_of(manager, manager.domain_parallel_size)
+    if domain_grid is not None:
+        try:
+            size = int(domain_grid[0]) * int(domain_grid[1])
+        except (TypeError, ValueError, IndexError, KeyError):
+            size = 0  # check_grid names what is wrong
+        grid = check_grid(domain_grid, size)
+        if grid[1] > 1:
+            if normalize_dim(shard_dim, len(input_shape)) != len(input_shape) - 2:
+                raise ValueError(f"on a {grid[0]}x{grid[1]} domain grid the blocks split the last two dims, so shard_dim "
+                                 f"must be -2 (latitude), got {shard_dim}")
+            standin = SimpleNamespace(domain_parallel_size=grid[0] * grid[1], domain_grid=grid)
+            _convert(copy.deepcopy(model, _memo(model, manager)).to("meta"), "", standin, shard_dim, {})  # refusals only
+            return GridPlan(grid, _plan(model, input_shape, grid[0], manager, -2), _plan(model, input_shape, grid[1], manager, -1))
+        domain_size = grid[0] if domain_size is None else domain_size
     if domain_size is None:
         domain_size = manager.domain_parallel_size if manager is not None else 1
+    return _plan(model, input_shape, domain_size, manager, shard_dim)
+
+
+def _memo(model: nn.Module, manager) -> dict:
+    """Managers (communicators) are not copied with the model."""
     memo = {id(manager): None} if manager is not None else {}
     for m in model.modules():
         if isinstance(m, DomainParallelModule) and m.dp_manager is not None:
             memo[id(m.dp_manager)] = None
-    dry = _convert(copy.deepcopy(model, memo), "", None, shard_dim, {})
+    return memo
+
+
+def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, manager, shard_dim: int) -> Plan:
+    dry = _convert(copy.deepcopy(model, _memo(model, manager)), "", None, shard_dim, {})
     dry = dry.to("meta")
     calls = []
     hooks = [
