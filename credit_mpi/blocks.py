@@ -194,7 +194,7 @@ class Gather2d(NamedTuple):
 def block_table(counts: list[int], grid: tuple[int, int], what: str, ay: int, ax: int) -> tuple[list[int], list[int]]:
     """``(heights, widths)`` from every rank's agreed ``rows << 32 | cols``; ValueError if the blocks do not tile a grid."""
     rows, cols = grid
-    blocks = [(c >> _SHIFT, c & ((1 << _SHIFT) - 1)) for c in counts]
+    blocks = [decode_block(c) for c in counts]
     heights = [blocks[i * cols][0] for i in range(rows)]
     widths = [blocks[j][1] for j in range(cols)]
     if any(blocks[i * cols + j] != (heights[i], widths[j]) for i in range(rows) for j in range(cols)):
@@ -204,6 +204,11 @@ def block_table(counts: list[int], grid: tuple[int, int], what: str, ay: int, ax
             f"rows along dim {ay}, every block of a grid column the same columns along dim {ax}): {detail}"
         )
     return heights, widths
+
+
+def decode_block(count: int) -> tuple[int, int]:
+    """The ``(rows, cols)`` of a block that :func:`encode_block` made one count of."""
+    return count >> _SHIFT, count & ((1 << _SHIFT) - 1)
 
 
 def encode_block(shape: tuple, ay: int, ax: int) -> int:

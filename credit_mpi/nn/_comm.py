@@ -25,10 +25,12 @@ from mpi4py import MPI
 from torch.autograd.function import once_differentiable
 
 from ..autograd import check_backward_thread
+from ..blocks import decode_block, encode_block
 from ..grid import grid_coords, grid_of
 from ..halo import halo_exchange
 from ..partition import check_halo_width
 from ..validation import DomainParallelError, Local, agree_cached, comm_label
+from ..validation import agree as agree_once
 
 
 class ConversionError(DomainParallelError):
@@ -259,24 +261,31 @@ def agree_blocks(
     comm = manager.domain_group
     grid = grid_of(manager, comm.Get_size())
 
-    def local() -> tuple:
-        ay, ax = axes_of(x)
+    def describe(axes: tuple[int, int]) -> tuple:
         shape = tuple(x.shape)
-        rest = tuple(s for i, s in enumerate(shape) if i not in (ay, ax))
+        rest = tuple(s for i, s in enumerate(shape) if i not in axes)
         grad = bool(torch.is_grad_enabled() and x.requires_grad)
-        return (ay, ax), rest, str(x.dtype), x.device.type, grad, extra() if extra else None, (shape[ay], shape[ax])
+        return axes, rest, str(x.dtype), x.device.type, grad, extra() if extra else None
 
-    everyone = allgather_or_raise(comm, local)
-    if any(e[:6] != everyone[0][:6] for e in everyone):
+    def local() -> Local:
+        ay, ax = axes_of(x)
+        mine = describe((ay, ax))
+        # the fixed-size agreement of every collective: one count per rank carries the block's (rows, cols)
+        return Local(mine, (*mine[:5], repr(mine[5])), (), encode_block(tuple(x.shape), ay, ax))
+
+    def explain(locals_: list[Local]) -> None:
         detail = "; ".join(
             f"rank {r}: axes {e[0]}, other dims {e[1]}, {e[2]} on {e[3]}, requires_grad={e[4]}"
             + (f", {e[5]}" if e[5] is not None else "")
-            for r, e in enumerate(everyone)
+            for r, e in enumerate(loc.plan for loc in locals_)
         )
         raise ValueError(
             f"{path}: the blocks do not fit together across {comm_label(comm)} (the same dtype, device type, "
             f"requires_grad and every dimension but the two grid dims are needed on every rank): {detail}"
         )
+
+    mine, counts = agree_once(comm, "layer", local, explain=explain)
+    everyone = [(*mine[:6], decode_block(c)) for c in counts]
     rows, cols = grid
     table = [[everyone[i * cols + j][6] for j in range(cols)] for i in range(rows)]
     heights = [table[i][0][0] for i in range(rows)]
