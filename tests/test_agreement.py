@@ -1,4 +1,4 @@
-"""Issue 17 ("reliability, round 2"): what one rank does differently is everyone's error.
+"""Reliability: what one rank does differently is everyone's error.
 
 One test per finding of the issue. Each perturbs one argument or array
 property on ONE rank (the last, so that 3 and 4 ranks see it in the middle

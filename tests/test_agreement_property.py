@@ -1,4 +1,4 @@
-"""The agreement rule as a property (issue 17): random one-rank perturbations of every public collective.
+"""The agreement rule as a property: random one-rank perturbations of every public collective.
 
 Serial tests that launch tests/agreement_job.py under mpiexec on 2, 3 and 4
 ranks, each bounded by a timeout (a hang kills the launcher's process group

@@ -1,4 +1,4 @@
-"""The model side on a 2-D latitude x longitude domain grid (issue 15, item 4), against one process (float64).
+"""The model side on a 2-D latitude x longitude domain grid, against one process (float64).
 
 Every MPI test runs the grids the world size allows (1xN, Nx1, 2x2, 2x3, 3x2) over COMM_WORLD, with
 blocks even in both dims, uneven in both, and mixed, built from the same seed on every rank. A layer

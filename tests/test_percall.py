@@ -1,4 +1,4 @@
-"""Per-call fast paths (issue 13): remembered agreements and plans, the halo's one-round exchange, the output pool.
+"""Per-call fast paths: remembered agreements and plans, the halo's one-round exchange, the output pool.
 
 Every test runs the same call shape more than once (so the remembered plan
 is used), then changes something on ONE rank: the change must still be the

@@ -539,7 +539,7 @@ def requires_grad(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()
 
 
-# -- per-call fast paths (issue 13): cache keys, host byte views, an output pool ----
+# -- per-call fast paths: cache keys, host byte views, an output pool ----
 
 
 def cache_key(x: Any) -> tuple | None:

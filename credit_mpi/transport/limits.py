@@ -14,7 +14,7 @@ TAG_N, TAG_S, TAG_W, TAG_E, TAG_POLE_N, TAG_POLE_S = 41, 42, 43, 44, 45, 46
 # Above this many bytes per outer slice of the output, a gather moves each
 # slice with its own contiguous (I)allgather, straight into place, all in
 # flight at once; below it, slices are gathered in packed groups of at most
-# PACK_BYTES and copied into place. Measured on 2 ranks (issue 13, float32
+# PACK_BYTES and copied into place. Measured on 2 ranks (float32
 # bands gathered along dim -2): 64 slices of 65 KB took 2.2 x the raw
 # Allgather of the same bytes as slices and 1.5 x packed; 64 slices of 1 MB
 # 1.25 x as slices and 2.0 x packed.
