@@ -1,4 +1,4 @@
-"""A property test of the agreement rule (issue 17), as a standalone MPI program.
+"""A property test of the agreement rule, as a standalone MPI program.
 
 Launched by tests/test_agreement_property.py under mpiexec (not collected by pytest):
 

@@ -1,4 +1,4 @@
-"""The 2-D latitude x longitude domain grid (issue 15): manager, blocks, 2-D halo, autograd, bad input.
+"""The 2-D latitude x longitude domain grid: manager, blocks, 2-D halo, autograd, bad input.
 
 Every MPI test runs every grid the world size allows (1xN, Nx1, 2x2, 2x3,
 3x2, ...), even and uneven blocks in both dims, against a single-process
