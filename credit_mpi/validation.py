@@ -65,20 +65,23 @@ def allgather_or_raise(comm: MPI.Comm, compute: Callable[[], Any]) -> list[Any]:
     on one of ``ValueError``/``TypeError``/``DomainParallelError``, else
     ``DomainParallelError``), with a message naming each failing rank.
 
+    It starts like every credit_mpi collective, with :func:`agree`'s
+    fixed-size ``Allgather`` (operation ``"collective"``), so a rank here and
+    a rank that is in another credit_mpi operation raise on both sides
+    instead of pairing their messages; then one pickled ``allgather`` of the
+    results.
+
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
     """
-    local_error = None
-    try:
-        item = (True, compute())
-    except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-        local_error = exc
-        item = (False, (type(exc) if isinstance(exc, _PORTABLE) else None, str(exc)))
-    items = comm.allgather(item)
-    failures = {rank: info for rank, (ok, info) in enumerate(items) if not ok}
-    if failures:
-        raise _agreed_error(failures, comm_label(comm)) from local_error
-    return [value for _, value in items]
+    box: list[Any] = []
+
+    def local() -> Local:
+        box.append(compute())
+        return Local(None, ())
+
+    agree(comm, "collective", local)
+    return comm.allgather(box[0])
 
 
 class Local(NamedTuple):
