@@ -34,7 +34,7 @@ from .grid import block_sizes, grid_coords, grid_of
 from .manager import Domain, domain_of
 from .partition import band_offsets, normalize_dim
 from .transport import arrays, rowops, staging
-from .validation import Local, agree
+from .validation import Local, agree, check_root
 
 __all__ = [
     "is_grid_call",
@@ -313,8 +313,7 @@ def scatter_tensor_2d(x: Any, dim: Any, manager: Any, root: int, uneven: bool) -
     comm, n, rank = grid_comm(domain), domain.size, domain.rank
 
     def local() -> Local:
-        if isinstance(root, bool) or not (isinstance(root, int) and 0 <= root < n):
-            raise ValueError(f"root must be a domain rank in 0..{n - 1}, got {root!r}")
+        check_root(root, n)
         plan = None
         if rank == root:
             info = arrays.describe(x)

@@ -53,7 +53,7 @@ from . import blocks
 from .manager import Domain, DomainParallelManager, domain_of
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
 from .transport import arrays, limits, rowops, staging
-from .validation import Local, agree, agree_cached, check_bands_fit, check_transport
+from .validation import Local, agree, agree_cached, check_bands_fit, check_root, check_transport
 
 __all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
 
@@ -455,8 +455,7 @@ def scatter_tensor(
     comm, n, rank = domain.comm, domain.size, domain.rank
 
     def local() -> Local:
-        if isinstance(root, bool) or not (isinstance(root, int) and 0 <= root < n):
-            raise ValueError(f"root must be a domain rank in 0..{n - 1}, got {root!r}")
+        check_root(root, n)
         plan = None
         if rank == root:
             info = arrays.describe(x)

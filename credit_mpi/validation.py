@@ -40,6 +40,7 @@ __all__ = [
     "raise_on_all",
     "comm_label",
     "check_int",
+    "check_root",
     "check_bands_fit",
     "check_transport",
 ]
@@ -288,6 +289,13 @@ def forget_agreements() -> None:
 def _digest(values: tuple) -> int:
     """A 64-bit digest of plain values, the same on every rank (``hash()`` of a str is salted per process)."""
     return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def check_root(root: Any, n: int) -> int:
+    """``root`` if it is a rank of a domain of ``n`` (``bool`` refused); else a ValueError naming the valid range."""
+    if isinstance(root, bool) or not (isinstance(root, int) and 0 <= root < n):
+        raise ValueError(f"root must be a domain rank in 0..{n - 1}, got {root!r}")
+    return root
 
 
 def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
