@@ -80,6 +80,18 @@ def domain_sizes(world_size: int) -> list[int]:
     return [d for d in range(1, world_size + 1) if world_size % d == 0]
 
 
+def reset_torch_distributed() -> None:
+    """Destroy torch's default group and forget the torch bridge's state: no test leaves them to the next."""
+    import torch.distributed as dist
+
+    from credit_mpi import torch_bridge
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch_bridge._BRIDGED.clear()
+    torch_bridge._OWNS_DEFAULT_GROUP = False
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # What a launcher puts in a rank's environment (MPICH's hydra, Open MPI's

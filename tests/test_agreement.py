@@ -30,7 +30,7 @@ from credit_mpi import (
 from credit_mpi.manager import ResourceLeakWarning
 from credit_mpi.partition import band_sizes
 
-from .conftest import SEED, domain_sizes
+from .conftest import SEED, domain_sizes, reset_torch_distributed
 from .halo_reference import band, pad_numpy, pad_torch, prefix_managers
 
 torch = pytest.importorskip("torch")
@@ -92,13 +92,8 @@ def torch_bridge_gloo():
         pytest.skip("torch.distributed is not available")
     from datetime import timedelta
 
-    from credit_mpi import torch_bridge
-
     yield lambda manager: credit_mpi.init_torch_distributed(manager, "gloo", timeout=timedelta(seconds=60))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    torch_bridge._BRIDGED.clear()
-    torch_bridge._OWNS_DEFAULT_GROUP = False
+    reset_torch_distributed()
 
 
 @pytest.mark.mpi(min_size=2)

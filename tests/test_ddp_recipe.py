@@ -24,7 +24,7 @@ from mpi4py import MPI
 import credit_mpi
 from credit_mpi import reduce_gradients, shard_tensor
 
-from .conftest import domain_sizes
+from .conftest import domain_sizes, reset_torch_distributed
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -32,8 +32,6 @@ if not dist.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402 (after the skips)
-
-from credit_mpi import torch_bridge  # noqa: E402
 
 nn = torch.nn
 F = torch.nn.functional
@@ -47,10 +45,7 @@ RECIPES = ["ddp_dp_group+domain_sum", "reduce_gradients", "ddp_world_scaled_loss
 def clean_torch():
     """No test may leave a torch default group behind."""
     yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    torch_bridge._BRIDGED.clear()
-    torch_bridge._OWNS_DEFAULT_GROUP = False
+    reset_torch_distributed()
 
 
 class Net(nn.Module):

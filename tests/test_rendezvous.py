@@ -16,6 +16,8 @@ import pytest
 import credit_mpi
 from credit_mpi import DomainParallelError
 
+from .conftest import reset_torch_distributed
+
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():  # pragma: no cover
@@ -30,10 +32,7 @@ STALE_ADDR = "192.0.2.1"
 @pytest.fixture(autouse=True)
 def clean_torch():
     yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    torch_bridge._BRIDGED.clear()
-    torch_bridge._OWNS_DEFAULT_GROUP = False
+    reset_torch_distributed()
 
 
 @pytest.mark.parametrize("value", [0, -2.0, "5", timedelta(0), True])

@@ -17,7 +17,7 @@ from mpi4py import MPI
 import credit_mpi
 from credit_mpi import DomainParallelError, gather_tensor, shard_batch, shard_tensor
 
-from .conftest import domain_sizes, run_python
+from .conftest import domain_sizes, reset_torch_distributed, run_python
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -33,10 +33,7 @@ TIMEOUT = timedelta(seconds=60)
 def clean_torch():
     """No test may leave a torch default group behind (the next would see it)."""
     yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    torch_bridge._BRIDGED.clear()
-    torch_bridge._OWNS_DEFAULT_GROUP = False
+    reset_torch_distributed()
 
 
 def _mpi_ranks(sub: MPI.Comm, parent: MPI.Comm) -> list[int]:
