@@ -84,15 +84,7 @@ def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Com
         return Local(mine, (mine[0], mine[1], mine[2], mine[3], mine[4], repr(mine[5])), (), x.shape[axis])
 
     def explain(locals_: list[Local]) -> None:
-        detail = "; ".join(
-            f"rank {r}: axis {e[0]}, other dims {e[1]}, {e[2]} on {e[3]}, requires_grad={e[4]}"
-            + (f", {e[5]}" if e[5] is not None else "")
-            for r, e in enumerate(loc.plan for loc in locals_)
-        )
-        raise ValueError(
-            f"{path}: the bands do not fit together across {comm_label(comm)} (the same dtype, device type, "
-            f"requires_grad and every dimension but the sharded one are needed on every rank): {detail}"
-        )
+        _misfit(path, comm, locals_, "bands", "axis", "the sharded one")
 
     def finish(plan: tuple, sizes: list[int]) -> Bands:
         return Bands(sizes, comm.Get_rank(), plan[0])
@@ -104,6 +96,19 @@ def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Com
     except Exception:  # noqa: BLE001 - local() raises it again inside the agreement, on every rank
         key = None
     return agree_cached(comm, "layer", key, local, finish, explain=explain)
+
+
+def _misfit(path: str, comm: MPI.Comm, locals_: list[Local], pieces: str, axis: str, sharded: str) -> None:
+    """The layer agreements' ``explain``: name every rank's input when the bands (or blocks) do not fit together."""
+    detail = "; ".join(
+        f"rank {r}: {axis} {e[0]}, other dims {e[1]}, {e[2]} on {e[3]}, requires_grad={e[4]}"
+        + (f", {e[5]}" if e[5] is not None else "")
+        for r, e in enumerate(loc.plan for loc in locals_)
+    )
+    raise ValueError(
+        f"{path}: the {pieces} do not fit together across {comm_label(comm)} (the same dtype, device type, "
+        f"requires_grad and every dimension but {sharded} are needed on every rank): {detail}"
+    )
 
 
 def check_halo(path: str, sizes: list[int], width: int, boundary: str, axis: int) -> None:
@@ -274,15 +279,7 @@ def agree_blocks(
         return Local(mine, (*mine[:5], repr(mine[5])), (), encode_block(tuple(x.shape), ay, ax))
 
     def explain(locals_: list[Local]) -> None:
-        detail = "; ".join(
-            f"rank {r}: axes {e[0]}, other dims {e[1]}, {e[2]} on {e[3]}, requires_grad={e[4]}"
-            + (f", {e[5]}" if e[5] is not None else "")
-            for r, e in enumerate(loc.plan for loc in locals_)
-        )
-        raise ValueError(
-            f"{path}: the blocks do not fit together across {comm_label(comm)} (the same dtype, device type, "
-            f"requires_grad and every dimension but the two grid dims are needed on every rank): {detail}"
-        )
+        _misfit(path, comm, locals_, "blocks", "axes", "the two grid dims")
 
     mine, counts = agree_once(comm, "layer", local, explain=explain)
     everyone = [(*mine[:6], decode_block(c)) for c in counts]
