@@ -20,7 +20,10 @@ machine's noise falls on every method alike):
   ``Allgather`` into a fresh buffer, ``gather_tensor(x, out=...)`` and the
   reference's ``all_gather`` + ``torch.cat`` (gloo).
 
-Every method's result is checked against the others before timing. A time
+Every method's result is checked against the others before timing. The
+MPI methods are timed interleaved with each other, the gloo method in blocks
+of its own after them (on 2 cores gloo's threads slowed whichever MPI block
+ran next, by up to 25%). A time
 is the slowest rank's mean per call over a block of calls (``Barrier``
 before each block); the table shows the median over ``--repeats`` blocks
 and the ratio of medians. Only public names of credit_mpi are used, so the
@@ -144,13 +147,16 @@ def raw_allgather(comm, x, fresh):
 
 
 def time_cases(comm, cases, repeats, number):
-    """Interleaved blocks: {name: [slowest rank's mean seconds per call, per block]}."""
+    """Interleaved blocks, rotating order: {name: [slowest rank's mean seconds per call, per block]}."""
     for fn in cases.values():
         for _ in range(3):
             fn()
     local = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, fn in cases.items():
+    names = list(cases)
+    for block in range(repeats):
+        # each round starts with the next method: none always follows the same one (or the Barrier's wake-up)
+        for name in names[block % len(names) :] + names[: block % len(names)]:
+            fn = cases[name]
             comm.Barrier()
             t0 = time.perf_counter()
             for _ in range(number):
@@ -176,6 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--sizes", default=",".join(SHAPES), help="comma-separated subset of " + ", ".join(SHAPES))
     parser.add_argument("--ops", default="halo,halo fwd+bwd,gather")
+    parser.add_argument("--number", type=int, default=0, help="calls per timed block (default: about 30 MB of band per block, 3 to 200)")
     parser.add_argument("--json", default=None, help="write the raw times here (rank 0)")
     args = parser.parse_args(argv)
     world = MPI.COMM_WORLD
@@ -184,14 +191,14 @@ def main(argv=None) -> int:
     report = {"ranks": size, "credit_mpi": credit_mpi.__file__, "rows": []}
     with DomainParallelManager(None, size) as manager:
         comm = manager.domain_group
-        from credit_mpi.bench import gloo_group
+        from credit_mpi.cli.bench import gloo_group
 
         group = gloo_group(manager)
         for label in args.sizes.split(","):
             b, c, h, w = SHAPES[label]
             x = np.random.default_rng(rank).standard_normal((b, c, h, w), dtype=np.float32)
             xt = torch.from_numpy(x)
-            number = max(2, int(2e6 // x.nbytes)) if x.nbytes < 1e7 else 3
+            number = args.number or max(3, min(200, int(3e7 // x.nbytes)))
             rows = {}
             if "halo" in ops:
                 cases = {
@@ -227,7 +234,12 @@ def main(argv=None) -> int:
                 }
             for op, cases in rows.items():
                 _verify(op, cases, comm)
-                times = time_cases(comm, cases, args.repeats, number)
+                # MPI methods interleaved with each other; gloo after them (its threads would
+                # otherwise run beside the MPI blocks on a machine with a core per rank)
+                mpi_cases = {name: fn for name, fn in cases.items() if name != "gloo"}
+                times = time_cases(comm, mpi_cases, args.repeats, number)
+                if "gloo" in cases:
+                    times.update(time_cases(comm, {"gloo": cases["gloo"]}, args.repeats, number))
                 med = {name: statistics.median(t) for name, t in times.items()}
                 report["rows"].append({"op": op, "size": label, "shape": [b, c, h, w], "times": times, "median": med})
                 if rank == 0:

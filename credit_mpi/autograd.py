@@ -99,23 +99,32 @@ class _HaloExchange(torch.autograd.Function):
     def backward(ctx, grad):
         # The exchange is linear; its backward is its adjoint, itself a
         # differentiable Function (whose backward is the exchange again), so
-        # double backward (a gradient penalty through a halo) is exact.
-        return _HaloAdjoint.apply(grad, ctx.plan), None
+        # double backward (a gradient penalty through a halo) is exact. A
+        # backward that records no graph (create_graph=False: grad mode is
+        # off here) calls the adjoint directly: the same MPI calls, without
+        # the cost of a second Function.
+        if torch.is_grad_enabled():
+            return _HaloAdjoint.apply(grad, ctx.plan), None
+        return _adjoint(grad, ctx.plan), None
 
 
 class _HaloAdjoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, grad, plan):
         ctx.plan = plan
-        if plan.torch_group is None:  # over MPI (transport="torch" calls no MPI here)
-            check_backward_thread()
-        return plan.adjoint(grad)
+        return _adjoint(grad, plan)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.plan.torch_group is None:
             check_backward_thread()
         return _HaloExchange.apply(grad, ctx.plan), None
+
+
+def _adjoint(grad: torch.Tensor, plan: Any) -> torch.Tensor:
+    if plan.torch_group is None:  # over MPI (transport="torch" calls no MPI here)
+        check_backward_thread()
+    return plan.adjoint(grad)
 
 
 def gather_autograd(x: torch.Tensor, plan: Any) -> torch.Tensor:

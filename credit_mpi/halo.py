@@ -227,6 +227,9 @@ def _torch_group(domain: Domain) -> Any:
 
 def halo_kernel(x: Any, p: _Plan) -> Any:
     """The padded band of an agreed exchange (plain arrays, no autograd)."""
+    host = arrays.host_numpy(x) if p.torch_group is None else None
+    if host is not None and host is not x:  # a torch CPU tensor: the numpy code on a view of it
+        return arrays.from_host_numpy(x, halo_kernel(host, p))
     w, rows, axis = p.width, p.rows, p.axis
     x = arrays.contiguous(x)  # detached; lazy conjugate / negative views resolved (DLPack cannot carry them)
     shape = list(p.shape)
@@ -394,9 +397,12 @@ def halo_adjoint(grad: Any, p: _Plan) -> Any:
     copy of some band row (or a constant); its gradient is added to that
     row on the rank that owns it.
     """
+    host = arrays.host_numpy(grad) if p.torch_group is None else None
+    if host is not None and host is not grad:  # a torch CPU tensor: the numpy code on a view of it
+        return arrays.from_host_numpy(grad, halo_adjoint(host, p))
     w, rows, axis = p.width, p.rows, p.axis
     grad = arrays.contiguous(grad)
-    gx = rowops.clone(arrays.narrow(grad, axis, w, rows))
+    gx = rowops.clone_rows(grad, axis, w, rows)
     if w == 0:
         return gx
     # the halo above came from the previous rank's last rows, the halo below from the next rank's first rows

@@ -309,10 +309,12 @@ def test_both_gather_strategies(world, make_manager, rng, monkeypatch, slice_byt
 
     ``device-memory`` takes the branches for buffers in GPU memory (blocking
     collectives; a stream sync before each reuse of the packing scratch),
-    with host arrays standing in.
+    with host arrays standing in. (Host gathers on small domains go point
+    to point: ``P2P_RANKS = 0`` turns that off here.)
     """
     from credit_mpi.transport import arrays, limits
 
+    monkeypatch.setattr(limits, "P2P_RANKS", 0)
     monkeypatch.setattr(limits, "SLICE_BYTES", slice_bytes)
     monkeypatch.setattr(limits, "PACK_BYTES", pack_bytes)
     syncs = []
@@ -348,6 +350,7 @@ def test_device_memory_slices_use_blocking_collectives(world, rng, monkeypatch, 
     from credit_mpi.transport import arrays, limits
 
     monkeypatch.setattr(limits, "SLICE_BYTES", 0)  # one all-gather per outer slice
+    monkeypatch.setattr(limits, "P2P_RANKS", 0)  # host memory too: the collective strategies
     monkeypatch.setattr(arrays, "in_device_memory", lambda buf: True)
     comm = _BlockingOnly(world)
     n, rank = world.Get_size(), world.Get_rank()
@@ -361,6 +364,32 @@ def test_device_memory_slices_use_blocking_collectives(world, rng, monkeypatch, 
     monkeypatch.setattr(arrays, "in_device_memory", lambda buf: False)
     with pytest.raises(AssertionError, match="on device memory"):  # the host path is non-blocking
         sharding._allgather_rows(comm, send, out.reshape(-1).view(np.uint8), 4, sizes, 5 * 4)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("p2p_ranks", [0, 8], ids=["collective", "point-to-point"])
+@pytest.mark.parametrize("sizes", ["even", "uneven", "empty bands"])
+def test_point_to_point_gather(world, rng, monkeypatch, p2p_ranks, sizes):
+    """Point to point (each band straight into place by a vector datatype) and collectives: the same bits.
+
+    Even and uneven bands, and ranks with no rows at all (they send and
+    receive nothing); a second gather of another shape right after it does
+    not pick up any message of the first.
+    """
+    import credit_mpi.sharding as sharding
+    from credit_mpi.transport import limits
+
+    monkeypatch.setattr(limits, "P2P_RANKS", p2p_ranks)
+    n, rank = world.Get_size(), world.Get_rank()
+    rows = {"even": [3] * n, "uneven": [3 + r % 2 for r in range(n)], "empty bands": [2 * (r % 2) for r in range(n)]}[sizes]
+    for outer, row in [(4, 5), (1, 7), (3, 1)]:
+        x = rng.standard_normal((outer, sum(rows), row)).astype(np.float32)
+        world.Bcast(x)
+        start = sum(rows[:rank])
+        send = np.ascontiguousarray(x[:, start : start + rows[rank]]).reshape(-1).view(np.uint8)
+        out = np.full_like(x, np.nan)
+        sharding._allgather_rows(world, send, out.reshape(-1).view(np.uint8), outer, rows, row * 4)
+        assert bits_equal(out, x), (outer, row)
 
 
 @pytest.mark.mpi(min_size=1)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["TAG_UP", "TAG_DOWN", "TAG_N", "TAG_S", "TAG_W", "TAG_E", "TAG_POLE_N", "TAG_POLE_S", "SLICE_BYTES", "PACK_BYTES"]
+__all__ = ["TAG_UP", "TAG_DOWN", "TAG_N", "TAG_S", "TAG_W", "TAG_E", "TAG_POLE_N", "TAG_POLE_S", "SLICE_BYTES", "PACK_BYTES", "TAG_GATHER", "P2P_RANKS"]
 
 # Message tags of the halo exchange (MPI and torch): rows travelling to the
 # previous / next rank of the domain group.
 TAG_UP, TAG_DOWN = 17, 18
+# Tag of the point-to-point gather: a band travelling straight into its place.
+TAG_GATHER = 19
 # Tags of the 2-D grid's halo exchange: rows going north / south, columns
 # going west / east, pole pieces across the opposite longitudes.
 TAG_N, TAG_S, TAG_W, TAG_E, TAG_POLE_N, TAG_POLE_S = 41, 42, 43, 44, 45, 46
@@ -20,3 +22,14 @@ TAG_N, TAG_S, TAG_W, TAG_E, TAG_POLE_N, TAG_POLE_S = 41, 42, 43, 44, 45, 46
 # 1.25 x as slices and 2.0 x packed.
 SLICE_BYTES = 1 << 18
 PACK_BYTES = 1 << 23
+
+# A gather of host memory on a domain of at most this many ranks moves
+# point to point: each band is sent once, contiguous, to every other rank,
+# which receives it straight into its place with one strided (vector)
+# datatype; a rank copies its own band. Measured on 2 ranks (MPICH 5 wheel,
+# uint8 bands gathered along dim -2, 32 / 64 / 64 outer slices): 0.5 / 4 /
+# 66 MB outputs took 0.69 / 1.04 / 1.04 x the raw contiguous Allgather of the
+# same bytes, against 1.9 / 2.0 / 2.1 x for packed groups and 4.5 / 2.1 /
+# 1.15 x for per-slice Iallgather. Above it (messages grow as n**2), and for
+# device memory, the collective strategies below.
+P2P_RANKS = 8

@@ -10,7 +10,7 @@ from typing import Any
 
 from .arrays import _numpy_like, _torch
 
-__all__ = ["copy_rows", "add_rows", "fill_rows", "flipped_rows", "roll", "clone"]
+__all__ = ["copy_rows", "add_rows", "fill_rows", "flipped_rows", "roll", "clone", "clone_rows"]
 
 
 # -- row helpers for halo exchange and autograd (numpy, CuPy and torch) ----
@@ -72,3 +72,6 @@ def clone(x: Any) -> Any:
     return x.detach().clone(memory_format=_torch().contiguous_format)
 
 
+def clone_rows(x: Any, dim: int, start: int, length: int) -> Any:
+    """A contiguous copy of rows ``start:start+length`` of ``x`` along ``dim`` (one copy, detached for torch)."""
+    return clone(_band(x, dim, start, length))
