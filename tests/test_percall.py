@@ -180,7 +180,9 @@ def test_packed_and_sliced_gathers_are_exact(make_manager, monkeypatch):
 
     manager = make_manager()
     d = manager.domain_parallel_size
-    for slice_bytes, pack_bytes in ((1 << 40, 1 << 23), (1 << 40, 64), (1, 1 << 23)):
+    cases = [(0, 1 << 40, 1 << 23), (0, 1 << 40, 64), (0, 1, 1 << 23), (8, 1 << 40, 1 << 23), (8, 1, 1 << 23)]
+    for p2p_ranks, slice_bytes, pack_bytes in cases:  # collective strategies, then point to point
+        monkeypatch.setattr(limits, "P2P_RANKS", p2p_ranks)
         monkeypatch.setattr(limits, "SLICE_BYTES", slice_bytes)
         monkeypatch.setattr(limits, "PACK_BYTES", pack_bytes)
         for total in (2 * d, 2 * d + d - 1):
@@ -188,6 +190,42 @@ def test_packed_and_sliced_gathers_are_exact(make_manager, monkeypatch):
             start, stop = band(total, manager)
             for _ in range(2):
                 np.testing.assert_array_equal(gather_tensor(np.ascontiguousarray(g[:, :, start:stop]), -2, manager), g)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gather_out_plan_is_remembered_but_never_its_output(make_manager):
+    """``out=`` plans are remembered per output description: each call writes the out it was given.
+
+    An output that fails the checks on one rank after the plan was
+    remembered (read-only, non-contiguous, another shape) is still the same
+    ValueError on every rank; the cache keeps no caller's output alive.
+    """
+    import weakref
+
+    manager = make_manager()
+    d, rank = manager.domain_parallel_size, manager.domain_rank
+    g = np.random.default_rng(3).standard_normal((2, 3, 4 * d, 5))
+    local = np.ascontiguousarray(g[:, :, 4 * rank : 4 * rank + 4])
+    outs = [np.zeros_like(g) for _ in range(3)]
+    for i in range(6):
+        out = outs[i % 3]
+        out[...] = 0
+        assert gather_tensor(local, -2, manager, out=out) is out
+        np.testing.assert_array_equal(out, g)
+    probe = np.zeros_like(g)
+    gather_tensor(local, -2, manager, out=probe)
+    gone = weakref.ref(probe)
+    del probe
+    gc.collect()
+    assert gone() is None  # the remembered plan does not hold the output
+    read_only = np.zeros_like(g)
+    read_only.flags.writeable = False
+    for wrong in (read_only, np.zeros((5, 4 * d, 3, 2)).transpose(3, 2, 1, 0)[:2], np.zeros((2, 3, 4 * d + 1, 5))):
+        with pytest.raises(ValueError, match="out"):
+            gather_tensor(local, -2, manager, out=wrong if rank == d - 1 else outs[0])
+    outs[1][...] = 0
+    assert gather_tensor(local, -2, manager, out=outs[1]) is outs[1]
+    np.testing.assert_array_equal(outs[1], g)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -367,10 +367,10 @@ def test_device_memory_slices_use_blocking_collectives(world, rng, monkeypatch, 
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("p2p_ranks", [0, 8], ids=["collective", "point-to-point"])
+@pytest.mark.parametrize("p2p_ranks,slice_bytes", [(0, 1 << 18), (8, 1 << 40), (8, 0)], ids=["collective", "p2p-vector", "p2p-blocks"])
 @pytest.mark.parametrize("sizes", ["even", "uneven", "empty bands"])
-def test_point_to_point_gather(world, rng, monkeypatch, p2p_ranks, sizes):
-    """Point to point (each band straight into place by a vector datatype) and collectives: the same bits.
+def test_point_to_point_gather(world, rng, monkeypatch, p2p_ranks, slice_bytes, sizes):
+    """Point to point (a band in one vector-typed message, or a contiguous message per block) and collectives: the same bits.
 
     Even and uneven bands, and ranks with no rows at all (they send and
     receive nothing); a second gather of another shape right after it does
@@ -380,6 +380,7 @@ def test_point_to_point_gather(world, rng, monkeypatch, p2p_ranks, sizes):
     from credit_mpi.transport import limits
 
     monkeypatch.setattr(limits, "P2P_RANKS", p2p_ranks)
+    monkeypatch.setattr(limits, "SLICE_BYTES", slice_bytes)
     n, rank = world.Get_size(), world.Get_rank()
     rows = {"even": [3] * n, "uneven": [3 + r % 2 for r in range(n)], "empty bands": [2 * (r % 2) for r in range(n)]}[sizes]
     for outer, row in [(4, 5), (1, 7), (3, 1)]:

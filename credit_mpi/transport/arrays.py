@@ -50,6 +50,7 @@ __all__ = [
     "empty_described",
     "narrow",
     "host_numpy",
+    "out_cache_key",
     "from_host_numpy",
     "dtype_of",
     "shares_memory",
@@ -561,6 +562,20 @@ def cache_key(x: Any) -> tuple | None:
     if _is_torch(x) and x.device.type == "cpu" and x.layout == _torch().strided:
         return (type(x), tuple(x.shape), x.dtype, requires_grad(x))
     return None
+
+
+def out_cache_key(x: Any) -> tuple | None:
+    """:func:`cache_key` of an output array, with what decides :func:`is_contiguous` and :func:`check_writable` of it.
+
+    Two outputs with the same key pass or fail a collective's checks of
+    ``out=`` alike, so a plan checked for one is the plan for the other.
+    """
+    key = cache_key(x)
+    if key is None:
+        return None
+    if isinstance(x, np.ndarray):
+        return (*key, x.flags.c_contiguous, x.flags.writeable)
+    return (*key, x.is_contiguous(), x.requires_grad, x.is_inference(), _torch().is_inference_mode_enabled())
 
 
 def host_numpy(x: Any) -> np.ndarray | None:

@@ -24,12 +24,16 @@ SLICE_BYTES = 1 << 18
 PACK_BYTES = 1 << 23
 
 # A gather of host memory on a domain of at most this many ranks moves
-# point to point: each band is sent once, contiguous, to every other rank,
-# which receives it straight into its place with one strided (vector)
-# datatype; a rank copies its own band. Measured on 2 ranks (MPICH 5 wheel,
-# uint8 bands gathered along dim -2, 32 / 64 / 64 outer slices): 0.5 / 4 /
-# 66 MB outputs took 0.69 / 1.04 / 1.04 x the raw contiguous Allgather of the
-# same bytes, against 1.9 / 2.0 / 2.1 x for packed groups and 4.5 / 2.1 /
-# 1.15 x for per-slice Iallgather. Above it (messages grow as n**2), and for
-# device memory, the collective strategies below.
+# point to point: each band is sent to every other rank, which receives it
+# straight into its place (one vector datatype, or one contiguous message
+# per outer slice when a band's block in a slice reaches SLICE_BYTES); a rank
+# copies its own band. Measured on 2 ranks (float32 bands gathered along dim
+# -2, 32-64 outer slices, 0.5 / 4 / 16 / 66 MB outputs), time over the raw
+# contiguous Allgather of the same bytes: MPICH 5 wheel 0.69 / 1.04-1.13 /
+# 1.0 / 1.04-1.06 x, against 1.9 / 1.7-2.0 / - / 2.0 x for packed groups and
+# 4.5 / 2.1 / 1.5 / 1.15 x for per-slice Iallgather; Open MPI 5 wheel
+# 2.7 / 1.4 / 1.16 (contiguous blocks) / 1.02 x, against 2.7 / 1.8 / - / 2.0
+# x packed and 7.3 / 1.8 / 1.24 / 1.09 x per slice. Above this many ranks
+# (messages grow as n**2), and for device memory, the collective
+# strategies above.
 P2P_RANKS = 8
