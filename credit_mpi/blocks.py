@@ -38,6 +38,7 @@ from .validation import Local, agree, check_root
 
 __all__ = [
     "is_grid_call",
+    "line_domain",
     "normalize_dims",
     "grid_comm",
     "shard_tensor_2d",
@@ -56,8 +57,17 @@ def is_grid_call(manager: Any, *args: Any) -> bool:
         ValueError: a single ``dim`` on a grid of more than one column (the
             same on every rank: the grid is agreed when the manager is made).
     """
-    if any(isinstance(a, (tuple, list)) for a in args):
-        return True
+    return line_domain(manager, *args) is None
+
+
+def line_domain(manager: Any, *args: Any) -> Domain | None:
+    """The manager's :class:`~credit_mpi.manager.Domain` for a call along one dimension; None for the 2-D path.
+
+    None when any of ``args`` is a pair. Raises as :func:`is_grid_call` does.
+    """
+    for a in args:
+        if isinstance(a, (tuple, list)):
+            return None
     domain = domain_of(manager)
     if domain.size > 1:
         rows, cols = grid_of(domain.manager, domain.size)
@@ -67,7 +77,7 @@ def is_grid_call(manager: Any, *args: Any) -> bool:
                 f"(lat_dim, lon_dim) such as dim=(-2, -1); a single dim={args[0]!r} only fits an (n, 1) grid "
                 f"(domain_grid=None): halo_width and boundary may be pairs too"
             )
-    return False
+    return domain
 
 
 def normalize_dims(dim: Any, ndim: int) -> tuple[int, int]:

@@ -51,7 +51,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import blocks
-from .manager import Domain, DomainParallelManager, domain_of
+from .manager import Domain, DomainParallelManager, live_domain_comm
 from .partition import (
     HALO_BOUNDARIES,
     check_halo_width,
@@ -59,7 +59,7 @@ from .partition import (
     normalize_dim,
 )
 from .transport import arrays, limits, rowops, staging
-from .validation import Local, agree_cached, check_bands_fit, check_int, check_transport
+from .validation import Local, agree_cached, check_bands_fit, check_int, check_transport, remembered
 
 __all__ = ["HALO_BOUNDARIES", "halo_exchange"]
 
@@ -116,11 +116,19 @@ def halo_exchange(
         DomainParallelError: ranks made different calls (a different width,
             boundary, transport, or a band that requires grad on some ranks only).
     """
-    if blocks.is_grid_call(manager, dim, halo_width, boundary):  # pairs: the 2-D grid's halo, corners included
-        from .halo2d import halo_exchange_2d
+    # A repeat of a remembered call: its agreement is one Allgather, nothing else to check or plan.
+    comm = live_domain_comm(manager)
+    entry = None if comm is None else remembered(comm, "halo_exchange", _call_key(x, halo_width, dim, boundary, transport), check)
+    table = None if entry is None else entry.repeat()
+    if entry is not None and table is None:
+        plan = entry.result
+    else:
+        domain = blocks.line_domain(manager, dim, halo_width, boundary)
+        if domain is None:  # pairs: the 2-D grid's halo, corners included
+            from .halo2d import halo_exchange_2d
 
-        return halo_exchange_2d(x, halo_width, dim, manager, boundary, check, transport)
-    plan = _plan(x, halo_width, dim, domain_of(manager), boundary, check, transport)
+            return halo_exchange_2d(x, halo_width, dim, manager, boundary, check, transport)
+        plan = _plan(x, halo_width, dim, domain, boundary, check, transport, received=table)
     if plan.autograd:  # differentiable path (torch autograd); the same MPI calls
         from .autograd import halo_autograd  # imports torch
 
@@ -142,6 +150,7 @@ class _Plan:
     lon_axis: int  # last dimension (earth only)
     lon: int
     shape: tuple  # this rank's band
+    padded: tuple  # the output: the band with 2 * width more rows along axis
     autograd: bool  # torch autograd records the exchange (agreed: its backward is collective too)
     torch_group: Any = None  # transport="torch": the mirrored torch domain group
     # packed edge rows of host exchanges, reused call after call (a plan is remembered per call shape)
@@ -157,7 +166,7 @@ class _Plan:
         return halo_adjoint(grad, self)
 
 
-def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi") -> _Plan:
+def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi", received=None) -> _Plan:
     comm, n = domain.comm, domain.size
 
     def local() -> Local:
@@ -196,6 +205,7 @@ def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi") 
             lon_axis=len(shape) - 1,
             lon=shape[-1],
             shape=shape,
+            padded=shape[:axis] + (shape[axis] + 2 * width,) + shape[axis + 1 :],
             autograd=arrays.requires_grad(x),
             torch_group=_torch_group(domain) if transport == "torch" and n > 1 else None,
         )
@@ -203,7 +213,7 @@ def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi") 
     if n > 1:
         # The same call shape as last time skips the local checks and the planning, never the agreement.
         key = _call_key(x, halo_width, dim, boundary, transport)
-        return agree_cached(comm, "halo_exchange", key, local, finish, check=check, explain=explain)
+        return agree_cached(comm, "halo_exchange", key, local, finish, check=check, explain=explain, received=received)
     plan = local().plan  # the whole field is here: nothing to agree on
     return finish(plan, [plan[0].shape[plan[1]]])
 
@@ -228,28 +238,12 @@ def _torch_group(domain: Domain) -> Any:
 def halo_kernel(x: Any, p: _Plan) -> Any:
     """The padded band of an agreed exchange (plain arrays, no autograd)."""
     host = arrays.host_numpy(x) if p.torch_group is None else None
-    if host is not None and host is not x:  # a torch CPU tensor: the numpy code on a view of it
-        return arrays.from_host_numpy(x, halo_kernel(host, p))
+    if host is not None:  # numpy, or a torch CPU tensor through a numpy view of it
+        out = _host_halo(np.ascontiguousarray(host), p)
+        return out if host is x else arrays.from_host_numpy(x, out)
     w, rows, axis = p.width, p.rows, p.axis
     x = arrays.contiguous(x)  # detached; lazy conjugate / negative views resolved (DLPack cannot carry them)
-    shape = list(p.shape)
-    shape[axis] = rows + 2 * w
-    out = arrays.empty(x, shape)
-    xb, ob = _host_rows(x, p, rows), _host_rows(out, p, rows + 2 * w)
-    if xb is not None and ob is not None and p.torch_group is None:
-        # host arrays over MPI: bytes in numpy views, one round of non-blocking messages
-        ob[:, w : w + rows] = xb
-        if w == 0:
-            return out
-        if p.prev is not None or p.next is not None:
-            _host_swap(p, xb[:, :w], xb[:, rows - w :], ob[:, w + rows :], ob[:, :w])
-        for side, neighbour, at in (("before", p.prev, 0), ("after", p.next, w + rows)):
-            if neighbour is None:
-                if p.boundary == "zero":
-                    ob[:, at : at + w] = 0  # all-zero bytes are zero in every dtype credit_mpi moves
-                else:
-                    _fill_edge(out, x, p, side, at)
-        return out
+    out = arrays.empty(x, p.padded)
     rowops.copy_rows(out, axis, w, x)
     if w == 0:
         return out
@@ -263,6 +257,30 @@ def halo_kernel(x: Any, p: _Plan) -> Any:
     for side, neighbour, at in (("before", p.prev, 0), ("after", p.next, w + rows)):
         if neighbour is None:
             _fill_edge(out, x, p, side, at)
+    return out
+
+
+def _host_halo(x: np.ndarray, p: _Plan) -> np.ndarray:
+    """:func:`halo_kernel` of a contiguous numpy band over MPI: byte views, one round of non-blocking messages.
+
+    The output comes from the reuse pool (:func:`~credit_mpi.transport.arrays.pooled_empty`):
+    a loop that drops last step's padded band does not first-touch new pages every call.
+    """
+    w, rows, outer, row_bytes = p.width, p.rows, p.outer, p.row_bytes
+    out = arrays.pooled_empty(x, p.padded)
+    ob = out.reshape(-1).view(np.uint8).reshape(outer, rows + 2 * w, row_bytes)
+    xb = x.reshape(-1).view(np.uint8).reshape(outer, rows, row_bytes)
+    ob[:, w : w + rows] = xb
+    if w == 0:
+        return out
+    if p.prev is not None or p.next is not None:
+        _host_swap(p, xb[:, :w], xb[:, rows - w :], ob[:, w + rows :], ob[:, :w])
+    for side, neighbour, at in (("before", p.prev, 0), ("after", p.next, w + rows)):
+        if neighbour is None:
+            if p.boundary == "zero":
+                ob[:, at : at + w] = 0  # all-zero bytes are zero in every dtype credit_mpi moves
+            else:
+                _fill_edge(out, x, p, side, at)
     return out
 
 
@@ -288,36 +306,26 @@ def _host_swap(p: _Plan, up: Any, down: Any, into_next: Any, into_prev: Any) -> 
     """
     if p.outer * p.row_bytes == 0:
         return None, None
-    comm, shape = p.comm, (p.outer, p.width, p.row_bytes)
+    comm = p.comm
     mine = p.lock.acquire(blocking=False)
     scratch = p.scratch if mine else {}
     try:
-
-        def buffer(name: str, view: Any) -> Any:
-            if view is not None and view.flags.c_contiguous:
-                return view
-            if name not in scratch:
-                scratch[name] = np.empty(shape, dtype=np.uint8)
-            return scratch[name]
-
         requests, unpack = [], []
         from_next = from_prev = None
         if p.next is not None:
-            from_next = buffer("next", into_next)
+            from_next = into_next if into_next is not None and into_next.flags.c_contiguous else _scratch(scratch, "next", p)
             requests.append(comm.Irecv([from_next, MPI.BYTE], p.next, limits.TAG_UP))
             if into_next is not None and from_next is not into_next:
                 unpack.append((into_next, from_next))
         if p.prev is not None:
-            from_prev = buffer("prev", into_prev)
+            from_prev = into_prev if into_prev is not None and into_prev.flags.c_contiguous else _scratch(scratch, "prev", p)
             requests.append(comm.Irecv([from_prev, MPI.BYTE], p.prev, limits.TAG_DOWN))
             if into_prev is not None and from_prev is not into_prev:
                 unpack.append((into_prev, from_prev))
-        for edge, peer, name, tag in ((up, p.prev, "up", limits.TAG_UP), (down, p.next, "down", limits.TAG_DOWN)):
-            if peer is not None:
-                send = buffer(name, edge)
-                if send is not edge:
-                    send[...] = edge
-                requests.append(comm.Isend([send, MPI.BYTE], peer, tag))
+        if p.prev is not None:
+            requests.append(comm.Isend([_packed(up, scratch, "up", p), MPI.BYTE], p.prev, limits.TAG_UP))
+        if p.next is not None:
+            requests.append(comm.Isend([_packed(down, scratch, "down", p), MPI.BYTE], p.next, limits.TAG_DOWN))
         MPI.Request.Waitall(requests)
         for dst, src in unpack:
             dst[...] = src
@@ -325,6 +333,23 @@ def _host_swap(p: _Plan, up: Any, down: Any, into_next: Any, into_prev: Any) -> 
         if mine:
             p.lock.release()
     return (from_next if into_next is None else into_next, from_prev if into_prev is None else into_prev)
+
+
+def _scratch(scratch: dict, name: str, p: _Plan) -> np.ndarray:
+    """The packed ``(outer, width, row_bytes)`` buffer ``name`` of ``scratch`` (made on first use)."""
+    buf = scratch.get(name)
+    if buf is None:
+        buf = scratch[name] = np.empty((p.outer, p.width, p.row_bytes), dtype=np.uint8)
+    return buf
+
+
+def _packed(edge: np.ndarray, scratch: dict, name: str, p: _Plan) -> np.ndarray:
+    """``edge`` itself when contiguous, else a copy of it in the scratch buffer ``name``."""
+    if edge.flags.c_contiguous:
+        return edge
+    buf = _scratch(scratch, name, p)
+    buf[...] = edge
+    return buf
 
 
 def _swap_edges(up: Callable[[], Any], down: Callable[[], Any], p: _Plan) -> tuple[Any, Any]:

@@ -38,6 +38,7 @@ __all__ = [
     "destroy_domain_parallel",
     "Domain",
     "domain_of",
+    "live_domain_comm",
 ]
 
 logger = logging.getLogger(__name__)
@@ -502,6 +503,16 @@ def domain_of(manager: Any = None) -> Domain:
     if rank >= size:
         raise ValueError(f"manager.domain_rank={rank} is out of range for domain_parallel_size={size}")
     return Domain(size, rank, manager)
+
+
+def live_domain_comm(manager: Any = None) -> MPI.Intracomm | None:
+    """The domain communicator of a live :class:`DomainParallelManager` (the singleton when None), else None.
+
+    No checks and no errors: the per-call fast paths ask here first and
+    take the full path (which raises what is wrong) on None.
+    """
+    manager = _MANAGER if manager is None else manager
+    return manager._domain_group if type(manager) is DomainParallelManager else None
 
 
 def destroy_domain_parallel() -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "agree",
     "agree_cached",
     "forget_agreements",
+    "remembered",
     "allgather_or_raise",
     "raise_on_all",
     "comm_label",
@@ -216,11 +217,25 @@ def _settle(
 class _Agreed:
     """One remembered agreement of :func:`agree_cached`."""
 
-    __slots__ = ("comm", "mine", "header", "table", "table_bytes", "result")
+    __slots__ = ("comm", "mine", "header", "table", "table_bytes", "result", "received")
 
     def __init__(self, comm: MPI.Comm, mine: Local, header: np.ndarray, table: np.ndarray, result: Any) -> None:
         self.comm, self.mine, self.header = comm, mine, header
         self.table, self.table_bytes, self.result = table, table.tobytes(), result
+        self.received = np.empty_like(table)  # each repeat's table lands here (collectives on one comm never overlap)
+
+    def repeat(self) -> np.ndarray | None:
+        """This rank's agreement for a repeat of the remembered call: the fixed-size ``Allgather`` of its header.
+
+        Returns None when every rank sent the very table agreed last time
+        (``result`` stands), else the table received: pass it to
+        :func:`agree_cached` as ``received=`` (it settles the new call
+        without another ``Allgather``).
+        """
+        self.comm.Allgather(self.header, self.received)
+        if self.received.tobytes() == self.table_bytes:
+            return None
+        return self.received.copy()
 
 
 _AGREED: collections.OrderedDict = collections.OrderedDict()
@@ -236,6 +251,7 @@ def agree_cached(
     *,
     check: bool = True,
     explain: Callable[[list[Local]], None] | None = None,
+    received: np.ndarray | None = None,
 ) -> Any:
     """:func:`agree`, then ``finish(plan, counts)``; both remembered per ``key`` for the next identical call.
 
@@ -253,7 +269,9 @@ def agree_cached(
 
     ``finish`` must be deterministic in ``(plan, counts)`` (they are agreed,
     so an exception it raises is raised on every rank alike); an exception
-    is never remembered.
+    is never remembered. ``received``: the table that
+    :meth:`_Agreed.repeat` of this call's remembered agreement returned (the
+    ``Allgather`` of this call was made already).
 
     Returns:
         ``finish(plan, counts)``.
@@ -264,9 +282,8 @@ def agree_cached(
     entry = _AGREED.get(full)
     if entry is not None and entry.comm is comm:
         _AGREED.move_to_end(full)
-        table = np.empty_like(entry.table)
-        comm.Allgather(entry.header, table)
-        if table.tobytes() == entry.table_bytes:
+        table = entry.repeat() if received is None else received
+        if table is None:
             return entry.result
         mine, error, header = entry.mine, None, entry.header
     else:
@@ -279,6 +296,18 @@ def agree_cached(
     while len(_AGREED) > AGREED_ENTRIES:
         _AGREED.popitem(last=False)
     return result
+
+
+def remembered(comm: MPI.Comm, operation: str, key: Hashable | None, check: bool = True) -> _Agreed | None:
+    """The agreement :func:`agree_cached` remembers for this call on ``comm``, or None (no MPI call).
+
+    The per-call fast path of the halo exchange and the gather: when one
+    exists, its :meth:`_Agreed.repeat` is the whole agreement of a repeated call.
+    """
+    if key is None:
+        return None
+    entry = _AGREED.get((id(comm), operation, bool(check), key))
+    return entry if entry is not None and entry.comm is comm else None
 
 
 def forget_agreements() -> None:

@@ -229,6 +229,42 @@ def test_gather_out_plan_is_remembered_but_never_its_output(make_manager):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["halo", "gather"])
+def test_a_repeated_call_skips_the_planning_but_a_change_is_still_seen(make_manager, monkeypatch, op):
+    """A repeat of a remembered call is one Allgather and the kernel; any change on one rank plans again everywhere.
+
+    Also: a freed manager after a remembered call is the freed-manager error,
+    not a call on its freed communicator.
+    """
+    from credit_mpi import halo, sharding
+
+    module, name = (halo, "_plan") if op == "halo" else (sharding, "_gather_plan")
+    planned = []
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: planned.append(1) or original(*a, **k))
+    manager = make_manager()
+    d, rank = manager.domain_parallel_size, manager.domain_rank
+    g = np.random.default_rng(5).standard_normal((2, 3, 4 * d, 5))
+    local = np.ascontiguousarray(g[:, :, 4 * rank : 4 * rank + 4])
+
+    def call(x):
+        return halo_exchange(x, 1, -2, manager) if op == "halo" else gather_tensor(x, -2, manager)
+
+    expected = pad_numpy(g, 1, 2, "zero")[:, :, 4 * rank : 4 * rank + 6] if op == "halo" else g
+    for _ in range(4):
+        np.testing.assert_array_equal(call(local), expected)
+    assert len(planned) == 1  # planned once, then remembered
+    wrong = local if rank != d - 1 else local[:, :2].copy()  # another shape on the last rank only
+    with pytest.raises(ValueError, match="do not fit together"):
+        call(wrong)
+    assert len(planned) == 2  # every rank planned again (the others saw the change in the table)
+    np.testing.assert_array_equal(call(local), expected)
+    manager.free()
+    with pytest.raises(DomainParallelError, match="freed"):
+        call(local)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_agree_cached_unit(world):
     comm = world.Dup()
     try:

@@ -27,7 +27,7 @@ import contextlib
 import importlib
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -638,21 +638,24 @@ class _OutputPool:
     max_bytes = 1 << 30
 
     def __init__(self) -> None:
-        self.buffers: collections.OrderedDict = collections.OrderedDict()  # key -> list of uint8 bases
+        self.buffers: collections.OrderedDict = collections.OrderedDict()  # key -> list of arrays (numpy: typed; torch: uint8 bases)
         self.reused = 0
         self.allocated = 0
 
-    def take(self, nbytes: int, key: tuple) -> np.ndarray:
-        free = self.buffers.pop(key, None) or []
+    def take(self, key: tuple, make: Callable[[], np.ndarray]) -> np.ndarray:
+        """A pooled array for ``key`` that nothing else refers to, or a new one from ``make()`` (kept if there is room)."""
+        free = self.buffers.pop(key, None)
+        if free is None:
+            free = []
         self.buffers[key] = free  # most recently used last
         for i in range(len(free)):
             # references: the list, and getrefcount's argument (nothing else: no live view)
             if sys.getrefcount(free[i]) == 2:
                 self.reused += 1
                 return free[i]
-        base = np.empty(nbytes, dtype=np.uint8)
+        base = make()
         self.allocated += 1
-        if len(free) < self.per_key and nbytes <= self.max_bytes:
+        if len(free) < self.per_key and base.nbytes <= self.max_bytes:
             free.append(base)
             self._trim()
         return base
@@ -681,19 +684,19 @@ def pooled_empty(like: Any, shape: Sequence[int]) -> Any:
     """
     if _SIMULATE_DEVICE:
         return empty(like, shape)
-    shape = tuple(int(s) for s in shape)
+    if type(shape) is not tuple:
+        shape = tuple(int(s) for s in shape)
     if isinstance(like, np.ndarray):
         dtype = like.dtype
-        nbytes = dtype.itemsize * math.prod(shape)
-        if dtype.hasobject or nbytes == 0:
+        if dtype.hasobject or 0 in shape:
             return empty(like, shape)
-        return _POOL.take(nbytes, ("numpy", dtype, shape)).view(dtype).reshape(shape)
+        return _POOL.take(("numpy", dtype, shape), lambda: np.empty(shape, dtype)).view()  # a new array object
     if _is_torch(like) and like.device.type == "cpu":
         torch = _torch()
         nbytes = like.element_size() * math.prod(shape)
         if nbytes == 0:
             return empty(like, shape)
-        base = _POOL.take(nbytes, ("torch", str(like.dtype), shape))
+        base = _POOL.take(("torch", str(like.dtype), shape), lambda: np.empty(nbytes, dtype=np.uint8))
         return torch.from_numpy(base).view(like.dtype).reshape(shape)
     return empty(like, shape)
 
