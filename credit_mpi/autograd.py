@@ -62,7 +62,7 @@ def check_backward_thread() -> None:
     ``mpi4py.rc.thread_level`` says otherwise). Checked before each backward
     collective, so the error is a clear one instead of undefined behaviour.
     """
-    level = MPI.Query_thread()
+    level = _thread_level()
     if level >= MPI.THREAD_SERIALIZED or MPI.Is_thread_main():
         return
     raise DomainParallelError(
@@ -71,6 +71,15 @@ def check_backward_thread() -> None:
         f"it needs THREAD_SERIALIZED or THREAD_MULTIPLE (set mpi4py.rc.thread_level = 'multiple', "
         f"mpi4py's default, before importing mpi4py.MPI)"
     )
+
+
+_LEVEL: list = []  # MPI's thread level, asked once (it never changes after MPI_Init_thread)
+
+
+def _thread_level() -> int:
+    if not _LEVEL:
+        _LEVEL.append(MPI.Query_thread())
+    return _LEVEL[0]
 
 
 class _GatherTensor(torch.autograd.Function):

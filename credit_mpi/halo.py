@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -130,10 +131,16 @@ def halo_exchange(
             return halo_exchange_2d(x, halo_width, dim, manager, boundary, check, transport)
         plan = _plan(x, halo_width, dim, domain, boundary, check, transport, received=table)
     if plan.autograd:  # differentiable path (torch autograd); the same MPI calls
-        from .autograd import halo_autograd  # imports torch
-
-        return halo_autograd(x, plan)
+        return _autograd().halo_autograd(x, plan)
     return halo_kernel(x, plan)
+
+
+def _autograd() -> Any:
+    """:mod:`credit_mpi.autograd`, imported (with torch) on the first differentiable call."""
+    module = sys.modules.get(f"{__package__}.autograd")
+    if module is None:
+        from . import autograd as module
+    return module
 
 
 @dataclass(frozen=True)
@@ -431,7 +438,10 @@ def halo_adjoint(grad: Any, p: _Plan) -> Any:
     if w == 0:
         return gx
     # the halo above came from the previous rank's last rows, the halo below from the next rank's first rows
-    from_next, from_prev = _swap_edges(lambda: arrays.narrow(grad, axis, 0, w), lambda: arrays.narrow(grad, axis, w + rows, w), p)
+    if host is not None:  # numpy over MPI: the halo rows go home from byte views, in one round
+        from_next, from_prev = _host_edges_home(grad, p)
+    else:
+        from_next, from_prev = _swap_edges(lambda: arrays.narrow(grad, axis, 0, w), lambda: arrays.narrow(grad, axis, w + rows, w), p)
     if from_next is not None:
         rowops.add_rows(gx, axis, rows - w, from_next)
     if from_prev is not None:
@@ -444,6 +454,18 @@ def halo_adjoint(grad: Any, p: _Plan) -> Any:
                     back = rowops.roll(back, -(p.lon // 2), p.lon_axis)
                 rowops.add_rows(gx, axis, halo_edge_rows(p.boundary, rows, w, side), back)
     return gx
+
+
+def _host_edges_home(grad: np.ndarray, p: _Plan) -> tuple[Any, Any]:
+    """:func:`_swap_edges` of the adjoint for a contiguous numpy ``grad``: ``(from_next, from_prev)`` as new arrays."""
+    w = p.width
+    gb = grad.reshape(-1).view(np.uint8).reshape(p.outer, p.rows + 2 * w, p.row_bytes)
+    edge = p.shape[: p.axis] + (w,) + p.shape[p.axis + 1 :]
+    from_next = np.empty(edge, grad.dtype) if p.next is not None else None
+    from_prev = np.empty(edge, grad.dtype) if p.prev is not None else None
+    into = [None if e is None else e.reshape(-1).view(np.uint8).reshape(p.outer, w, p.row_bytes) for e in (from_next, from_prev)]
+    _host_swap(p, gb[:, :w], gb[:, w + p.rows :], into[0], into[1])
+    return from_next, from_prev
 
 
 def _rank(r: int | None) -> int:

@@ -306,8 +306,12 @@ def remembered(comm: MPI.Comm, operation: str, key: Hashable | None, check: bool
     """
     if key is None:
         return None
-    entry = _AGREED.get((id(comm), operation, bool(check), key))
-    return entry if entry is not None and entry.comm is comm else None
+    full = (id(comm), operation, bool(check), key)
+    entry = _AGREED.get(full)
+    if entry is None or entry.comm is not comm:
+        return None
+    _AGREED.move_to_end(full)  # least recently used go first
+    return entry
 
 
 def forget_agreements() -> None:

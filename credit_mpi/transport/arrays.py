@@ -559,8 +559,9 @@ def cache_key(x: Any) -> tuple | None:
         return None
     if isinstance(x, np.ndarray):
         return (type(x), x.shape, x.dtype)
-    if _is_torch(x) and x.device.type == "cpu" and x.layout == _torch().strided:
-        return (type(x), tuple(x.shape), x.dtype, requires_grad(x))
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor) and x.is_cpu and x.layout is torch.strided:
+        return (type(x), x.shape, x.dtype, x.requires_grad and torch.is_grad_enabled())
     return None
 
 
@@ -592,11 +593,14 @@ def host_numpy(x: Any) -> np.ndarray | None:
         return None
     if isinstance(x, np.ndarray):
         return x
-    if _is_torch(x) and x.device.type == "cpu" and x.layout == _torch().strided:
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor) and x.is_cpu and x.layout is torch.strided:
         try:
-            return x.detach().resolve_conj().resolve_neg().numpy()
+            return x.detach().numpy()
         except TypeError:  # a dtype numpy does not have
             return None
+        except RuntimeError:  # a lazy conjugate / negative view: resolved first (a copy)
+            return x.detach().resolve_conj().resolve_neg().numpy()
     return None
 
 
