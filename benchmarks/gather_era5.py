@@ -67,13 +67,7 @@ def main(argv=None) -> int:
 
         x = bench.local_field((c, h, w), -2, comm)
         t = gather_timings("numpy", x)
-        if have_torch:
-            xt = bench.local_field((c, h, w), -2, comm, kind="torch")
-            t.update(gather_timings("torch", xt))
-            group = bench.gloo_group(manager)
-            t["reference_gloo"] = bench.time_collective(
-                comm, bench.gloo_all_gather_cat(xt, -2, group), "gloo all_gather+cat", nbytes, **rep
-            )
+        # the uneven gather right after the even one, before torch and gloo start threads of their own
         xu = bench.local_field((c, h + 1, w), -2, comm)
         t["credit_uneven"] = bench.time_collective(
             comm, bench.credit_gather(xu, manager), f"gather_tensor numpy {h + 1} rows", c * (h + 1) * w * 4, **rep
@@ -81,6 +75,13 @@ def main(argv=None) -> int:
         t["credit_uneven_out"] = bench.time_collective(
             comm, bench.credit_gather(xu, manager, reuse=True), f"gather_tensor numpy {h + 1} out=", c * (h + 1) * w * 4, **rep
         )
+        if have_torch:
+            xt = bench.local_field((c, h, w), -2, comm, kind="torch")
+            t.update(gather_timings("torch", xt))
+            group = bench.gloo_group(manager)
+            t["reference_gloo"] = bench.time_collective(
+                comm, bench.gloo_all_gather_cat(xt, -2, group), "gloo all_gather+cat", nbytes, **rep
+            )
         extra, out = bench.gather_extra_memory(x, manager)
         ref_extra, _ = bench.reference_extra_memory(x, comm)
 

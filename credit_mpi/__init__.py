@@ -17,6 +17,7 @@ from .manager import (
     initialize_domain_parallel,
 )
 from .sharding import gather_tensor, scatter_tensor, shard_batch, shard_tensor
+from .transport.arrays import release_output_pool
 from .validation import DomainParallelError, allgather_or_raise
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "shard_batch",
     "scatter_tensor",
     "halo_exchange",
+    "release_output_pool",
     "reduce_gradients",
     "abort_on_exception",
     "allgather_or_raise",

@@ -107,7 +107,8 @@ def halo_exchange(
 
     Returns:
         A new array of ``x``'s kind, dtype and device, ``2 * halo_width``
-        rows longer along ``dim``.
+        rows longer along ``dim`` (host arrays: memory from the reuse pool
+        of :func:`credit_mpi.release_output_pool`).
 
     Raises:
         ValueError: negative or non-integer ``halo_width``, ``dim`` out of

@@ -151,13 +151,15 @@ def gather_tensor(
     """Gather sharded tensor from all domain-parallel ranks.
 
     All-gathers the tensor along the sharding dimension. Each rank's shard
-    lands in its place in one output buffer (contiguous ``Iallgather(v)``
-    per outer slice straight into place for large fields; packed groups of
-    at most 4 MiB copied into place for small ones): no list of shards and
-    no concatenate, so the only memory beyond the output is at most 4 MiB of
-    scratch and a contiguous copy of a non-contiguous input. Shards may have
-    different sizes along ``dim`` (uneven splits). Collective over the
-    domain group.
+    lands in its place in one output buffer: host arrays on domains of up
+    to 8 ranks point to point, each band received straight into place (no
+    scratch at all); otherwise a contiguous ``Iallgather(v)`` per outer
+    slice for large fields and packed groups of at most 8 MiB copied into
+    place for small ones. No list of shards and no concatenate, so the only
+    memory beyond the output is at most 8 MiB of scratch and a contiguous
+    copy of a non-contiguous input. A new host output comes from a reuse
+    pool (:func:`release_output_pool`). Shards may have different sizes
+    along ``dim`` (uneven splits). Collective over the domain group.
 
     Args:
         x: Local shard tensor.

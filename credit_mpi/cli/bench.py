@@ -50,6 +50,7 @@ from ..halo import halo_exchange
 from ..manager import DomainParallelManager
 from ..partition import band_sizes
 from ..sharding import gather_tensor, shard_batch
+from ..transport.arrays import release_output_pool
 
 __all__ = [
     "Timing",
@@ -333,6 +334,7 @@ def gather_extra_memory(x: np.ndarray, manager: DomainParallelManager, dim: int 
     domain group's ranks. numpy only: numpy reports its data buffers to
     tracemalloc, torch does not (its extra memory follows the same code path).
     """
+    release_output_pool()  # the output is allocated inside the measured call, as a first call's is
     peak, out = _traced_peak(lambda: gather_tensor(x, dim=dim, manager=manager))
     extra = manager.domain_group.allreduce(peak - out.nbytes, op=MPI.MAX)
     return int(extra), int(out.nbytes)

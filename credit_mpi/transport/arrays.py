@@ -51,6 +51,7 @@ __all__ = [
     "narrow",
     "host_numpy",
     "out_cache_key",
+    "release_output_pool",
     "from_host_numpy",
     "dtype_of",
     "shares_memory",
@@ -706,5 +707,14 @@ def pooled_empty(like: Any, shape: Sequence[int]) -> Any:
 
 
 def release_output_pool() -> None:
-    """Let go of the pooled output buffers (arrays still using one keep it alive)."""
+    """Let go of the memory that credit_mpi keeps for the outputs it returns new each call.
+
+    :func:`credit_mpi.gather_tensor` and :func:`credit_mpi.halo_exchange` of
+    host arrays (numpy, torch CPU) take their outputs from a reuse pool, so
+    a loop does not first-touch fresh pages every step: at most two buffers
+    per shape and dtype, 1 GiB in all, each handed out again only once no
+    array, view or tensor refers to it. The pool holds those buffers after
+    your results are gone; call this when a phase with large outputs ends
+    (arrays still using a buffer keep it alive). Local, no MPI.
+    """
     _POOL.clear()
