@@ -110,3 +110,39 @@ def test_time_collective_number_runs_every_call(make_manager):
     assert len(calls) == 2 + 3 * 4 and len(t.times) == 3
     with pytest.raises(ValueError, match="number"):
         bench.time_collective(MPI.COMM_SELF, lambda: None, "x", 1, number=0)
+
+
+def _script(name: str):
+    """A benchmark script of benchmarks/ as a module (its folder on sys.path: profile_halo imports bench_percall)."""
+    import importlib.util
+    import sys
+
+    from .conftest import ROOT
+
+    folder = str(ROOT / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.mpi(min_size=2)
+def test_per_call_benchmark_scripts_run(capsys):
+    """bench_percall (every method's result checked against the others) and profile_halo run, briefly.
+
+    The README's per-call tables come from these scripts: a rename inside
+    credit_mpi must not leave them broken (bench_percall once was, unnoticed).
+    """
+    pytest.importorskip("torch")
+    from .conftest import reset_torch_distributed
+
+    try:
+        assert _script("bench_percall").main(["--repeats", "1", "--number", "2", "--sizes", "0.26 MB"]) == 0
+    finally:
+        reset_torch_distributed()
+    assert _script("profile_halo").main(["--repeats", "1", "--number", "2"]) == 0
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        out = capsys.readouterr().out
+        assert "halo fwd+bwd" in out and "gather" in out and "agreement of a repeated call" in out
