@@ -139,7 +139,9 @@ def fetch_rows(
     axis, a, total = bands.axis, bands.start, bands.total
     exchange = "zero" if boundary == "replicate" else boundary
     padded = halo_exchange(x, width, axis, manager, boundary=exchange, check=False) if width else x
-    rows = padded.narrow(axis, lo - (a - width), hi - lo)
+    first = lo - (a - width)
+    # the whole padded band as it is when that is the window (narrow's backward would copy the gradient into zeros)
+    rows = padded if first == 0 and hi - lo == padded.shape[axis] else padded.narrow(axis, first, hi - lo)
     if boundary == "replicate" or fill is not None:
         low, high = max(0, -lo), max(0, hi - total)
         if low or high:
