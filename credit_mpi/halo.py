@@ -276,8 +276,8 @@ def _host_halo(x: np.ndarray, p: _Plan) -> np.ndarray:
     """
     w, rows, outer, row_bytes = p.width, p.rows, p.outer, p.row_bytes
     out = arrays.pooled_empty(x, p.padded)
-    ob = out.reshape(-1).view(np.uint8).reshape(outer, rows + 2 * w, row_bytes)
-    xb = x.reshape(-1).view(np.uint8).reshape(outer, rows, row_bytes)
+    ob = out.view(np.uint8).reshape(outer, rows + 2 * w, row_bytes)  # both C-contiguous: byte views
+    xb = x.view(np.uint8).reshape(outer, rows, row_bytes)
     ob[:, w : w + rows] = xb
     if w == 0:
         return out
