@@ -35,6 +35,7 @@ Semantics follow torch DTensor's redistribution between ``Replicate()`` and
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -73,13 +74,10 @@ def check_backward_thread() -> None:
     )
 
 
-_LEVEL: list = []  # MPI's thread level, asked once (it never changes after MPI_Init_thread)
-
-
+@functools.cache
 def _thread_level() -> int:
-    if not _LEVEL:
-        _LEVEL.append(MPI.Query_thread())
-    return _LEVEL[0]
+    """MPI's thread level, asked once (it never changes after ``MPI_Init_thread``)."""
+    return MPI.Query_thread()
 
 
 class _GatherTensor(torch.autograd.Function):

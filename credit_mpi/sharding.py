@@ -53,7 +53,7 @@ from . import blocks
 from .manager import Domain, DomainParallelManager, domain_of, live_domain_comm
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
 from .transport import arrays, limits, rowops, staging
-from .validation import Local, agree, agree_cached, check_bands_fit, check_root, check_transport, remembered
+from .validation import Local, agree, agree_cached, check_bands_fit, check_root, check_transport, repeat_remembered
 
 __all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
 
@@ -188,12 +188,8 @@ def gather_tensor(
         (``out`` when given).
     """
     # A repeat of a remembered call: its agreement is one Allgather, nothing else to check or plan.
-    comm = live_domain_comm(manager)
-    entry = None if comm is None else remembered(comm, "gather_tensor", _call_key(x, dim, out, transport), check)
-    table = None if entry is None else entry.repeat()
-    if entry is not None and table is None:
-        plan = entry.result if out is None else entry.result._replace(out=out)
-    else:
+    plan, table = repeat_remembered(live_domain_comm(manager), "gather_tensor", _call_key(x, dim, out, transport), check)
+    if plan is None:
         domain = blocks.line_domain(manager, dim)
         if domain is None:  # a (lat, lon) pair: gather the blocks of the 2-D domain grid
             return blocks.gather_tensor_2d(x, dim, manager, check, out, transport)
@@ -201,6 +197,8 @@ def gather_tensor(
             check_transport(transport)
             return x if out is None else _copy_into(out, x, dim)
         plan = _gather_plan(x, dim, domain, check, out, transport, received=table)
+    if out is not None:  # plans are remembered without out: this call's goes in
+        plan = plan._replace(out=out)
     if arrays.requires_grad(x):  # differentiable: the same MPI calls, inside an autograd.Function
         from .autograd import gather_autograd  # imports torch
 
@@ -234,13 +232,12 @@ def _gather_plan(x: Any, dim: int, domain: Domain, check: bool, out: Any, transp
         info, axis, _ = plan
         if out is not None:  # out's rows are agreed (a call argument): every rank raises alike
             _check_out(out, info, axis, sum(sizes))
-        # remembered without out (the cache must not keep a caller's array alive); this call's out goes in below
+        # remembered without out (the cache must not keep a caller's array alive): gather_tensor puts it in
         return _Gather(comm, info, axis, sizes, domain.rank, None, transport, domain.manager)
 
     # The same call shape as last time skips the local checks and the planning, never the agreement.
     key = _call_key(x, dim, out, transport)
-    plan = agree_cached(comm, "gather_tensor", key, local, finish, check=check, explain=explain, received=received)
-    return plan if out is None else plan._replace(out=out)
+    return agree_cached(comm, "gather_tensor", key, local, finish, check=check, explain=explain, received=received)
 
 
 def _call_key(x: Any, dim: Any, out: Any, transport: Any) -> tuple | None:
@@ -397,7 +394,7 @@ def _gather_p2p(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: list[in
             if peer == rank or not size:
                 continue
             first = offsets[peer] * row_bytes
-            if outer > 1 and size * row_bytes >= limits.SLICE_BYTES:  # one contiguous message per block
+            if _block_messages(outer, size * row_bytes):
                 block = size * row_bytes
                 requests += [
                     comm.Irecv([recv[first + p * slice_bytes : first + p * slice_bytes + block], size, row], peer, limits.TAG_GATHER)
@@ -408,7 +405,7 @@ def _gather_p2p(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: list[in
                 bands[size] = row.Create_vector(outer, size, total).Commit()
             requests.append(comm.Irecv([recv[first:], 1, bands[size]], peer, limits.TAG_GATHER))
         if mine:
-            if outer > 1 and mine >= limits.SLICE_BYTES:
+            if _block_messages(outer, mine):  # as every receiver of my band expects it
                 messages = [[send[p * mine : (p + 1) * mine], sizes[rank], row] for p in range(outer)]
             else:
                 messages = [[send, outer * sizes[rank], row]]
@@ -418,6 +415,11 @@ def _gather_p2p(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: list[in
         for band in bands.values():
             band.Free()
         row.Free()
+
+
+def _block_messages(outer: int, block_bytes: int) -> bool:
+    """A band moves as one contiguous message per outer slice (else as one message): the sender's and every receiver's rule."""
+    return outer > 1 and block_bytes >= limits.SLICE_BYTES
 
 
 _SCRATCH: dict = {}  # "bytes": one host scratch buffer of the packed gathers, grown as needed

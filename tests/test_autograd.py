@@ -151,7 +151,7 @@ def test_backward_off_the_main_thread_needs_thread_serialized(monkeypatch):
         assert isinstance(error, credit_mpi.DomainParallelError)
     import credit_mpi.autograd as autograd
 
-    monkeypatch.setattr(autograd, "_LEVEL", [MPI.THREAD_FUNNELED])  # the level, asked once, as if it were FUNNELED
+    monkeypatch.setattr(autograd, "_thread_level", lambda: MPI.THREAD_FUNNELED)  # the level (asked once) as if FUNNELED
     check_backward_thread()  # MPI's main thread: fine at any level
     error = _in_thread(check_backward_thread)
     assert isinstance(error, credit_mpi.DomainParallelError)

@@ -560,10 +560,15 @@ def cache_key(x: Any) -> tuple | None:
         return None
     if isinstance(x, np.ndarray):
         return (type(x), x.shape, x.dtype)
-    torch = _torch()
-    if torch is not None and isinstance(x, torch.Tensor) and x.is_cpu and x.layout is torch.strided:
-        return (type(x), x.shape, x.dtype, x.requires_grad and torch.is_grad_enabled())
+    if _is_host_torch(x):
+        return (type(x), x.shape, x.dtype, x.requires_grad and _torch().is_grad_enabled())
     return None
+
+
+def _is_host_torch(x: Any) -> bool:
+    """A torch CPU tensor with the strided layout (the only torch tensors the host fast paths take)."""
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor) and x.is_cpu and x.layout is torch.strided
 
 
 def out_cache_key(x: Any) -> tuple | None:
@@ -594,8 +599,7 @@ def host_numpy(x: Any) -> np.ndarray | None:
         return None
     if isinstance(x, np.ndarray):
         return x
-    torch = _torch()
-    if torch is not None and isinstance(x, torch.Tensor) and x.is_cpu and x.layout is torch.strided:
+    if _is_host_torch(x):
         try:
             return x.detach().numpy()
         except TypeError:  # a dtype numpy does not have
