@@ -26,8 +26,10 @@ of its own after them (on 2 cores gloo's threads slowed whichever MPI block
 ran next, by up to 25%). A time
 is the slowest rank's mean per call over a block of calls (``Barrier``
 before each block); the table shows the median over ``--repeats`` blocks
-and the ratio of medians. Only public names of credit_mpi are used, so the
-script also runs against older checkouts (``PYTHONPATH=<checkout>``).
+and the ratio of medians. The raw and gloo methods are those of
+:mod:`credit_mpi.cli.bench` (``credit-mpi bench`` measures with them too);
+besides them only public names of credit_mpi are used, so the script also
+runs against older checkouts (``PYTHONPATH=<checkout>``) that have them.
 """
 
 from __future__ import annotations
@@ -40,34 +42,13 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from credit_mpi.cli import bench
+
 SHAPES = {"0.26 MB": (4, 8, 23, 90), "2 MB": (4, 16, 45, 180), "33 MB": (4, 16, 180, 720)}
 
 
-def raw_halo(comm, x, w=1):
-    """The least raw mpi4py halo (zero boundary, dim -2): padded array, band copied in, two Sendrecv."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    up = rank - 1 if rank > 0 else MPI.PROC_NULL
-    down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
-    rows = x.shape[-2]
-    shape = (*x.shape[:-2], rows + 2 * w, x.shape[-1])
-
-    def run():
-        out = np.empty(shape, dtype=x.dtype)
-        out[..., w : w + rows, :] = x
-        first = np.ascontiguousarray(x[..., :w, :])
-        last = np.ascontiguousarray(x[..., rows - w :, :])
-        from_up, from_down = np.zeros_like(last), np.zeros_like(first)
-        comm.Sendrecv(last, down, 0, from_up, up, 0)
-        comm.Sendrecv(first, up, 1, from_down, down, 1)
-        out[..., :w, :] = from_up
-        out[..., w + rows :, :] = from_down
-        return out
-
-    return run
-
-
 def raw_adjoint(comm, g, w=1):
-    """The adjoint of :func:`raw_halo`: the band's gradient, halo gradients sent home and added."""
+    """The adjoint of ``bench.raw_halo``: the band's gradient, halo gradients sent home and added."""
     rank, size = comm.Get_rank(), comm.Get_size()
     up = rank - 1 if rank > 0 else MPI.PROC_NULL
     down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
@@ -84,66 +65,19 @@ def raw_adjoint(comm, g, w=1):
 
 
 def raw_halo_module(comm, w=1):
-    """raw_halo / raw_adjoint as a differentiable function of a torch CPU tensor."""
+    """``bench.raw_halo`` / :func:`raw_adjoint` as a differentiable function of a torch CPU tensor."""
     import torch
 
     class RawHalo(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
-            return torch.from_numpy(raw_halo(comm, x.detach().numpy(), w)())
+            return torch.from_numpy(bench.raw_halo(comm, x.detach().numpy(), w)())
 
         @staticmethod
         def backward(ctx, g):
             return torch.from_numpy(raw_adjoint(comm, g.contiguous().numpy(), w))
 
     return RawHalo.apply
-
-
-def gloo_halo(x, w, group):
-    import torch
-    import torch.distributed as dist
-
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    prev = dist.get_global_rank(group, rank - 1) if rank > 0 else None
-    nxt = dist.get_global_rank(group, rank + 1) if rank < size - 1 else None
-
-    def run():
-        top, bottom = torch.zeros_like(x[..., :w, :]), torch.zeros_like(x[..., :w, :])
-        ops = []
-        if prev is not None:
-            ops += [dist.P2POp(dist.isend, x[..., :w, :].contiguous(), prev, group), dist.P2POp(dist.irecv, top, prev, group)]
-        if nxt is not None:
-            ops += [dist.P2POp(dist.isend, x[..., -w:, :].contiguous(), nxt, group), dist.P2POp(dist.irecv, bottom, nxt, group)]
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-        return torch.cat([top, x, bottom], dim=-2)
-
-    return run
-
-
-def gloo_gather(x, group):
-    import torch
-    import torch.distributed as dist
-
-    n = dist.get_world_size(group)
-
-    def run():
-        parts = [torch.empty_like(x) for _ in range(n)]
-        dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, dim=-2)
-
-    return run
-
-
-def raw_allgather(comm, x, fresh):
-    recv = np.empty((comm.Get_size(), *x.shape), x.dtype)
-
-    def run():
-        r = np.empty_like(recv) if fresh else recv
-        comm.Allgather(x, r)
-        return r
-
-    return run
 
 
 def time_cases(comm, cases, repeats, number):
@@ -191,9 +125,7 @@ def main(argv=None) -> int:
     report = {"ranks": size, "credit_mpi": credit_mpi.__file__, "rows": []}
     with DomainParallelManager(None, size) as manager:
         comm = manager.domain_group
-        from credit_mpi.cli.bench import gloo_group
-
-        group = gloo_group(manager)
+        group = bench.gloo_group(manager)
         for label in args.sizes.split(","):
             b, c, h, w = SHAPES[label]
             x = np.random.default_rng(rank).standard_normal((b, c, h, w), dtype=np.float32)
@@ -203,8 +135,8 @@ def main(argv=None) -> int:
             if "halo" in ops:
                 cases = {
                     "credit": lambda x=x: halo_exchange(x, 1, manager=manager),
-                    "raw": raw_halo(comm, x),
-                    "gloo": gloo_halo(xt, 1, group),
+                    "raw": bench.raw_halo(comm, x),
+                    "gloo": bench.gloo_halo_cat(xt, 1, group),
                 }
                 rows["halo"] = cases
             if "halo fwd+bwd" in ops:
@@ -227,10 +159,10 @@ def main(argv=None) -> int:
                 out = gather_tensor(x, manager=manager)
                 rows["gather"] = {
                     "credit": lambda x=x: gather_tensor(x, manager=manager),
-                    "raw": raw_allgather(comm, x, fresh=False),
-                    "raw fresh": raw_allgather(comm, x, fresh=True),
+                    "raw": bench.raw_allgather(comm, x),
+                    "raw fresh": bench.raw_allgather(comm, x, fresh=True),
                     "credit out=": lambda x=x, out=out: gather_tensor(x, manager=manager, out=out),
-                    "gloo": gloo_gather(xt, group),
+                    "gloo": bench.gloo_all_gather_cat(xt, -2, group),
                 }
             for op, cases in rows.items():
                 _verify(op, cases, comm)

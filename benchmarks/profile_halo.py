@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 from credit_mpi import DomainParallelManager, halo_exchange
 from credit_mpi import halo as halo_mod
+from credit_mpi.cli import bench
 from credit_mpi.manager import domain_of, live_domain_comm
 from credit_mpi.validation import remembered
 
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--number", type=int, default=200)
     args = parser.parse_args(argv)
-    import bench_percall  # the raw halo and the timing loop, in the same folder
+    import bench_percall  # the timing loop, in the same folder
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
         key = halo_mod._call_key(x, 1, -2, "zero", "mpi")
         entry = remembered(comm, "halo_exchange", key)
         header, table = np.zeros(5, np.int64), np.empty((comm.Get_size(), 5), np.int64)
-        raw = bench_percall.raw_halo(comm, x)
+        raw = bench.raw_halo(comm, x)
 
         cases = {
             "halo_exchange(x, 1)": lambda: halo_exchange(x, 1, manager=manager),
