@@ -61,6 +61,13 @@ _MODULE_PAGES = {
 }
 
 
+# Internal modules (README "Architecture") that public docstrings name: the pages say it in words.
+_INTERNAL_WORDS = {
+    ":mod:`credit_mpi.partition` layout": "band layout",
+    ":mod:`credit_mpi.transport.staging` moves": "credit_mpi moves",
+}
+
+
 def _strip_test_markers(app, docname, source):
     source[0] = _TEST_MARKER.sub("", source[0])
 
@@ -69,6 +76,8 @@ def _point_at_pages(app, what, name, obj, options, lines):
     module = getattr(obj, "__module__", None) or name.rpartition(".")[0]
     page = _MODULE_PAGES.get(module)
     for i, line in enumerate(lines):
+        for internal, words in _INTERNAL_WORDS.items():
+            line = lines[i] = line.replace(internal, words)
         if "(see the module docstring)" in line:
             where = f"(see :doc:`{page}`)" if page else ""
             lines[i] = line.replace("(see the module docstring)", where).rstrip()
