@@ -38,7 +38,8 @@ napoleon_numpy_docstring = False
 intersphinx_mapping = {}
 
 html_theme = "alabaster"
-html_static_path = []
+html_theme_options = {"page_width": "1100px"}
+html_static_path = ["_static"]  # custom.css: code in table cells wraps
 exclude_patterns = ["_build"]
 
 # A real colon that napoleon does not take for "type: description" (see _protect_property_colons).
@@ -92,7 +93,13 @@ def _protect_property_colons(app, what, name, obj, options, lines):
         lines[0] = _UNPROTECTED.sub(lambda m: "\\ |colon|" if m.group(1) else m.group(0), lines[0])
 
 
+def _public_bases(app, name, obj, options, bases):
+    """"Bases:" lists the public classes only (not the private mixins behind the layers)."""
+    bases[:] = [b for b in bases if not getattr(b, "__name__", "").startswith("_")]
+
+
 def setup(app):
+    app.connect("autodoc-process-bases", _public_bases)
     app.connect("source-read", _strip_test_markers)
     app.connect("autodoc-process-docstring", _point_at_pages)
     app.connect("autodoc-process-docstring", _protect_property_colons, priority=400)  # before napoleon (500)

@@ -21,7 +21,15 @@ class HaloExchange(torch.nn.Module):
     ``manager=`` to use another one and ``transport="torch"`` to move the
     rows over the mirrored torch.distributed group. Typically followed by a
     convolution with no padding along ``dim`` (and circular padding along
-    longitude).
+    longitude); :meth:`trim` cuts rows off again, as CREDIT's does.
+
+    With no manager, or a domain of one rank, the module still pads: the
+    whole field is on this rank and gets its ``boundary`` rows (zeros for
+    ``"zero"``), so a convolution with no padding along ``dim`` after it
+    keeps the field's height on one rank as on many. CREDIT's
+    ``HaloExchange.forward`` returns its input unchanged there (its layers
+    then lose ``kernel - 1`` rows on one rank); code that wants that checks
+    ``get_domain_parallel_manager()`` itself.
     """
 
     def __init__(

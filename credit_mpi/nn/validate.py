@@ -52,7 +52,7 @@ def validate_sharding_constraints(
         shard_dim: The sharded dim (default -2).
 
     Returns:
-        One message per problem (empty: all checks pass), as CREDIT's.
+        One message per problem, as CREDIT's; an empty list when all checks pass.
 
     Raises:
         ValueError: ``local_h`` is not a band height of this layout.
