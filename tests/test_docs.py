@@ -429,3 +429,58 @@ def test_guide_pages_do_not_send_users_to_internal_names():
         for name in INTERNAL if name in line
     ]
     assert not offending, offending
+
+
+# -- every pip install a page shows names something that exists -------------------------------------------
+
+_PIP = re.compile(r"pip install ([^`#\n]+)")
+
+
+def pip_targets() -> list[tuple[str, str]]:
+    """``(page:line, target)`` for every argument of a ``pip install`` in README and docs (options dropped)."""
+    out = []
+    for path in [*_page_files(), ROOT / "slurm" / "README.md"]:
+        if not path.exists():
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for m in _PIP.finditer(line):
+                try:
+                    words = shlex.split(m.group(1))
+                except ValueError:
+                    continue
+                skip = False
+                for w in words:
+                    if skip:
+                        skip = False
+                        continue
+                    if w in ("--index-url", "--extra-index-url", "-d", "--no-binary", "-r"):
+                        skip = True
+                    elif w.startswith("-") or w.startswith("MPICC"):
+                        continue
+                    else:
+                        out.append((f"{path.name}:{number}", w.rstrip(")")))
+    return out
+
+
+def test_pip_install_targets_exist():
+    """A checkout (`.`, `./credit_mpi`), the wheel of `make wheel` with its real name, or a package on PyPI;
+    extras that pyproject.toml defines; never `credit-mpi` by name (it is on no index)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras, version = set(project["optional-dependencies"]), project["version"]
+    wheel = f"dist/credit_mpi-{version}-py3-none-any.whl"
+    targets = pip_targets()
+    assert len(targets) > 5, targets
+    bad = []
+    for where, target in targets:
+        base, _, rest = target.partition("[")
+        named = set(rest.rstrip("]").split(",")) - {""} if rest else set()
+        if base.replace("_", "-").lower().startswith("credit-mpi"):
+            bad.append(f"{where}: {target} (credit_mpi is on no package index: use a checkout or the wheel)")
+        elif base in (".", "./credit_mpi") or base.startswith("dist/"):
+            if base.startswith("dist/") and base != wheel:
+                bad.append(f"{where}: {target} (make wheel builds {wheel})")
+            if named - extras:
+                bad.append(f"{where}: {target} (no extra {sorted(named - extras)}; pyproject has {sorted(extras)})")
+    assert not bad, "\n".join(bad)
