@@ -1,29 +1,42 @@
 # Two commands do everything on a fresh machine:
-#   make demo   - install into .venv and run the end-to-end demo on 4 MPI ranks
-#   make test   - install into .venv and run the whole test suite (serial + MPI on 1-4 ranks)
+#   make demo   - install the package + the PyPI MPICH wheel into .venv, run the end-to-end demo on 4 MPI ranks
+#   make test   - install the rest (torch, the test/io/plot extras) into .venv, run the whole test suite
+#                 (serial + MPI on 1-4 ranks)
 # The MPI is the PyPI `mpich` wheel (embedded, nothing to install system-wide).
 #   make wheel  - build dist/credit_mpi-<version>-py3-none-any.whl (pip install it anywhere, with extras)
+# pip shows its own progress (downloads are the slow part on a fresh machine).
 
 PYTHON3 ?= python3
 VENV    ?= .venv
 RANKS   ?= 4
-# The CPU build of torch: a bare `torch` requirement pulls a multi-GB CUDA build.
-TORCH   ?= torch==2.13.0
-EXTRAS  ?= mpich,test,io,plot
-PY      := $(VENV)/bin/python
+# make test's torch. On PyPI a plain `torch==2.13.0` is the CUDA build on Linux x86_64 (a 527 MB wheel plus
+# several GB of nvidia-* libraries); TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU build
+# (about 190 MB) from PyTorch's own index instead. Empty (the default): pip's configured indexes only, so a
+# machine with a local mirror (CI) never waits on an index it cannot reach.
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?=
+DEMO_EXTRAS ?= mpich
+EXTRAS      ?= mpich,test,io,plot
+PY          := $(VENV)/bin/python
 
 .PHONY: install demo test docs lint wheel clean
 
-$(VENV)/.installed: pyproject.toml
+# What the demo needs: the package (numpy, mpi4py) and the MPICH wheel; no torch.
+$(VENV)/.demo-installed: pyproject.toml
 	$(PYTHON3) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e ".[$(DEMO_EXTRAS)]"
+	touch $@
+
+# Everything else: torch (see TORCH / TORCH_INDEX above), the test, io and plot extras.
+$(VENV)/.installed: $(VENV)/.demo-installed
+	$(PY) -m pip install "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -e ".[$(EXTRAS)]"
 	touch $@
 
 install: $(VENV)/.installed
 
-demo: install
+demo: $(VENV)/.demo-installed
 	MPIEXEC_TIMEOUT=600 timeout 660 $(VENV)/bin/mpiexec -n $(RANKS) $(PY) -m credit_mpi demo
 
 test: install

@@ -7,6 +7,12 @@ burns the whole allocation. :func:`abort_on_exception` replaces
 traceback, tagged with the rank, and then calls ``MPI.COMM_WORLD.Abort``,
 which ends every process of the job with a non-zero status.
 
+An error that credit_mpi raised on every rank of a group (an agreement that
+failed) is printed once per group: the group's first rank prints the
+traceback, every other rank one line naming it. Chained causes are named,
+not printed; ``CREDIT_MPI_TRACEBACK=all`` prints every rank's whole
+traceback.
+
 It is opt-in: importing credit_mpi changes nothing. Use it at the top of a
 batch script::
 
@@ -29,8 +35,10 @@ themselves are unaffected.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +51,11 @@ __all__ = ["abort_on_exception", "abort_on_exception_enabled"]
 _saved: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
 _errorcode = 1
 
+#: ``CREDIT_MPI_TRACEBACK=all``: every rank prints its whole traceback (chained exceptions included).
+TRACEBACK_VARIABLE = "CREDIT_MPI_TRACEBACK"
+# How long a rank that leaves the traceback to another waits before aborting.
+_PRINTER_GRACE_S = 1.0
+
 
 def abort_on_exception(enable: bool = True, *, errorcode: int = 1) -> None:
     """Make any uncaught exception on this rank abort the whole MPI job.
@@ -53,6 +66,9 @@ def abort_on_exception(enable: bool = True, *, errorcode: int = 1) -> None:
     rank's number in ``MPI.COMM_WORLD``, and then calls
     ``MPI.COMM_WORLD.Abort(errorcode)``: every process of the job ends
     promptly with a non-zero status instead of hanging in a collective.
+    An error that credit_mpi raised on every rank of a group is printed
+    once for the group (its first rank's traceback, one line from each other
+    rank); set ``CREDIT_MPI_TRACEBACK=all`` for every rank's whole traceback.
 
     Idempotent: calling it again only updates ``errorcode``; the hooks are
     installed once. ``abort_on_exception(False)`` restores the hooks that
@@ -100,15 +116,58 @@ def _abort(exc_type, exc_value, exc_tb, where: str) -> None:
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     try:
-        text = "".join(traceback.format_exception(exc_type, exc_value, exc_tb))
-        sys.stderr.write(
-            f"[credit_mpi rank {rank}/{size}] uncaught exception{where}; "
-            f"aborting all {size} rank(s) of MPI.COMM_WORLD with status {_errorcode}\n{text}"
-        )
+        head = f"[credit_mpi rank {rank}/{size}] uncaught exception{where}; aborting all {size} rank(s) of MPI.COMM_WORLD with status {_errorcode}"
+        printer = _agreed_printer(exc_tb)
+        if os.environ.get(TRACEBACK_VARIABLE) == "all":
+            text = f"{head}\n" + "".join(traceback.format_exception(exc_type, exc_value, exc_tb))
+        elif printer is not None and printer != rank:
+            # The same error is on every rank of a group: its first rank prints the traceback and aborts
+            # the job; this rank waits for that, and says one line only if the job is still there.
+            sys.stdout.flush()
+            time.sleep(_PRINTER_GRACE_S)
+            text = f"[credit_mpi rank {rank}/{size}] {_one_line(exc_type, exc_value)} (the same error as rank {printer})\n"
+        else:
+            group = "" if printer is None else " (raised alike on every rank of its group: printed once)"
+            text = f"{head}{group}\n" + _last_traceback(exc_type, exc_value, exc_tb)
+        sys.stderr.write(text)
         sys.stderr.flush()
         sys.stdout.flush()
     finally:
         world.Abort(_errorcode)
+
+
+def _agreed_printer(tb) -> int | None:
+    """The COMM_WORLD rank that prints an error agreed on by a group of ranks, else None.
+
+    An error raised while ranks settle an agreement (``validation._settle``,
+    where every rank of the communicator raises the same exception) is the
+    same on every rank of that communicator: its rank 0 prints it.
+    """
+    for frame, _ in traceback.walk_tb(tb):
+        code = frame.f_code
+        if code.co_name == "_settle" and code.co_filename.endswith(os.path.join("credit_mpi", "validation.py")):
+            comm = frame.f_locals.get("comm")
+            try:
+                return MPI.Group.Translate_ranks(comm.Get_group(), [0], MPI.COMM_WORLD.Get_group())[0]
+            except Exception:  # noqa: BLE001 - a freed communicator: print here
+                return None
+    return None
+
+
+def _one_line(exc_type, exc_value) -> str:
+    lines = str(exc_value).strip().splitlines()
+    text = lines[0] if lines else ""
+    return f"{exc_type.__name__}: {text[:300]}{'...' if len(text) > 300 or len(lines) > 1 else ''}"
+
+
+def _last_traceback(exc_type, exc_value, exc_tb) -> str:
+    """The traceback of the exception itself; its chained causes (often the same error a rank raised first) by name only."""
+    text = "".join(traceback.format_exception(exc_type, exc_value, exc_tb, chain=False))
+    cause = exc_value.__cause__ or (None if exc_value.__suppress_context__ else exc_value.__context__)
+    if cause is not None and not str(exc_value).startswith(str(cause)):  # an agreed error repeats its cause's text
+        text += (f"(raised while handling {type(cause).__name__}: {str(cause).strip()[:200]}; "
+                 f"{TRACEBACK_VARIABLE}=all prints the whole chain on every rank)\n")
+    return text
 
 
 def _excepthook(exc_type, exc_value, exc_tb) -> None:

@@ -121,7 +121,7 @@ class DomainParallelManager:
                 divisors = [k for k in range(1, n + 1) if n % k == 0]
                 raise ValueError(
                     f"domain_parallel_size={d} does not divide world_size={n}; "
-                    f"valid sizes: {divisors}"
+                    f"valid sizes: {divisors}" + (_launch_hint(d) if n == 1 else "")
                 )
             return (*args, check_grid(domain_grid, d))
 
@@ -473,6 +473,16 @@ class Domain(NamedTuple):
     def neighbors(self, periodic: bool = False) -> tuple[int | None, int | None]:
         """(prev, next) domain ranks of this rank's halo exchange (see :func:`credit_mpi.partition.halo_neighbors`)."""
         return halo_neighbors(self.rank, self.size, periodic)
+
+
+def _launch_hint(d: int) -> str:
+    """Why a job has one rank (started without a launcher, most likely), and the command that starts more."""
+    import os
+
+    here = os.path.join(sys.prefix, "bin", "mpiexec")
+    mpiexec = here if os.path.exists(here) else "mpiexec"
+    return (f". This process is a single MPI rank: started without a launcher? Start it with "
+            f"`{mpiexec} -n {d} python ...` (or `srun -n {d}` in a Slurm job)")
 
 
 def domain_of(manager: Any = None) -> Domain:

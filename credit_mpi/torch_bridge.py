@@ -379,9 +379,11 @@ def _init_default_group(comm: MPI.Comm, backend: str, timeout: timedelta, connec
         except ValueError:
             raise ValueError(f"MASTER_PORT must be a port number, got {port_text!r}{_stale_hint(env)}") from None
         try:
+            if env.get("MASTER_ADDR"):
+                _bindable(addr)  # not an address of this node: say so now, not after torch's retries
             store = dist.TCPStore(addr, port, size, is_master=True, wait_for_workers=False, timeout=connect_timeout)
         except Exception as exc:  # noqa: BLE001 - torch raises several types (DistNetworkError, RuntimeError)
-            raise DomainParallelError(_rendezvous_error("start", addr, port, connect_timeout, exc, env)) from exc
+            raise DomainParallelError(_rendezvous_error("start", addr, port, connect_timeout, exc, env)) from None
         return addr, store.port
 
     addr, port = allgather_or_raise(comm, host_store)[0]
@@ -390,14 +392,34 @@ def _init_default_group(comm: MPI.Comm, backend: str, timeout: timedelta, connec
         nonlocal store
         if rank != 0:
             try:
+                _reachable(addr, port, connect_timeout)  # one bounded attempt, before torch's logged retries
                 store = dist.TCPStore(addr, port, size, is_master=False, timeout=connect_timeout)
             except Exception as exc:  # noqa: BLE001
-                raise DomainParallelError(_rendezvous_error("reach", addr, port, connect_timeout, exc, env)) from exc
+                raise DomainParallelError(_rendezvous_error("reach", addr, port, connect_timeout, exc, env)) from None
         store.set_timeout(timeout)
 
     allgather_or_raise(comm, connect)
     logger.debug("rank %d: torch.distributed rendezvous at %s:%d (%s)", rank, addr, port, backend)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+
+
+def _bindable(addr: str) -> None:
+    """Raise OSError at once when ``addr`` is no address of this node (rank 0 could not host the store there).
+
+    Without it, torch's TCPStore retries connecting to itself until well past
+    ``connect_timeout`` and logs every attempt with its C++ frames.
+    """
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((addr, 0))
+        except OSError as exc:
+            raise OSError(f"{addr} is not an address of rank 0's node {socket.gethostname()} ({exc.strerror})") from None
+
+
+def _reachable(addr: str, port: int, limit: timedelta) -> None:
+    """One TCP connection to rank 0's store, bounded by ``limit`` (OSError when it cannot be made)."""
+    with socket.create_connection((addr, port), timeout=limit.total_seconds()):
+        pass
 
 
 def _stale_hint(env: dict[str, str]) -> str:

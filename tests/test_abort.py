@@ -63,3 +63,80 @@ def test_sys_exit_still_exits():
 
 def test_exported():
     assert "abort_on_exception" in credit_mpi.__all__
+
+
+# -- what the hook prints ----------------------------------------------------------------------------
+
+def _caught(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    raise AssertionError("no exception")
+
+
+def test_an_agreed_error_is_printed_by_the_groups_first_rank():
+    from mpi4py import MPI
+
+    def bad():
+        raise ValueError("nope")
+
+    agreed = _caught(lambda: credit_mpi.allgather_or_raise(MPI.COMM_SELF, bad))
+    assert abort._agreed_printer(agreed.__traceback__) == MPI.COMM_WORLD.Get_rank()  # COMM_SELF's rank 0
+    assert abort._agreed_printer(_caught(bad).__traceback__) is None  # one rank's own error: it prints it
+    text = abort._last_traceback(type(agreed), agreed, agreed.__traceback__)
+    assert text.count("Traceback") == 1 and "nope [on rank(s) 0" in text
+    assert "raised while handling" not in text  # the cause says what the agreed error says
+    assert abort._one_line(ValueError, ValueError("a\nb")) == "ValueError: a..."
+
+
+def test_a_cause_with_other_words_is_named_not_printed():
+    try:
+        try:
+            {}["k"]
+        except KeyError as exc:
+            raise RuntimeError("wrapped") from exc
+    except RuntimeError as exc:
+        text = abort._last_traceback(RuntimeError, exc, exc.__traceback__)
+    assert text.count("Traceback") == 1 and "raised while handling KeyError: 'k'" in text
+    assert "CREDIT_MPI_TRACEBACK=all" in text
+
+
+AGREED_JOB = """
+import numpy as np
+import credit_mpi as cm
+cm.abort_on_exception()
+m = cm.initialize_domain_parallel(None, {n})
+x = np.zeros((1, 2, 8 + (m.domain_rank == 1), 4))
+cm.halo_exchange(x, 1, dim=-1)
+"""
+
+
+@pytest.mark.parametrize("variable", [None, "all"])
+def test_one_traceback_for_an_error_every_rank_raises(variable, tmp_path):
+    """3 ranks, one wrong band: the agreed ValueError is one traceback (every rank's with CREDIT_MPI_TRACEBACK=all)."""
+    import subprocess
+    from pathlib import Path
+
+    from mpi4py import MPI
+
+    from .conftest import child_env
+
+    if MPI.COMM_WORLD.Get_size() > 1:
+        pytest.skip("starts its own mpiexec")
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip(f"no {mpiexec}")
+    script = tmp_path / "job.py"
+    script.write_text(AGREED_JOB.format(n=3))
+    env = child_env(MPIEXEC_TIMEOUT="120", **({"CREDIT_MPI_TRACEBACK": variable} if variable else {}))
+    result = subprocess.run([str(mpiexec), "-n", "3", sys.executable, str(script)], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=150)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "bands do not fit together" in out, out
+    if variable is None:
+        assert out.count("Traceback (most recent call last)") == 1, out
+        assert "[credit_mpi rank 0/3] uncaught exception" in out and "printed once" in out, out
+    else:
+        assert out.count("Traceback (most recent call last)") >= 2, out  # the chain too (on every rank that got to print)

@@ -243,3 +243,100 @@ def test_plot_without_matplotlib_fails_before_the_sweep(capsys, monkeypatch, tmp
     assert rcs == [2] * MPI.COMM_WORLD.Get_size()
     if MPI.COMM_WORLD.Get_rank() == 0:
         assert "--plot needs matplotlib" in out.err and "[plot]" in out.err
+
+
+# ----------------------------------------------------------------------------- every documented option, run
+
+
+def _grid_for(size: int) -> str:
+    rows = max(r for r in range(1, size + 1) if size % r == 0 and r * r <= size)
+    return f"{rows}x{size // rows}"
+
+
+def documented_runs(size: int, plot: str) -> list[list[str]]:
+    """Command lines that between them use every option of docs/cli.rst (small fields, one repetition)."""
+    h = 4 * size
+    return [
+        ["info", "--domain-size", str(size), "--grid", _grid_for(size)],
+        ["info", "-d", "1", "--grid", "1x1"],
+        ["demo", "-d", "1", "-c", "2", "--lat", str(size + 3), "--lon", "16", "--steps", "1"],
+        ["demo", "--domain-size", str(size), "--channels", "1", "--lat", str(size), "--lon", "8", "--steps", "1"],
+        ["bench", "-s", f"1x{h}x8", "-d", "1", "-r", "1", "--ops", "gather,halo", "--no-torch", "--json"],
+        ["bench", "--size", f"1x{h}x8", "--domain-size", str(size), "--repeats", "1", "--ops", "shard_batch",
+         "--no-torch", "--plot", plot],
+    ]
+
+
+def test_documented_runs_use_every_option():
+    """When the command gains an option, the runs below must use it (docs/cli.rst must name it: test_docs)."""
+    used = {w for argv in documented_runs(4, "x.png") for w in argv if w.startswith("-")}
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    options = {s for p in sub.choices.values() for a in p._actions for s in a.option_strings} - {"-h", "--help"}
+    assert options == used, (sorted(options - used), sorted(used - options))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("k", range(6))
+def test_every_documented_option_runs(k, capsys, tmp_path):
+    world = MPI.COMM_WORLD
+    argv = documented_runs(world.Get_size(), str(tmp_path / "bench.png"))[k]
+    if "--plot" in argv:
+        pytest.importorskip("matplotlib")
+    rcs, out = _run(capsys, argv)
+    assert rcs == [0] * world.Get_size(), (argv, out.err)
+    if world.Get_rank() != 0:
+        assert out.out == "" and out.err == ""
+    elif argv[0] == "info" and "--grid" in argv:
+        grid = argv[argv.index("--grid") + 1]
+        assert f"domain grid {grid}" in out.out and "r0 " in out.out
+    elif argv[0] == "demo":
+        assert "all checks passed on every rank" in out.out and "bytes moved:" in out.out
+    elif "--plot" in argv:
+        assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["demo", "-c", "0"], "the channel count must be an integer >= 1, got '0'"),
+    (["demo", "--lat", "0"], "the latitude count must be an integer >= 1, got '0'"),
+    (["demo", "--steps", "x"], "the step count must be an integer >= 1, got 'x'"),
+    (["info", "--grid", "2"], "a grid is ROWSxCOLS such as 2x2"),
+])
+def test_usage_errors_are_one_line_naming_valid_values(argv, says, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv, comm=MPI.COMM_SELF)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err
+
+
+@pytest.mark.mpi(min_size=2)
+def test_usage_errors_come_from_rank0_only(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["demo", "-c", "0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert ("the channel count" in err) == (MPI.COMM_WORLD.Get_rank() == 0), err
+
+
+@pytest.mark.mpi(min_size=2)
+def test_demo_lat_below_the_domain_size_is_one_clear_error(capsys):
+    world = MPI.COMM_WORLD
+    n = world.Get_size()
+    rcs, out = _run(capsys, ["demo", "--lat", str(n - 1), "--lon", "8", "--steps", "1"])
+    assert rcs == [2] * n
+    if world.Get_rank() == 0:
+        assert f"use --lat {n} or more" in out.err and "halo_width" not in out.err, out.err
+        assert out.err.count("\n") == 1
+    else:
+        assert out.err == ""
+
+
+@pytest.mark.mpi(min_size=2)
+def test_info_grid_that_does_not_fit_names_the_grids_that_do(capsys):
+    world = MPI.COMM_WORLD
+    n = world.Get_size()
+    rcs, out = _run(capsys, ["info", "--grid", f"{n + 1}x1"])
+    assert rcs == [2] * n
+    if world.Get_rank() == 0:
+        assert "grids that fit" in out.err and f"1x{n}" in out.err, out.err

@@ -327,3 +327,160 @@ def test_api_reference_lists_every_public_name_once():
     assert len(documented) == len(set(documented)), documented
     internal = {"transport", "autograd", "partition", "validation", "bench", "cli", "demo"}
     assert not [d for d in documented if set(d.split(".")) & internal]
+
+
+# -- every credit_mpi name and credit-mpi command a page mentions exists ----------------------------------
+
+_DOTTED = re.compile(r"(?<![\w/.-])(credit_mpi|cm|dp)((?:\.[A-Za-z_]\w*)+)")
+_INLINE_COMMAND = re.compile(r"``(credit-mpi [^`]+)``|(?<!`)`(credit-mpi [^`]+)`(?!`)")
+
+
+def _page_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.rst") if p.name != "changelog.rst")]
+
+
+def documented_names() -> list[tuple[str, str]]:
+    """``(page:line, dotted name)`` for every ``credit_mpi.X.Y`` (or ``cm.X`` / ``dp.X``, the pages' aliases)."""
+    found = []
+    for path in _page_files():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for alias, rest in _DOTTED.findall(line):
+                if alias != "credit_mpi" and not re.search(rf"`[^`]*\b{alias}{re.escape(rest)}", line):
+                    continue  # cm./dp. only inside code, where they are the pages' import aliases
+                found.append((f"{path.name}:{number}", "credit_mpi" + rest))
+    return found
+
+
+def _resolve(dotted: str) -> None:
+    """Import the longest module prefix of ``dotted`` and look the rest up (AttributeError / ImportError)."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError as exc:
+            if exc.name and not exc.name.startswith("credit_mpi"):
+                pytest.skip(f"{dotted} needs {exc.name}, which is not installed")
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return
+    raise ImportError(dotted)
+
+
+NAMES = sorted({name for _, name in documented_names()})
+
+
+def test_pages_name_credit_mpi_things():
+    assert len(NAMES) > 20, NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_named_credit_mpi_thing_exists(name):
+    where = [w for w, n in documented_names() if n == name]
+    try:
+        _resolve(name)
+    except (AttributeError, ImportError) as exc:
+        pytest.fail(f"{', '.join(where)} names {name}, which does not exist ({type(exc).__name__}: {exc})")
+
+
+def inline_commands() -> list[tuple[str, list[str]]]:
+    out = []
+    for path in _page_files():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for a, b in _INLINE_COMMAND.findall(line):
+                text = a or b
+                if "<" in text or "..." in text or "[" in text:
+                    continue  # a synopsis with placeholders (docs/cli.rst is checked option by option)
+                out.append((f"{path.name}:{number}", shlex.split(text)[1:]))
+    return out
+
+
+@pytest.mark.parametrize(("where", "args"), inline_commands(), ids=[w for w, _ in inline_commands()])
+def test_inline_credit_mpi_commands_name_real_options(where, args):
+    """Prose mentions (``credit-mpi bench --plot``): the subcommand and every option named exist."""
+    subs = _subcommands()
+    name = args[0] if args and not args[0].startswith("-") else ""
+    assert name in subs, f"{where}: `credit-mpi {' '.join(args)}`: no subcommand {name!r} (there are {sorted(subs)[1:]})"
+    options = _options(subs[name]) | {"-h", "--help"} | (_options(subs[""]) if name == "" else set())
+    unknown = [a.split("=")[0] for a in args if a.startswith("-") and a.split("=")[0] not in options]
+    assert not unknown, f"{where}: `credit-mpi {' '.join(args)}`: {name or 'credit-mpi'} has no option {unknown}"
+
+
+def test_the_name_check_catches_what_does_not_exist(tmp_path):
+    with pytest.raises(AttributeError):
+        _resolve("credit_mpi.no_such_function")
+    with pytest.raises((AttributeError, ImportError)):
+        _resolve("credit_mpi.cli.grid.check_grid")  # the module that `credit-mpi info --grid` once imported
+    assert ("README.md", "credit_mpi.abort_on_exception") in {(w.split(":")[0], n) for w, n in documented_names()}
+
+
+INTERNAL = ("credit_mpi.partition", "credit_mpi.validation", "credit_mpi.transport", "credit_mpi.autograd",
+            "credit_mpi.cli.", "attach_torch_groups", "detach_torch_groups")
+
+
+def test_guide_pages_do_not_send_users_to_internal_names():
+    """README's architecture section describes the internals; the guide pages name only public things."""
+    offending = [
+        f"{path.name}:{number}: {name}"
+        for path in sorted((ROOT / "docs").glob("*.rst")) if path.name not in ("changelog.rst", "api.rst")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for name in INTERNAL if name in line
+    ]
+    assert not offending, offending
+
+
+# -- every pip install a page shows names something that exists -------------------------------------------
+
+_PIP = re.compile(r"pip install ([^`#\n]+)")
+
+
+def pip_targets() -> list[tuple[str, str]]:
+    """``(page:line, target)`` for every argument of a ``pip install`` in README and docs (options dropped)."""
+    out = []
+    for path in [*_page_files(), ROOT / "slurm" / "README.md"]:
+        if not path.exists():
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for m in _PIP.finditer(line):
+                try:
+                    words = shlex.split(m.group(1))
+                except ValueError:
+                    continue
+                skip = False
+                for w in words:
+                    if skip:
+                        skip = False
+                        continue
+                    if w in ("--index-url", "--extra-index-url", "-d", "--no-binary", "-r"):
+                        skip = True
+                    elif w.startswith("-") or w.startswith("MPICC"):
+                        continue
+                    else:
+                        out.append((f"{path.name}:{number}", w.rstrip(")")))
+    return out
+
+
+def test_pip_install_targets_exist():
+    """A checkout (`.`, `./credit_mpi`), the wheel of `make wheel` with its real name, or a package on PyPI;
+    extras that pyproject.toml defines; never `credit-mpi` by name (it is on no index)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras, version = set(project["optional-dependencies"]), project["version"]
+    wheel = f"dist/credit_mpi-{version}-py3-none-any.whl"
+    targets = pip_targets()
+    assert len(targets) > 5, targets
+    bad = []
+    for where, target in targets:
+        base, _, rest = target.partition("[")
+        named = set(rest.rstrip("]").split(",")) - {""} if rest else set()
+        if base.replace("_", "-").lower().startswith("credit-mpi"):
+            bad.append(f"{where}: {target} (credit_mpi is on no package index: use a checkout or the wheel)")
+        elif base in (".", "./credit_mpi") or base.startswith("dist/"):
+            if base.startswith("dist/") and base != wheel:
+                bad.append(f"{where}: {target} (make wheel builds {wheel})")
+            if named - extras:
+                bad.append(f"{where}: {target} (no extra {sorted(named - extras)}; pyproject has {sorted(extras)})")
+    assert not bad, "\n".join(bad)

@@ -87,3 +87,18 @@ def test_bad_connect_timeout_on_one_rank_raises_everywhere(make_manager):
     with pytest.raises(ValueError, match="connect_timeout must be positive"):
         credit_mpi.init_torch_distributed(manager, "gloo", connect_timeout=value)
     assert not dist.is_initialized()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_stale_master_addr_is_short(make_manager, monkeypatch, capfd):
+    """No C++ frames from torch's retries, no chained torch exception: one message (rank 0 checks the address)."""
+    monkeypatch.setenv("MASTER_ADDR", STALE_ADDR)
+    monkeypatch.setenv("MASTER_PORT", "29518")
+    manager = make_manager()
+    with pytest.raises(DomainParallelError, match=f"{STALE_ADDR} is not an address of rank 0's node") as info:
+        credit_mpi.init_torch_distributed(manager, "gloo", connect_timeout=30)
+    cause = info.value.__cause__
+    assert cause is None or not isinstance(cause.__cause__, RuntimeError)  # torch's error is named, not chained
+    err = capfd.readouterr().err
+    assert "frame #" not in err and "TCPStore.cpp" not in err, err[-3000:]
+    assert not dist.is_initialized()

@@ -17,6 +17,7 @@ tests can run it in-process on any communicator.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -83,9 +84,16 @@ def _positive(text: str) -> int:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (the valid values are in the message; --help has the rest)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``credit-mpi`` argument parser (no MPI calls)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="credit-mpi",
         description="credit_mpi: MPI-native domain parallelism. Run under mpiexec/srun; output from rank 0.",
         epilog="example: mpiexec -n 4 credit-mpi info -d 2",
@@ -125,8 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, comm: MPI.Comm | None = None) -> int:
     """Entry point of the ``credit-mpi`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
     comm = MPI.COMM_WORLD if comm is None else comm
+    args = _parse_on_rank0(build_parser(), argv, comm)
     say = _rank0_printer(comm)
     try:
         return args.func(args, comm, say)
@@ -134,6 +142,18 @@ def main(argv: Sequence[str] | None = None, comm: MPI.Comm | None = None) -> int
         # Library checks raise the same error on every rank; say it once.
         say(f"credit-mpi {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _parse_on_rank0(parser: argparse.ArgumentParser, argv: Sequence[str] | None, comm: MPI.Comm) -> argparse.Namespace:
+    """``parser.parse_args(argv)``; a usage error (or ``--help``) is printed by rank 0 only.
+
+    Every rank parses the same command line, so every rank exits with the
+    same status; no MPI call is made.
+    """
+    if comm.Get_rank() == 0:
+        return parser.parse_args(argv)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet), contextlib.redirect_stdout(quiet):
+        return parser.parse_args(argv)
 
 
 def _rank0_printer(comm: MPI.Comm) -> Say:
@@ -260,8 +280,8 @@ def cmd_info(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
     size = comm.Get_size()
     d = _check_domain_size(comm, args.domain_size)
     if args.grid is not None:
-        from .grid import check_grid
-        from .validation import allgather_or_raise
+        from ..grid import check_grid
+        from ..validation import allgather_or_raise
 
         allgather_or_raise(comm, lambda: check_grid(args.grid, d))  # the same ValueError on every rank
     say(f"credit_mpi {__version__}")
@@ -323,7 +343,7 @@ def cmd_info(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
         for line in layout_table(size, d, hosts):
             say(line)
     if args.grid is not None:
-        from .grid import format_grid
+        from ..grid import format_grid
 
         say(f"grid for ERA5 0.25 degrees ({ERA5_SHAPE[0]} x {ERA5_SHAPE[1]}; rank: block rows x cols):")
         for line in format_grid(args.grid, ERA5_SHAPE):

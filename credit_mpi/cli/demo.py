@@ -15,7 +15,9 @@ domain group), and then, with progress printed as it goes:
 3. **gather**: the bands are gathered back (``gather_tensor``) and compared
    bit for bit with the original field (pure data movement).
 
-A summary gives the bytes each step moves between ranks and its time per
+A summary gives the bytes each step moves between the ranks of one domain
+group (what they receive in all: the gather's is ``D - 1`` times the field,
+since each of the ``D`` ranks receives the bands it lacks) and its time per
 step (median over ``--steps`` repetitions, slowest rank). Output comes from
 rank 0 only. The exit status is 0 when every check passed on every rank.
 """
@@ -67,13 +69,42 @@ def conv3x3(padded: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return out
 
 
+def _at_least(minimum: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an int >= ``minimum`` (a usage error naming the valid values otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"{what} must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's command-line options (shared by ``credit-mpi demo``)."""
-    parser.add_argument("-d", "--domain-size", type=int, default=None, help="ranks per domain group (default: all ranks)")
-    parser.add_argument("-c", "--channels", type=int, default=8, help="channels of the synthetic field (default: 8)")
-    parser.add_argument("--lat", type=int, default=ERA5_LAT, help=f"latitudes (default: {ERA5_LAT}, ERA5 0.25 deg)")
-    parser.add_argument("--lon", type=int, default=ERA5_LON, help=f"longitudes (default: {ERA5_LON})")
-    parser.add_argument("--steps", type=int, default=5, help="repetitions of each step to time (default: 5)")
+    parser.add_argument("-d", "--domain-size", type=_at_least(1, "the domain size"), default=None,
+                        help="ranks per domain group (default: all ranks)")
+    parser.add_argument("-c", "--channels", type=_at_least(1, "the channel count"), default=8,
+                        help="channels of the synthetic field (default: 8)")
+    parser.add_argument("--lat", type=_at_least(1, "the latitude count"), default=ERA5_LAT,
+                        help=f"latitudes, at least the domain size (default: {ERA5_LAT}, ERA5 0.25 deg)")
+    parser.add_argument("--lon", type=_at_least(1, "the longitude count"), default=ERA5_LON,
+                        help=f"longitudes (default: {ERA5_LON})")
+    parser.add_argument("--steps", type=_at_least(1, "the step count"), default=5,
+                        help="repetitions of each step to time (default: 5)")
+
+
+def check_sizes(lat: int, d: int) -> None:
+    """Every band needs one row at least: the halo is one row from each neighbour (same verdict on every rank)."""
+    if lat < d:
+        raise ValueError(
+            f"--lat {lat} gives some of the {d} ranks of a domain group no latitude row; "
+            f"use --lat {d} or more (or a smaller -d/--domain-size)"
+        )
 
 
 def _timed(comm: MPI.Comm, fn: Callable, steps: int):
@@ -107,6 +138,7 @@ def run(args: argparse.Namespace, comm: MPI.Comm | None = None, say: Callable[..
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     size = comm.Get_size()
     d = size if args.domain_size is None else args.domain_size
+    check_sizes(args.lat, d)
     checks: dict[str, bool] = {}
     summary = []
     with DomainParallelManager(None, d, comm=comm) as manager:
@@ -161,6 +193,9 @@ def run(args: argparse.Namespace, comm: MPI.Comm | None = None, say: Callable[..
     say(f"  {'step':<26}{'bytes moved':>14}{'time':>12}")
     for name, moved, t in summary:
         say(f"  {name:<26}{_human(moved):>14}{t * 1e3:>9.2f} ms")
+    say("  (bytes moved: what the ranks of one domain group receive in all, per step. halo: one row each way "
+        f"across each of the {d - 1} boundaries between bands; gather: each of the {d} ranks receives the {d - 1} "
+        f"band(s) it does not hold, {d - 1} x the field)")
     for name, passed in checks.items():
         say(f"check {name}: {'ok' if passed else 'FAILED'}")
     say("all checks passed on every rank" if ok else "SOME CHECKS FAILED")

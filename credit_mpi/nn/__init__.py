@@ -56,12 +56,14 @@ from .training import (
     latitude_weighted_mse,
     latitude_weights,
 )
+from .validate import validate_sharding_constraints
 
 __all__ = [
     "convert_to_domain_parallel",
     "HaloExchange",
     "keep_local",
     "describe",
+    "validate_sharding_constraints",
     "Plan",
     "PlanRow",
     "GridPlan",
