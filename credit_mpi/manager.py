@@ -192,7 +192,7 @@ class DomainParallelManager:
                     made.Free()
             self._domain_group = self._dp_group = None
             raise DomainParallelError(
-                f"MPI could not create this DomainParallelManager's communicators ({exc.Get_error_string().strip()}): "
+                f"MPI could not create this DomainParallelManager's communicators ({_last_line(exc)}): "
                 f"{_LIVE} manager(s) of this process are live (never freed) and {_LEAKED} were garbage-collected "
                 f"without free(), each holding {2 if self._grid is None else 3} communicators. Call manager.free() "
                 f"when a manager is done, or use `with DomainParallelManager(...) as manager:` (or "
@@ -569,3 +569,9 @@ def destroy_domain_parallel() -> None:
     if _MANAGER is not None:
         _MANAGER.free()
     _MANAGER = None
+
+
+def _last_line(exc: MPI.Exception) -> str:
+    """The gist of an MPI error (MPICH's error string is a stack whose last line says what ran out)."""
+    lines = [line.strip(" :") for line in exc.Get_error_string().splitlines() if line.strip(" :")]
+    return lines[-1] if lines else str(exc)
