@@ -27,9 +27,9 @@ from typing import Any, NamedTuple
 
 from mpi4py import MPI
 
+from . import watchdog
 from .grid import check_grid, grid_coords, grid_neighbors
 from .partition import halo_neighbors
-from . import watchdog
 from .validation import DomainParallelError, allgather_or_raise, check_int
 
 __all__ = [

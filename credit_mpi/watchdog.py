@@ -77,7 +77,7 @@ class _State:
 STATE = _State()
 monotonic = time.monotonic
 _TIMEOUTS: dict[int, float] = {}  # id(comm) -> seconds, from the managers' timeout=
-_PARENTS: list[tuple[Any, Any]] = []  # (parent communicator, its private duplicate for the queries)
+_PRIVATES: list[Any] = []  # private duplicates of managers' parents, for the queries
 _LOCK = threading.Lock()
 _STOP = threading.Event()
 _THREAD: threading.Thread | None = None
@@ -137,24 +137,24 @@ def timeout_of(comm: Any) -> float:
 
 
 def watch_parent(comm: MPI.Intracomm) -> None:
-    """Collective over ``comm`` (a manager's parent): duplicate it once for the watchdogs' queries.
+    """Collective over ``comm`` (a manager's parent): a private duplicate for the watchdogs' queries, if none holds it.
 
-    One duplicate per distinct parent, however many managers are built on
-    it; none below ``MPI_THREAD_MULTIPLE`` (the thread makes no queries then).
+    The queries are point to point, so any private communicator that holds
+    every rank of ``comm`` serves (a duplicate of ``COMM_WORLD`` holds
+    them all): a process makes one per parent that no earlier one holds,
+    usually just one, however many managers are built. Every rank of
+    ``comm`` decides alike (a private communicator is made by all its
+    ranks together, so all of ``comm``'s ranks have it, or none do). None
+    below ``MPI_THREAD_MULTIPLE`` (the thread makes no queries then).
     """
     if not _multiple():
         return
-    with _LOCK:
-        for parent, _ in _PARENTS:
-            try:
-                if MPI.Comm.Compare(parent, comm) == MPI.IDENT:
-                    return
-            except MPI.Exception:  # a parent freed since: compare the others
-                continue
+    if _private_for(comm, comm.Get_size()) is not None:
+        return
     private = comm.Dup()
     private.Set_name("credit_mpi.watchdog")
     with _LOCK:
-        _PARENTS.append((comm, private))
+        _PRIVATES.append(private)
     if _THREAD is None:
         _start()
 
@@ -195,7 +195,7 @@ class _Server:
         if not _multiple():
             return
         with _LOCK:
-            privates = [private for _, private in _PARENTS]
+            privates = list(_PRIVATES)
         for private in privates:
             entry = self.posted.get(id(private))
             if entry is None:
@@ -343,7 +343,7 @@ def _private_for(comm: Any, size: int) -> tuple[Any, list[int]] | None:
     except MPI.Exception:
         return None
     with _LOCK:
-        privates = [private for _, private in _PARENTS]
+        privates = list(_PRIVATES)
     try:
         for private in privates:
             other = private.Get_group()

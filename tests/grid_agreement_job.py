@@ -34,7 +34,7 @@ import credit_mpi
 from credit_mpi.partition import band_offsets, band_sizes
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from agreement_job import as_kind, outcome, perturb_array, to_numpy  # noqa: E402 (the 1-D job's helpers)
+from agreement_job import as_kind, judge, outcome, perturb_array, report, to_numpy  # noqa: E402 (the 1-D job's helpers)
 from halo_reference import pad_numpy  # noqa: E402 (the tests' single-process reference)
 
 OPERATIONS = ["halo", "gather", "shard_tensor", "shard_batch", "scatter"]
@@ -51,7 +51,6 @@ PERTURBATIONS = {
     "shard_batch": ["none", *DECISION, "check", "uneven", "transport", *ARRAY],
     "scatter": ["none", *DECISION, "root", "uneven", *ARRAY],
 }
-DOCUMENTED = ("ValueError", "TypeError", "DomainParallelError")
 
 
 def grids(n: int) -> list:
@@ -188,37 +187,16 @@ def main() -> None:
             credit_mpi.gather_tensor(probe, (-2, -1), m)  # a rank that skipped a collective meets the others here
             return ok
 
-        kind, value = outcome(sequence)
-        every = world.allgather((kind, value))
+        every = world.allgather(outcome(sequence))
         label = f"trial {trial}: {t.op} / {t.perturbation} on rank {t.odd}, grid {m.domain_grid} (kind {t.kind}, uneven {t.uneven})"
-        if all(k == "ok" for k, _ in every):
-            if not all(v for _, v in every):
-                violations.append(f"{label}: succeeded with a wrong result on rank(s) {[r for r, (_, v) in enumerate(every) if not v]}")
-            name = "ok"
-        elif len(set(every)) == 1:
-            name = every[0][1]
-            if name not in DOCUMENTED:
-                violations.append(f"{label}: every rank raised {name}, not one of credit_mpi's documented errors")
-        else:
-            violations.append(f"{label}: ranks differ: {every}")
-            name = "mixed"
-        if t.perturbation == "none" and name != "ok":
-            violations.append(f"{label}: the control failed: {every}")
-        counts[name] += 1
-        counts[f"{'control' if t.perturbation == 'none' else 'perturbed'}-{'ok' if name == 'ok' else 'error'}"] += 1
+        judge(label, t.perturbation, every, counts, violations)
         again = outcome(lambda m=m, probe=probe, t=t: np.array_equal(credit_mpi.gather_tensor(probe, (-2, -1), m), t.g))
         if world.allgather(again) != [("ok", True)] * n:
             violations.append(f"{label}: the next valid gather failed: {world.allgather(again)}")
             break
     for m in managers:
         m.free()
-    if rank == 0:
-        summary = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
-        print(f"grid_agreement_job: {n} ranks, seed {args.seed}, {args.trials} trials: {summary}; violations={len(violations)}", flush=True)
-        for v in violations:
-            print(f"VIOLATION {v}", flush=True)
-    sys.exit(1 if violations else 0)
-
+    report("grid_agreement_job", n, args.seed, args.trials, counts, violations)
 
 if __name__ == "__main__":
     main()

@@ -82,7 +82,7 @@ def test_mixed_forms_message_names_the_ranks(make_manager, world):
     g = np.zeros((2, 2 * n, 4))
     block = credit_mpi.shard_tensor(g, -2, m)
     dim = -2 if m.domain_rank == 0 else (-2, -1)
-    with pytest.raises(ValueError, match=rf"gather_tensor: .*single dim .* on rank\(s\) 0 and a \(lat, lon\) pair .* on rank\(s\) 1"):
+    with pytest.raises(ValueError, match=r"gather_tensor: .*single dim .* on rank\(s\) 0 and a \(lat, lon\) pair .* on rank\(s\) 1"):
         credit_mpi.gather_tensor(block, dim, m)
 
 
@@ -153,3 +153,19 @@ def test_agreed_errors_still_raise_domain_parallel_error(world):
 
     with pytest.raises(DomainParallelError, match="nope"):
         allgather_or_raise(world, compute)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_watchdog_makes_one_private_communicator(make_manager, world):
+    """Managers on sub-communicators of a world manager's parent add no communicator for the watchdog's queries."""
+    from credit_mpi import watchdog
+
+    make_manager(world.Get_size(), timeout=HANG_S)
+    before = len(watchdog._PRIVATES)
+    sub = world.Split(world.Get_rank() % 2)
+    try:
+        for _ in range(3):
+            make_manager(1, comm=sub, timeout=HANG_S)
+        assert len(watchdog._PRIVATES) == before <= 1
+    finally:
+        sub.Free()
