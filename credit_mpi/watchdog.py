@@ -77,6 +77,7 @@ class _State:
 STATE = _State()
 monotonic = time.monotonic
 _TIMEOUTS: dict[int, float] = {}  # id(comm) -> seconds, from the managers' timeout=
+_NAMES: dict[int, str] = {}  # id(comm) -> its name, for the managers' communicators
 _PRIVATES: list[Any] = []  # private duplicates of managers' parents, for the queries
 _LOCK = threading.Lock()
 _STOP = threading.Event()
@@ -121,13 +122,15 @@ def check_timeout(value: Any, name: str = "timeout") -> float:
 
 
 def set_timeout(comm: Any, seconds: float) -> None:
-    """The deadline of the collectives on ``comm`` (a manager's communicator)."""
+    """The deadline of the collectives on ``comm`` (a manager's communicator, named already)."""
     _TIMEOUTS[id(comm)] = seconds
+    _NAMES[id(comm)] = comm.Get_name()  # the thread names it from here: no MPI call on a handle the main thread may free
 
 
 def forget_timeout(comm: Any) -> None:
     """``comm`` is about to be freed: its deadline goes back to the default."""
     _TIMEOUTS.pop(id(comm), None)
+    _NAMES.pop(id(comm), None)
 
 
 def timeout_of(comm: Any) -> float:
@@ -236,6 +239,9 @@ def _answer() -> bytes:
 def _label(comm: Any) -> str:
     if comm is None:
         return ""
+    name = _NAMES.get(id(comm))
+    if name:
+        return name
     try:
         return comm.Get_name() or f"a communicator of {comm.Get_size()} ranks"
     except MPI.Exception:
@@ -247,7 +253,10 @@ def _run() -> None:
     try:
         seen: tuple | None = None
         while not _STOP.wait(POLL_S):
-            server.serve()
+            try:
+                server.serve()
+            except Exception as exc:  # noqa: BLE001 - a failing query must not end a healthy job (abort_on_exception's thread hook)
+                _warn_once(f"credit_mpi watchdog: answering queries failed ({exc!r}); the deadline still holds")
             state = STATE
             since, seq = state.since, state.seq
             if not since:
@@ -263,6 +272,16 @@ def _run() -> None:
                 _fire(server, state.op, seq, state.comm, monotonic() - since, limit)
     finally:
         server.close()
+
+
+_WARNED: list[str] = []
+
+
+def _warn_once(text: str) -> None:
+    if not _WARNED:
+        _WARNED.append(text)
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
 
 
 def _fire(server: _Server, op: str, seq: int, comm: Any, waited: float, limit: float) -> None:

@@ -102,8 +102,19 @@ class _Unpicklable:
         self.lock = threading.Lock()
 
 
+@pytest.fixture
+def world_deadline(world):
+    """COMM_WORLD's collectives under the tests' short deadline, for this test only."""
+    from credit_mpi import watchdog
+
+    watchdog.set_timeout(world, HANG_S)
+    yield world
+    watchdog.forget_timeout(world)
+
+
 @pytest.mark.mpi(min_size=1)
-def test_allgather_or_raise_unpicklable_on_one_rank(world):
+def test_allgather_or_raise_unpicklable_on_one_rank(world_deadline):
+    world = world_deadline
     n = world.Get_size()
     odd = world.Get_rank() == n - 1
     kind, value = same_everywhere(world, lambda: allgather_or_raise(world, lambda: _Unpicklable() if odd else 1))
@@ -147,8 +158,10 @@ def test_masked_arrays_are_refused_everywhere(make_manager, world):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_agreed_errors_still_raise_domain_parallel_error(world):
+def test_agreed_errors_still_raise_domain_parallel_error(world_deadline):
     """Unchanged: a compute() error that is not portable becomes a DomainParallelError on every rank."""
+    world = world_deadline
+
     def compute():
         if world.Get_rank() == 0:
             raise KeyError("nope")

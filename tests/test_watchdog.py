@@ -42,6 +42,12 @@ def test_a_collective_on_one_rank_ends_the_job_with_a_report(mode, ranks):
     assert "done" not in out, out[-4000:]
 
 
+def test_below_thread_multiple_the_watchdog_still_aborts():
+    rc, out = watch("alone-sleep-funneled", 2)
+    assert rc != 0 and "credit_mpi watchdog: rank 1 of credit_mpi.domain[0]" in out, out[-4000:]
+    assert "MPI thread level below MPI_THREAD_MULTIPLE" in out and "done" not in out, out[-4000:]
+
+
 def test_an_exception_without_abort_on_exception_ends_the_job():
     """The dead rank gives no answer; the waiting ones say so, and abort."""
     rc, out = watch("raise", 3)

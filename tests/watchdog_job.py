@@ -5,6 +5,7 @@
 Modes (the last rank is the odd one):
 
 * ``alone-sleep``: the odd rank calls gather_tensor, the others sleep (not in MPI);
+* ``alone-sleep-funneled``: the same with MPI_THREAD_FUNNELED (no queries: the odd rank's own state);
 * ``alone-barrier``: the odd rank calls gather_tensor, the others wait in ``MPI_Barrier`` of COMM_WORLD
   (a non-credit_mpi call: their watchdog threads must still answer);
 * ``raise``: the odd rank dies of an exception without abort_on_exception(), the others go on to a gather;
@@ -18,10 +19,14 @@ import sys
 import time
 import warnings
 
+import mpi4py
 import numpy as np
-from mpi4py import MPI
 
-import credit_mpi
+if sys.argv[1:] and sys.argv[1].endswith("-funneled"):
+    mpi4py.rc.thread_level = "funneled"  # below MPI_THREAD_MULTIPLE: the watchdog reports its own state only
+from mpi4py import MPI  # noqa: E402
+
+import credit_mpi  # noqa: E402
 
 
 def main(mode: str) -> None:
@@ -49,7 +54,7 @@ def main(mode: str) -> None:
         raise RuntimeError(f"injected failure on rank {rank}")
     if odd or mode == "raise":
         credit_mpi.gather_tensor(band, -2, manager)  # the others never come: the watchdog ends the job
-    elif mode == "alone-sleep":
+    elif mode in ("alone-sleep", "alone-sleep-funneled"):
         time.sleep(120)
     else:
         world.Barrier()
