@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from mpi4py import MPI
 
 import credit_mpi
 from credit_mpi import watchdog
@@ -29,7 +30,7 @@ def watch(mode: str, ranks: int) -> tuple[int, str]:
     return rc, out
 
 
-@pytest.mark.parametrize("mode,ranks", [("alone-sleep", 2), ("alone-sleep", 3), ("alone-barrier", 3)])
+@pytest.mark.parametrize("mode,ranks", [("alone-sleep", 2), ("alone-barrier", 3)])
 def test_a_collective_on_one_rank_ends_the_job_with_a_report(mode, ranks):
     rc, out = watch(mode, ranks)
     odd = ranks - 1
@@ -56,14 +57,15 @@ def test_an_exception_without_abort_on_exception_ends_the_job():
     assert "not arrived in gather_tensor on credit_mpi.domain[0]: rank(s) 2" in out, out[-4000:]
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_a_healthy_job_is_left_alone_and_exits(ranks):
+def test_a_healthy_job_is_left_alone_and_exits():
     """Stragglers within the deadline: no report, every rank done, status 0 (the thread stops at exit)."""
+    ranks = 3
     rc, out = watch("clean", ranks)
     assert rc == 0 and "watchdog" not in out, out[-4000:]
     assert all(f"rank {r}: done" in out for r in range(ranks)), out[-4000:]
 
 
+@pytest.mark.skipif(not MPI.Get_library_version().startswith("MPICH"), reason="MPICH's limit (2048 context ids) is the known one")
 def test_leaked_managers_are_named_when_mpi_runs_out_of_communicators():
     rc, out = watch("leak", 2)
     assert rc == 0 and all(f"rank {r}: done" in out for r in range(2)), out[-4000:]
