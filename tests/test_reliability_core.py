@@ -185,3 +185,14 @@ def test_the_watchdog_makes_one_private_communicator(make_manager, world):
         assert len(watchdog._PRIVATES) == before <= 1
     finally:
         sub.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_manager_timeouts_must_agree(world):
+    """The watchdog's deadline is a constructor argument like the others: different values are every rank's ValueError."""
+    timeout = 30 if world.Get_rank() == 0 else 60
+    with pytest.raises(ValueError, match=r"different arguments to DomainParallelManager.*timeout=30.0.*timeout=60.0"):
+        credit_mpi.DomainParallelManager(None, world.Get_size(), timeout=timeout)
+    bad = -1 if world.Get_rank() == 0 else 60
+    with pytest.raises(ValueError, match=r"timeout must be a number of seconds >= 0.*rank\(s\) 0"):
+        credit_mpi.DomainParallelManager(None, world.Get_size(), timeout=bad)
