@@ -408,6 +408,9 @@ class DomainParallelManager:
         global _LEAKED, _LIVE
         _LEAKED += 1
         _LIVE -= 1
+        for comm in (self._cart, self._domain_group, self._dp_group):
+            if comm is not None:
+                watchdog.forget_timeout(comm)  # its Python object dies here: another may take its id
         warnings.warn(
             f"a DomainParallelManager was garbage-collected without free(): its {2 if self._cart is None else 3} "
             f"communicators stay allocated "
