@@ -196,3 +196,22 @@ def test_manager_timeouts_must_agree(world):
     bad = -1 if world.Get_rank() == 0 else 60
     with pytest.raises(ValueError, match=r"timeout must be a number of seconds >= 0.*rank\(s\) 0"):
         credit_mpi.DomainParallelManager(None, world.Get_size(), timeout=bad)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["halo_exchange", "gather_tensor"])
+def test_remembered_1d_call_meets_a_pair_on_one_rank(make_manager, world, op):
+    """The per-call fast path (a remembered 1-D call: one Allgather) meets the odd rank's 2-D call: every rank raises."""
+    n = world.Get_size()
+    m = make_manager(n, timeout=HANG_S)
+    g = np.arange(2 * 3 * n * 4, dtype=np.float64).reshape(2, 3 * n, 4)
+    band = credit_mpi.shard_tensor(g, -2, m)
+
+    def call(dim):
+        return credit_mpi.halo_exchange(band, 1, dim, m) if op == "halo_exchange" else credit_mpi.gather_tensor(band, dim, m)
+
+    expected = call(-2).copy()
+    np.testing.assert_array_equal(call(-2), expected)  # remembered now
+    dim = (-2, -1) if m.domain_rank == n - 1 else -2
+    assert same_everywhere(world, lambda: call(dim)) == ("error", "ValueError")
+    np.testing.assert_array_equal(call(-2), expected)  # in step again
