@@ -50,11 +50,17 @@ def test_below_thread_multiple_the_watchdog_still_aborts():
 
 
 def test_an_exception_without_abort_on_exception_ends_the_job():
-    """The dead rank gives no answer; the waiting ones say so, and abort."""
+    """The dead rank gives no answer; the waiting ones say so, and abort.
+
+    (Where the launcher ends a job whose rank exited with an error by itself,
+    as Open MPI's may when MPI_Finalize does not wait, it can come first:
+    the job must end non-zero either way.)
+    """
     rc, out = watch("raise", 3)
-    assert rc != 0 and "injected failure on rank 2" in out, out[-4000:]
-    assert "credit_mpi watchdog: rank" in out and "rank 2 (world rank 2): no answer" in out, out[-4000:]
-    assert "not arrived in gather_tensor on credit_mpi.domain[0]: rank(s) 2" in out, out[-4000:]
+    assert rc != 0 and "injected failure on rank 2" in out and "rank 0: done" not in out, out[-4000:]
+    if "credit_mpi watchdog" in out or MPI.Get_library_version().startswith("MPICH"):
+        assert "credit_mpi watchdog: rank" in out and "rank 2 (world rank 2): no answer" in out, out[-4000:]
+        assert "not arrived in gather_tensor on credit_mpi.domain[0]: rank(s) 2" in out, out[-4000:]
 
 
 def test_a_healthy_job_is_left_alone_and_exits():
