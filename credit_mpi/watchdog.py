@@ -297,9 +297,13 @@ def _fire(server: _Server, op: str, seq: int, comm: Any, waited: float, limit: f
         f"(the agreement at its start), past its deadline of {limit:g} s (CREDIT_MPI_TIMEOUT, or the manager's "
         f"timeout=); aborting the job"
     ]
-    answers = _ask(server, comm, size, rank) if _multiple() else None
+    try:
+        answers = _ask(server, comm, size, rank) if _multiple() else None
+        why = f"MPI thread level below MPI_THREAD_MULTIPLE, or {where} is not a manager's"
+    except Exception as exc:  # noqa: BLE001 - the job is aborted whatever the others say
+        answers, why = None, f"asking the others failed: {exc!r}"
     if answers is None:
-        lines.append(f"  (MPI thread level below MPI_THREAD_MULTIPLE, or {where} is not a manager's: this rank's state only)")
+        lines.append(f"  ({why}: this rank's state only)")
     else:
         missing = []
         for peer in range(size):
