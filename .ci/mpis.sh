@@ -7,9 +7,9 @@
 CI_VENVS=${CI_VENVS:-build/ci}
 PYTHON3=${PYTHON3:-python3}
 # The MPI test files that the other MPIs run (the mpich run has them all):
-# the manager/sharding/halo tests, the per-call fast paths and the reliability suites. The soak is
+# the manager/sharding/halo tests, the per-call fast paths, the reliability suites and the watchdog. The soak is
 # the mpich run's job (it is about memory, not about the MPI).
-CI_SUBSET=${CI_SUBSET:-"tests/test_manager.py tests/test_sharding.py tests/test_halo.py tests/test_percall.py tests/test_agreement.py tests/test_agreement_property.py tests/test_bad_input.py tests/test_faults.py tests/test_properties.py"}
+CI_SUBSET=${CI_SUBSET:-"tests/test_manager.py tests/test_sharding.py tests/test_halo.py tests/test_percall.py tests/test_agreement.py tests/test_agreement_property.py tests/test_bad_input.py tests/test_faults.py tests/test_properties.py tests/test_watchdog.py tests/test_reliability_core.py"}
 # Packages the suite needs besides mpi4py and the MPI itself (the CPU build
 # of torch, as in the Makefile: the subset's test files import it).
 CI_TEST_PKGS="numpy pytest>=7 pytest-mpi>=0.6 hypothesis psutil ${TORCH:-torch==2.13.0}"

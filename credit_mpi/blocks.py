@@ -34,11 +34,12 @@ from .grid import block_sizes, grid_coords, grid_of
 from .manager import Domain, domain_of
 from .partition import band_offsets, normalize_dim
 from .transport import arrays, rowops, staging
-from .validation import Local, agree, check_root
+from .validation import Local, agree, check_root, check_transport
 
 __all__ = [
     "is_grid_call",
     "line_domain",
+    "check_line",
     "normalize_dims",
     "grid_comm",
     "shard_tensor_2d",
@@ -51,33 +52,37 @@ _SHIFT = 32  # a block's (rows, cols) travel as one agreed count: rows << 32 | c
 
 
 def is_grid_call(manager: Any, *args: Any) -> bool:
-    """True when a public call must take the 2-D path (any of ``args`` is a pair).
-
-    Raises:
-        ValueError: a single ``dim`` on a grid of more than one column (the
-            same on every rank: the grid is agreed when the manager is made).
-    """
-    return line_domain(manager, *args) is None
+    """True when a public call takes the 2-D path (any of ``args`` is a pair). Local: no check, no MPI call."""
+    return any(isinstance(a, (tuple, list)) for a in args)
 
 
 def line_domain(manager: Any, *args: Any) -> Domain | None:
     """The manager's :class:`~credit_mpi.manager.Domain` for a call along one dimension; None for the 2-D path.
 
-    None when any of ``args`` is a pair. Raises as :func:`is_grid_call` does.
+    None when any of ``args`` is a pair. It never refuses a single dim on a
+    grid of several columns: that is :func:`check_line`'s job, inside the
+    operation's agreement, so that one rank's single dim is every rank's
+    error instead of a rank that raises while the others wait.
     """
-    for a in args:
-        if isinstance(a, (tuple, list)):
-            return None
-    domain = domain_of(manager)
+    return None if is_grid_call(manager, *args) else domain_of(manager)
+
+
+def check_line(domain: Domain, dim: Any) -> None:
+    """Refuse a single ``dim`` on a grid of more than one column (call it inside the agreement).
+
+    Raises:
+        ValueError: the manager's ``domain_grid`` has several columns: a
+            block is not a band, and slicing one dim of it would silently
+            give something else.
+    """
     if domain.size > 1:
         rows, cols = grid_of(domain.manager, domain.size)
         if cols > 1:
             raise ValueError(
                 f"the manager's domain grid is {rows}x{cols} (latitude x longitude blocks), so dim must be a pair "
-                f"(lat_dim, lon_dim) such as dim=(-2, -1); a single dim={args[0]!r} only fits an (n, 1) grid "
+                f"(lat_dim, lon_dim) such as dim=(-2, -1); a single dim={dim!r} only fits an (n, 1) grid "
                 f"(domain_grid=None): halo_width and boundary may be pairs too"
             )
-    return domain
 
 
 def normalize_dims(dim: Any, ndim: int) -> tuple[int, int]:
@@ -95,7 +100,12 @@ def normalize_dims(dim: Any, ndim: int) -> tuple[int, int]:
 
 
 def grid_comm(domain: Domain) -> MPI.Comm:
-    """The communicator 2-D operations run on: the manager's Cartesian one (its ranks are the domain ranks)."""
+    """The communicator 2-D operations move data on: the manager's Cartesian one (its ranks are the domain ranks).
+
+    Their agreement runs on ``domain.comm``, as the 1-D operations' does: a
+    rank that takes the 1-D path and one that takes the 2-D path meet in
+    the same ``Allgather`` (different operation codes: every rank raises).
+    """
     cart = getattr(domain.manager, "domain_cart", None) if domain.size > 1 else None
     return cart if isinstance(cart, MPI.Intracomm) else domain.comm
 
@@ -122,7 +132,7 @@ def shard_tensor_2d(x: Any, dim: Any, manager: Any, uneven: bool, collective: bo
             raise ValueError("shard_tensor: ranks of the domain group passed different arrays or dims ("
                              + "; ".join(f"rank {r}: {loc.same} dims {loc.calls[1:3]}" for r, loc in enumerate(locals_)) + ")")
 
-        ay, ax, heights, widths = agree(grid_comm(domain), "shard_tensor", local, explain=explain)[0]
+        ay, ax, heights, widths = agree(domain.comm, "shard_tensor/2d", local, explain=explain)[0]
     else:
         ay, ax, heights, widths = local().plan
     if domain.size <= 1:
@@ -130,12 +140,16 @@ def shard_tensor_2d(x: Any, dim: Any, manager: Any, uneven: bool, collective: bo
     return _block_slice(x, ay, ax, heights, widths, grid_coords(domain.rank, grid))
 
 
-def shard_batch_2d(batch: Mapping[str, Any], dims: dict[int, Any], manager: Any, uneven: bool, collective: bool) -> dict:
+def shard_batch_2d(batch: Mapping[str, Any], dims: dict[int, Any], manager: Any, uneven: bool, collective: bool,
+                   transport: str = "mpi") -> dict:
     """``batch`` with every 4-D / 5-D array cut to this rank's block (see :func:`credit_mpi.shard_batch`)."""
     domain = domain_of(manager)
     grid = grid_of(domain.manager, domain.size)
 
     def local() -> Local:
+        check_transport(transport)  # inside the agreement: a bad transport on one rank is every rank's error
+        if transport == "torch" and domain.size > 1:
+            domain.manager.torch_group("domain")  # a clear error when the bridge is missing
         plans = {}
         for key, value in batch.items():
             if arrays.is_array(value) and value.ndim in dims:
@@ -147,14 +161,14 @@ def shard_batch_2d(batch: Mapping[str, Any], dims: dict[int, Any], manager: Any,
                 except (TypeError, ValueError) as exc:
                     raise type(exc)(f"{exc} (in batch[{key!r}])") from None
         same = tuple((k, i.kind, i.shape, i.dtype, i.device_type, ay, ax) for k, (i, ay, ax, _, _) in plans.items())
-        return Local(plans, ("2d", uneven), same)
+        return Local(plans, ("2d", uneven, transport), same)
 
     if collective and domain.size > 1:
         def explain(locals_: list[Local]) -> None:
             raise ValueError("shard_batch: ranks of the domain group passed different batches ("
                              + "; ".join(f"rank {r}: {loc.same}" for r, loc in enumerate(locals_)) + ")")
 
-        plans = agree(grid_comm(domain), "shard_batch", local, explain=explain)[0]
+        plans = agree(domain.comm, "shard_batch/2d", local, explain=explain)[0]
     else:
         plans = local().plan
     if domain.size <= 1:
@@ -260,7 +274,7 @@ def gather_tensor_2d(x: Any, dim: Any, manager: Any, check: bool, out: Any, tran
         raise ValueError(f"gather_tensor: the blocks do not fit together (same kind, dtype, dims, every dim but the "
                          f"two grid dims, and out's shape on every rank): {detail}")
 
-    (info, ay, ax), counts = agree(comm, "gather_tensor", local, check=check, explain=explain)
+    (info, ay, ax), counts = agree(domain.comm, "gather_tensor/2d", local, check=check, explain=explain)
     heights, widths = block_table(counts, grid, "gather_tensor", ay, ax)
     plan = Gather2d(comm, info, ay, ax, grid, heights, widths, domain.rank, out)
     if out is not None and tuple(out.shape) != plan.shape:  # out's shape is agreed: every rank raises alike
@@ -337,7 +351,7 @@ def scatter_tensor_2d(x: Any, dim: Any, manager: Any, root: int, uneven: bool) -
 
     if n <= 1:
         return x
-    plan, _ = agree(comm, "scatter_tensor", local, explain=explain)
+    plan, _ = agree(domain.comm, "scatter_tensor/2d", local, explain=explain)
     # the root described the array; it tells the others (the dtype object itself travels)
     info, dtype, ay, ax, heights, widths = comm.bcast(plan, root=root)
     i, j = grid_coords(rank, grid)

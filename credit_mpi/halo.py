@@ -179,6 +179,7 @@ def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi", 
     comm, n = domain.comm, domain.size
 
     def local() -> Local:
+        blocks.check_line(domain, dim)  # a single dim on a grid of several columns: every rank's error
         check_transport(transport)
         info = arrays.describe(x)
         width = check_width(halo_width)

@@ -146,7 +146,7 @@ def halo_exchange_2d(x: Any, halo_width: Any, dim: Any, manager: Any, boundary: 
         raise ValueError(f"halo_exchange: ranks of the domain grid made different calls (every rank needs the same "
                          f"halo_width, boundary, dims, dtype and every dim but the two grid dims): {detail}")
 
-    (info, ay, ax, hy, hx, lat, lon), counts = agree(comm, "halo_exchange", local, check=check, explain=explain)
+    (info, ay, ax, hy, hx, lat, lon), counts = agree(domain.comm, "halo_exchange/2d", local, check=check, explain=explain)
     heights, widths = block_table(counts, grid, "halo_exchange", ay, ax)
     check_halo_width(heights, hy, lat, ay)  # agreed table: every rank raises alike
     check_halo_width(widths, hx, lon, ax)

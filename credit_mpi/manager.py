@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 from mpi4py import MPI
 
+from . import watchdog
 from .grid import check_grid, grid_coords, grid_neighbors
 from .partition import halo_neighbors
 from .validation import DomainParallelError, allgather_or_raise, check_int
@@ -46,6 +47,7 @@ logger.addHandler(logging.NullHandler())
 
 _MANAGER: DomainParallelManager | None = None
 _LEAKED = 0  # managers garbage-collected without free()
+_LIVE = 0  # managers made and not freed (nor garbage-collected)
 
 
 class TorchGroups(NamedTuple):
@@ -83,6 +85,10 @@ class DomainParallelManager:
             longitude), ``domain_coords``, :meth:`grid_neighbor_ranks`.
             ``None`` (default): latitude bands, exactly as without it (an
             ``(n, 1)`` grid, no extra communicator).
+        timeout: Seconds a collective on this manager's communicators may
+            wait for the other ranks before the watchdog reports where every
+            rank is and aborts the job (:mod:`credit_mpi.watchdog`); ``None``:
+            ``CREDIT_MPI_TIMEOUT``, else 30 minutes; ``0``: no deadline.
 
     Raises:
         ValueError: ``world_size`` differs from ``comm``'s size,
@@ -98,6 +104,7 @@ class DomainParallelManager:
         *,
         comm: MPI.Comm | None = None,
         domain_grid: tuple[int, int] | None = None,
+        timeout: float | None = None,
     ) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
@@ -123,17 +130,19 @@ class DomainParallelManager:
                     f"domain_parallel_size={d} does not divide world_size={n}; "
                     f"valid sizes: {divisors}" + (_launch_hint(d) if n == 1 else "")
                 )
-            return (*args, check_grid(domain_grid, d))
+            seconds = watchdog.default_timeout() if timeout is None else watchdog.check_timeout(timeout)
+            return (*args, check_grid(domain_grid, d), seconds)
 
         everyone = allgather_or_raise(comm, check)
         if any(args != everyone[0] for args in everyone):
             detail = "; ".join(
-                f"rank {r}: world_size={a[0]}, domain_parallel_size={a[1]}, shard_dim={a[2]}, domain_grid={a[3]}"
+                f"rank {r}: world_size={a[0]}, domain_parallel_size={a[1]}, shard_dim={a[2]}, domain_grid={a[3]}, "
+                f"timeout={a[4]}"
                 for r, a in enumerate(everyone)
             )
             raise ValueError(f"ranks passed different arguments to DomainParallelManager: {detail}")
 
-        self.world_size, self.domain_parallel_size, self.shard_dim, self._grid = everyone[0]
+        self.world_size, self.domain_parallel_size, self.shard_dim, self._grid, self.timeout = everyone[0]
         self.data_parallel_size = self.world_size // self.domain_parallel_size
         self._comm = comm
         self._rank = rank
@@ -147,16 +156,7 @@ class DomainParallelManager:
         # by credit_mpi.init_torch_distributed, torn down by free().
         self._torch: TorchGroups | None = None
 
-        # Consecutive ranks form a domain group; ranks holding the same band
-        # (same domain rank) form a data-parallel group.
-        self._domain_group = comm.Split(color=self._domain_group_idx, key=rank)
-        self._dp_group = comm.Split(color=self._domain_rank, key=rank)
-        self._domain_group.Set_name(f"credit_mpi.domain[{self._domain_group_idx}]")
-        self._dp_group.Set_name(f"credit_mpi.data_parallel[{self._domain_rank}]")
-        if self._grid is not None:
-            # reorder=False: Cartesian rank == domain rank, row-major (row = latitude band)
-            self._cart = self._domain_group.Create_cart(list(self._grid), periods=[False, True], reorder=False)
-            self._cart.Set_name(f"credit_mpi.domain_cart[{self._domain_group_idx}]")
+        self._make_communicators(comm, rank)
         logger.debug(
             "rank %d: domain group %d (domain rank %d of %d), data-parallel rank %d of %d",
             rank,
@@ -166,6 +166,46 @@ class DomainParallelManager:
             self._dp_rank,
             self.data_parallel_size,
         )
+
+    def _make_communicators(self, comm: MPI.Intracomm, rank: int) -> None:
+        """The domain and data-parallel groups (and the Cartesian grid), under the watchdog's deadline.
+
+        Collective over ``comm``. An MPI library out of communicators (MPICH:
+        "Too many communicators", after about a thousand managers that were
+        never freed) raises a DomainParallelError naming the live and leaked
+        managers and ``free()``, on every rank (the library's context ids
+        are agreed, so every rank fails alike).
+        """
+        global _LIVE
+        try:
+            watchdog.watch_parent(comm)
+            # Consecutive ranks form a domain group; ranks holding the same band
+            # (same domain rank) form a data-parallel group.
+            self._domain_group = comm.Split(color=self._domain_group_idx, key=rank)
+            self._dp_group = comm.Split(color=self._domain_rank, key=rank)
+            if self._grid is not None:
+                # reorder=False: Cartesian rank == domain rank, row-major (row = latitude band)
+                self._cart = self._domain_group.Create_cart(list(self._grid), periods=[False, True], reorder=False)
+        except MPI.Exception as exc:
+            for made in (self._domain_group, self._dp_group):
+                if made is not None:
+                    made.Free()
+            self._domain_group = self._dp_group = None
+            raise DomainParallelError(
+                f"MPI could not create this DomainParallelManager's communicators ({_last_line(exc)}): "
+                f"{_LIVE} manager(s) of this process are live (never freed) and {_LEAKED} were garbage-collected "
+                f"without free(), each holding {2 if self._grid is None else 3} communicators. Call manager.free() "
+                f"when a manager is done, or use `with DomainParallelManager(...) as manager:` (or "
+                f"credit_mpi.destroy_domain_parallel() for the singleton)"
+            ) from exc
+        _LIVE += 1
+        self._domain_group.Set_name(f"credit_mpi.domain[{self._domain_group_idx}]")
+        self._dp_group.Set_name(f"credit_mpi.data_parallel[{self._domain_rank}]")
+        if self._cart is not None:
+            self._cart.Set_name(f"credit_mpi.domain_cart[{self._domain_group_idx}]")
+        for made in (self._domain_group, self._dp_group, self._cart):
+            if made is not None:
+                watchdog.set_timeout(made, self.timeout)
 
     # -- the reference's properties ---------------------------------------
 
@@ -348,9 +388,13 @@ class DomainParallelManager:
         if self._torch is not None:
             self._torch.teardown(self)  # detaches them
         for comm in (self._cart, self._domain_group, self._dp_group):
+            if comm is not None:
+                watchdog.forget_timeout(comm)
             if comm is not None and comm != MPI.COMM_NULL and not MPI.Is_finalized():
                 comm.Free()
         self._domain_group = self._dp_group = self._cart = None
+        global _LIVE
+        _LIVE -= 1
         global _MANAGER
         if _MANAGER is self:
             _MANAGER = None
@@ -361,8 +405,12 @@ class DomainParallelManager:
         # freed here; say so, before the MPI library runs out of communicators.
         if getattr(self, "_domain_group", None) is None or sys.is_finalizing() or MPI.Is_finalized():
             return
-        global _LEAKED
+        global _LEAKED, _LIVE
         _LEAKED += 1
+        _LIVE -= 1
+        for comm in (self._cart, self._domain_group, self._dp_group):
+            if comm is not None:
+                watchdog.forget_timeout(comm)  # its Python object dies here: another may take its id
         warnings.warn(
             f"a DomainParallelManager was garbage-collected without free(): its {2 if self._cart is None else 3} "
             f"communicators stay allocated "
@@ -404,6 +452,7 @@ def initialize_domain_parallel(
     *,
     comm: MPI.Comm | None = None,
     domain_grid: tuple[int, int] | None = None,
+    timeout: float | None = None,
 ) -> DomainParallelManager:
     """Initialize the global DomainParallelManager singleton.
 
@@ -417,12 +466,14 @@ def initialize_domain_parallel(
         comm: Parent communicator (default ``MPI.COMM_WORLD``).
         domain_grid: ``(rows, cols)`` grid of the domain group over latitude
             x longitude (see :class:`DomainParallelManager`); None: latitude bands.
+        timeout: The watchdog's deadline in seconds (see :class:`DomainParallelManager`).
 
     Returns:
         DomainParallelManager instance.
     """
     global _MANAGER
-    manager = DomainParallelManager(world_size, domain_parallel_size, shard_dim, comm=comm, domain_grid=domain_grid)
+    manager = DomainParallelManager(world_size, domain_parallel_size, shard_dim, comm=comm, domain_grid=domain_grid,
+                                    timeout=timeout)
     if _MANAGER is not None:
         _MANAGER.free()
     _MANAGER = manager
@@ -531,3 +582,9 @@ def destroy_domain_parallel() -> None:
     if _MANAGER is not None:
         _MANAGER.free()
     _MANAGER = None
+
+
+def _last_line(exc: MPI.Exception) -> str:
+    """The gist of an MPI error (MPICH's error string is a stack whose last line says what ran out)."""
+    lines = [line.strip(" :") for line in exc.Get_error_string().splitlines() if line.strip(" :")]
+    return lines[-1] if lines else str(exc)

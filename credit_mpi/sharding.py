@@ -108,6 +108,7 @@ def shard_tensor(
         return x
 
     def local() -> Local:
+        blocks.check_line(domain, dim)  # a single dim on a grid of several columns: every rank's error
         info = arrays.describe(x)
         axis = normalize_dim(dim, len(info.shape))
         sizes = band_sizes(info.shape[axis], domain.size, uneven, dim=dim)
@@ -210,6 +211,7 @@ def _gather_plan(x: Any, dim: int, domain: Domain, check: bool, out: Any, transp
     comm = domain.comm
 
     def local() -> Local:
+        blocks.check_line(domain, dim)  # a single dim on a grid of several columns: every rank's error
         check_transport(transport)
         info = arrays.describe(x)
         axis = normalize_dim(dim, len(info.shape))
@@ -478,16 +480,14 @@ def shard_batch(
     collective = _collective(check)
     dims = {5: spatial_dims_5d, 4: spatial_dims_4d}
     if _grid_call(manager, spatial_dims_5d, spatial_dims_4d):  # (lat, lon) pairs: blocks of the 2-D grid
-        check_transport(transport)  # (the 2-D path validates locally: see blocks.shard_batch_2d)
-        if transport == "torch":
-            domain_of(manager).manager.torch_group("domain")  # a clear error when the bridge is missing
-        return blocks.shard_batch_2d(batch, dims, manager, uneven, collective)
+        return blocks.shard_batch_2d(batch, dims, manager, uneven, collective, transport)
     domain = domain_of(manager)
     if domain.size <= 1:
         check_transport(transport)
         return batch
 
     def local() -> Local:
+        blocks.check_line(domain, spatial_dims_5d)  # a single dim on a grid of several columns: every rank's error
         check_transport(transport)  # inside the agreement: a bad transport on one rank is every rank's error
         if transport == "torch":
             domain.manager.torch_group("domain")  # a clear error when the bridge is missing
@@ -538,6 +538,7 @@ def scatter_tensor(
     comm, n, rank = domain.comm, domain.size, domain.rank
 
     def local() -> Local:
+        blocks.check_line(domain, dim)  # a single dim on a grid of several columns: every rank's error
         check_root(root, n)
         plan = None
         if rank == root:
@@ -576,7 +577,8 @@ def scatter_tensor(
 
 
 def _grid_call(manager: Any, *dims: Any) -> bool:
-    """True for the 2-D grid path (a ``dim`` pair); a single dim on a grid of several columns raises."""
+    """True for the 2-D grid path (a ``dim`` pair); a single dim on a grid of several columns is refused by
+    the 1-D path's agreement (:func:`credit_mpi.blocks.check_line`)."""
     return blocks.is_grid_call(manager, *dims)
 
 

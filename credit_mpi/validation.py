@@ -24,11 +24,15 @@ from __future__ import annotations
 import collections
 import hashlib
 import operator
+import pickle
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
+
+from . import watchdog
+from .partition import band_offsets
 
 __all__ = [
     "DomainParallelError",
@@ -71,20 +75,35 @@ def allgather_or_raise(comm: MPI.Comm, compute: Callable[[], Any]) -> list[Any]:
     It starts like every credit_mpi collective, with :func:`agree`'s
     fixed-size ``Allgather`` (operation ``"collective"``), so a rank here and
     a rank that is in another credit_mpi operation raise on both sides
-    instead of pairing their messages; then one pickled ``allgather`` of the
-    results.
+    instead of pairing their messages; then one ``Allgatherv`` of the
+    pickled results. Each rank pickles its result inside the agreement (the
+    byte count is the agreed count), so a result that cannot be pickled on
+    one rank is a ``TypeError`` on every rank, not a rank that fails while
+    the others wait.
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
     """
-    box: list[Any] = []
-
     def local() -> Local:
-        box.append(compute())
-        return Local(None, ())
+        data = _pickled(compute())  # inside the agreement: a value that cannot be pickled is every rank's error
+        return Local(data, (), (), len(data))
 
-    agree(comm, "collective", local)
-    return comm.allgather(box[0])
+    data, sizes = agree(comm, "collective", local)
+    if comm.Get_size() == 1:
+        return [pickle.loads(data)]
+    table = np.empty(sum(sizes), dtype=np.uint8)
+    starts = band_offsets(sizes)
+    comm.Allgatherv([np.frombuffer(data, dtype=np.uint8), len(data), MPI.BYTE], [table, (sizes, starts), MPI.BYTE])
+    return [pickle.loads(table[start : start + size].tobytes()) for start, size in zip(starts, sizes, strict=True)]
+
+
+def _pickled(value: Any) -> bytes:
+    """``value`` pickled for :func:`allgather_or_raise`; a TypeError that names it when it cannot be."""
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - TypeError, PicklingError, AttributeError (local objects) ...
+        raise TypeError(f"allgather_or_raise: compute() returned a {type(value).__name__}, which cannot be pickled ({exc})") from None
+
 
 
 class Local(NamedTuple):
@@ -117,7 +136,12 @@ OPERATIONS = (
     "shard_tensor", "shard_batch", "gather_tensor", "scatter_tensor", "halo_exchange", "reduce_gradients",
     "collective",  # agree()'s default, for code outside the core operations
     "layer",  # a converted model's layer (credit_mpi.nn)
+    # The 2-D grid's paths (a (lat, lon) pair): their own codes, on the same communicator as the 1-D
+    # paths, so that a rank that passed a single dim meets the others' pair in one Allgather and every
+    # rank raises (the 1-D/2-D decision is agreed, not local).
+    "shard_tensor/2d", "shard_batch/2d", "gather_tensor/2d", "scatter_tensor/2d", "halo_exchange/2d",
 )
+GRID_SUFFIX = "/2d"
 _HEADER = 5  # operation, check, failed, digest, count
 
 
@@ -159,8 +183,17 @@ def agree(
     """
     mine, error, header = _local_header(operation, check, local)
     table = np.empty((comm.Get_size(), _HEADER), dtype=np.int64)
-    comm.Allgather(header, table)
+    _allgather_header(comm, operation, header, table)
     return _settle(comm, operation, check, explain, mine, error, table)
+
+
+def _allgather_header(comm: MPI.Comm, operation: str, header: np.ndarray, table: np.ndarray) -> None:
+    """The agreement's ``Allgather``, under the watchdog's deadline (:mod:`credit_mpi.watchdog`)."""
+    watchdog.arm(comm, operation)
+    try:
+        comm.Allgather(header, table)
+    finally:
+        watchdog.STATE.since = 0.0
 
 
 def _local_header(operation: str, check: bool, local: Callable[[], Local]) -> tuple[Local | None, Exception | None, np.ndarray]:
@@ -204,6 +237,7 @@ def _settle(
     if failures:
         raise _agreed_error(failures, where) from error
     calls = [info for _, info in items]
+    _raise_mixed_forms(where, [op for op, _, _ in calls])
     if explain is not None and len({(op, chk) for op, chk, _ in calls}) == 1:
         explain([loc for _, _, loc in calls])
     detail = "; ".join(
@@ -215,13 +249,27 @@ def _settle(
     )
 
 
+def _raise_mixed_forms(where: str, operations: list[str]) -> None:
+    """The same operation called with a single dim on some ranks and a (lat, lon) pair on others: one clear ValueError."""
+    bases = {op.removesuffix(GRID_SUFFIX) for op in operations}
+    if len(bases) != 1 or len(set(operations)) == 1:
+        return
+    line = [r for r, op in enumerate(operations) if not op.endswith(GRID_SUFFIX)]
+    grid = [r for r, op in enumerate(operations) if op.endswith(GRID_SUFFIX)]
+    raise ValueError(
+        f"{bases.pop()}: ranks of {where} passed a single dim / halo_width / boundary (latitude bands) on rank(s) "
+        f"{_ranks(line)} and a (lat, lon) pair (2-D blocks of the domain grid) on rank(s) {_ranks(grid)}; every rank "
+        f"must pass the same form: pairs such as dim=(-2, -1) on a domain_grid, single values for latitude bands"
+    )
+
+
 class _Agreed:
     """One remembered agreement of :func:`agree_cached`."""
 
-    __slots__ = ("comm", "mine", "header", "table", "table_bytes", "result", "received")
+    __slots__ = ("comm", "operation", "mine", "header", "table", "table_bytes", "result", "received")
 
-    def __init__(self, comm: MPI.Comm, mine: Local, header: np.ndarray, table: np.ndarray, result: Any) -> None:
-        self.comm, self.mine, self.header = comm, mine, header
+    def __init__(self, comm: MPI.Comm, operation: str, mine: Local, header: np.ndarray, table: np.ndarray, result: Any) -> None:
+        self.comm, self.operation, self.mine, self.header = comm, operation, mine, header
         self.table, self.table_bytes, self.result = table, table.tobytes(), result
         self.received = np.empty_like(table)  # each repeat's table lands here (collectives on one comm never overlap)
 
@@ -233,7 +281,13 @@ class _Agreed:
         :func:`agree_cached` as ``received=`` (it settles the new call
         without another ``Allgather``).
         """
-        self.comm.Allgather(self.header, self.received)
+        state = watchdog.STATE  # the watchdog's deadline: a few attribute writes, no MPI call (the per-call fast path)
+        state.seq += 1
+        state.op, state.comm, state.since = self.operation, self.comm, watchdog.monotonic()
+        try:
+            self.comm.Allgather(self.header, self.received)
+        finally:
+            state.since = 0.0
         if self.received.tobytes() == self.table_bytes:
             return None
         return self.received.copy()
@@ -290,10 +344,10 @@ def agree_cached(
     else:
         mine, error, header = _local_header(operation, check, local)
         table = np.empty((comm.Get_size(), _HEADER), dtype=np.int64)
-        comm.Allgather(header, table)
+        _allgather_header(comm, operation, header, table)
     plan, counts = _settle(comm, operation, check, explain, mine, error, table)
     result = finish(plan, counts)
-    _AGREED[full] = _Agreed(comm, mine, header, table, result)
+    _AGREED[full] = _Agreed(comm, operation, mine, header, table, result)
     while len(_AGREED) > AGREED_ENTRIES:
         _AGREED.popitem(last=False)
     return result

@@ -216,6 +216,35 @@ def outcome(fn):
         return "error", type(exc).__name__
 
 
+def judge(label: str, perturbation: str, every: list, counts: Counter, violations: list) -> None:
+    """One trial's verdict from every rank's ``(kind, value)``: counted, and any break of the rule recorded."""
+    if all(k == "ok" for k, _ in every):
+        if not all(v for _, v in every):
+            violations.append(f"{label}: succeeded with a wrong result on rank(s) {[r for r, (_, v) in enumerate(every) if not v]}")
+        name = "ok"
+    elif len(set(every)) == 1:
+        name = every[0][1]
+        if name not in ("ValueError", "TypeError", "DomainParallelError"):
+            violations.append(f"{label}: every rank raised {name}, not one of credit_mpi's documented errors")
+    else:
+        violations.append(f"{label}: ranks differ: {every}")
+        name = "mixed"
+    if perturbation == "none" and name != "ok":
+        violations.append(f"{label}: the control failed: {every}")
+    counts[name] += 1
+    counts[f"{'control' if perturbation == 'none' else 'perturbed'}-{'ok' if name == 'ok' else 'error'}"] += 1
+
+
+def report(job: str, n: int, seed: int, trials: int, counts: Counter, violations: list) -> None:
+    """The summary line (rank 0) and the exit status: non-zero on a violation."""
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        summary = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+        print(f"{job}: {n} ranks, seed {seed}, {trials} trials: {summary}; violations={len(violations)}", flush=True)
+        for v in violations:
+            print(f"VIOLATION {v}", flush=True)
+    sys.exit(1 if violations else 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0)
@@ -238,36 +267,16 @@ def main() -> None:
             credit_mpi.gather_tensor(probe[:, 3 * rank : 3 * rank + 3], 1, manager)
             return ok
 
-        kind, value = outcome(sequence)
-        every = world.allgather((kind, value))
+        every = world.allgather(outcome(sequence))
         label = f"trial {trial}: {t.op} / {t.perturbation} on rank {t.odd} (kind {t.kind}, uneven {t.uneven})"
-        if all(k == "ok" for k, _ in every):
-            if not all(v for _, v in every):
-                violations.append(f"{label}: succeeded with a wrong result on rank(s) {[r for r, (_, v) in enumerate(every) if not v]}")
-            outcome_name = "ok"
-        elif len(set(every)) == 1:
-            outcome_name = every[0][1]
-            if outcome_name not in ("ValueError", "TypeError", "DomainParallelError"):
-                violations.append(f"{label}: every rank raised {outcome_name}, not one of credit_mpi's documented errors")
-        else:
-            violations.append(f"{label}: ranks differ: {every}")
-            outcome_name = "mixed"
-        if t.perturbation == "none" and outcome_name != "ok":
-            violations.append(f"{label}: the control failed: {every}")
-        counts[outcome_name] += 1
-        counts[f"{t.perturbation == 'none' and 'control' or 'perturbed'}-{outcome_name == 'ok' and 'ok' or 'error'}"] += 1
+        judge(label, t.perturbation, every, counts, violations)
         # in step again: a valid gather works on every rank
         again = outcome(lambda: np.array_equal(credit_mpi.gather_tensor(probe[:, 3 * rank : 3 * rank + 3], 1, manager), probe))
         if world.allgather(again) != [("ok", True)] * n:
             violations.append(f"{label}: the next valid gather failed: {world.allgather(again)}")
             break
     manager.free()
-    if rank == 0:
-        summary = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
-        print(f"agreement_job: {n} ranks, seed {args.seed}, {args.trials} trials: {summary}; violations={len(violations)}", flush=True)
-        for v in violations:
-            print(f"VIOLATION {v}", flush=True)
-    sys.exit(1 if violations else 0)
+    report("agreement_job", n, args.seed, args.trials, counts, violations)
 
 
 if __name__ == "__main__":

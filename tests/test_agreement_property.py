@@ -1,6 +1,7 @@
 """The agreement rule as a property: random one-rank perturbations of every public collective.
 
-Serial tests that launch tests/agreement_job.py under mpiexec on 2, 3 and 4
+Serial tests that launch tests/agreement_job.py (latitude bands) and
+tests/grid_agreement_job.py (the 2-D grid) under mpiexec on 2, 3 and 4
 ranks, each bounded by a timeout (a hang kills the launcher's process group
 and fails). The job requires, per trial, the same exception type on every
 rank or the single-process result on every rank, and that the group is in
@@ -22,14 +23,16 @@ from .conftest import ROOT, child_env
 from .test_faults import launcher
 
 JOB = ROOT / "tests" / "agreement_job.py"
+GRID_JOB = ROOT / "tests" / "grid_agreement_job.py"
+GRID_TRIALS = 100
 BOUND_S = 150  # ~20 s per 150 trials on 4 ranks of a loaded 2-core machine
 TRIALS = 150
-SUMMARY = re.compile(r"agreement_job: (\d+) ranks, seed (\d+), (\d+) trials: (.*); violations=(\d+)")
+SUMMARY = re.compile(r"(?:grid_)?agreement_job: (\d+) ranks, seed (\d+), (\d+) trials: (.*); violations=(\d+)")
 
 
-def run_job(ranks: int, seed: int, trials: int = TRIALS) -> tuple[int, str, float]:
+def run_job(ranks: int, seed: int, trials: int = TRIALS, job=JOB) -> tuple[int, str, float]:
     env = child_env(MPIEXEC_TIMEOUT=str(BOUND_S))  # MPICH's hydra ends the job itself too
-    cmd = [*launcher(), "-n", str(ranks), sys.executable, str(JOB), "--seed", str(seed), "--trials", str(trials)]
+    cmd = [*launcher(), "-n", str(ranks), sys.executable, str(job), "--seed", str(seed), "--trials", str(trials)]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
@@ -43,8 +46,17 @@ def run_job(ranks: int, seed: int, trials: int = TRIALS) -> tuple[int, str, floa
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_one_rank_differs_same_error_or_right_result(ranks):
-    seed = 17 + ranks
-    rc, out, took = run_job(ranks, seed)
+    check_summary(*run_job(ranks, 17 + ranks))
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_one_rank_differs_on_the_2d_grid(ranks):
+    """tests/grid_agreement_job.py: every grid of the world size (and none), the 1-D/2-D decision, widths, boundaries."""
+    check_summary(*run_job(ranks, 30 + ranks, GRID_TRIALS, GRID_JOB))
+
+
+def check_summary(rc: int, out: str, took: float) -> None:
+    """The job's summary line: no violation, controls that succeed, perturbations that raise alike."""
     summary = SUMMARY.search(out)
     assert summary is not None, out[-4000:]
     assert rc == 0 and summary.group(5) == "0", f"exit {rc} after {took:.1f} s\n{out[-4000:]}"

@@ -146,3 +146,39 @@ def test_per_call_benchmark_scripts_run(capsys):
     if MPI.COMM_WORLD.Get_rank() == 0:
         out = capsys.readouterr().out
         assert "halo fwd+bwd" in out and "gather" in out and "agreement of a repeated call" in out
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("rows", ["uneven", "zero-row band"])
+def test_raw_allgather_of_uneven_bands(world, rows):
+    """Bands of different sizes: the raw baseline is one Allgatherv (an Allgather with different counts hangs)."""
+    n = world.Get_size()
+    h = 3 * n + 1 if rows == "uneven" else n - 1  # n - 1 rows: the last rank holds none
+    x = bench.local_field((2, h, 5), -2, world)
+    for fresh in (False, True):
+        got = bench.raw_allgather(world, x, fresh=fresh)()
+        parts = world.allgather(np.ascontiguousarray(x).tobytes())
+        assert got.tobytes() == b"".join(parts) and got.nbytes == sum(len(p) for p in parts)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bench_gather_on_a_zero_row_band_and_halo_grid_says_why(world):
+    """``credit-mpi bench`` with a band of no rows ends (it hung), and --ops halo_grid without a 2-D grid says why."""
+    import argparse
+
+    from credit_mpi.cli import run_bench
+
+    n = world.Get_size()
+    args = argparse.Namespace(domain_size=None, ops="gather", no_torch=True, size=[(2, n - 1, 4)], repeats=1)
+    rows = run_bench(args, world, lambda *a, **k: None)
+    assert [r["op"] for r in rows] == ["gather", "gather out="]
+    said = []
+    args.ops, args.size = "halo_grid", [(2, 4 * n, 8)]
+    if bench.halo_grid_unavailable(n, n) is None:  # 4 ranks: a 2x2 grid, measured
+        assert [r["op"] for r in run_bench(args, world, said.append)] == ["halo_grid"]
+        return
+    with pytest.raises(ValueError, match="halo_grid compares latitude bands with a 2-D grid.*run it on 4"):
+        run_bench(args, world, said.append)
+    args.ops = "gather,halo_grid"
+    run_bench(args, world, said.append)
+    assert any("note: halo_grid compares" in line for line in said), said

@@ -35,19 +35,20 @@ def launcher() -> list[str]:
     return [mpiexec, *shlex.split(os.environ.get("MPIEXEC_FLAGS", ""))]
 
 
-def run_job(mode: str, *args: str, ranks: int = RANKS) -> tuple[int, str, float]:
-    rc, out, took = _run_job_once(mode, *args, ranks=ranks)
+def run_job(mode: str, *args: str, ranks: int = RANKS, job: Path = JOB, **env: str) -> tuple[int, str, float]:
+    """Run ``job`` (default tests/fault_job.py) with ``mode`` and ``args`` on ``ranks`` ranks, ``env`` added: (status, output, seconds)."""
+    rc, out, took = _run_job_once(mode, *args, ranks=ranks, job=job, env=env)
     if rc != 0 and not out:
         # The launcher printed nothing at all: it never started the job (seen once
         # on a machine loaded with other MPI jobs: status 1, no output). Once more;
         # a job that really fails prints what the test looks for.
-        rc, out, took = _run_job_once(mode, *args, ranks=ranks)
+        rc, out, took = _run_job_once(mode, *args, ranks=ranks, job=job, env=env)
     return rc, out, took
 
 
-def _run_job_once(mode: str, *args: str, ranks: int) -> tuple[int, str, float]:
-    env = child_env(MPIEXEC_TIMEOUT=str(BOUND_S))  # MPICH's hydra ends the job itself too
-    cmd = [*launcher(), "-n", str(ranks), sys.executable, str(JOB), mode, *args]
+def _run_job_once(mode: str, *args: str, ranks: int, job: Path, env: dict) -> tuple[int, str, float]:
+    env = child_env(MPIEXEC_TIMEOUT=str(BOUND_S), **env)  # MPICH's hydra ends the job itself too
+    cmd = [*launcher(), "-n", str(ranks), sys.executable, str(job), mode, *args]
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True

@@ -413,10 +413,15 @@ def run_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> list[dict]:
                 if use_torch:
                     row["torch"] = bench.time_collective(dom, bench.gloo_halo_cat(x, 1, group), "gloo", padded, **rep)
                 rows.append(row)
-    if "halo_grid" in ops and d == comm.Get_size() and bench.square_grid(d)[0] > 1:
+    why = bench.halo_grid_unavailable(d, comm.Get_size()) if "halo_grid" in ops else None
+    if "halo_grid" in ops and why is None:
         for c, h, w in sizes:
             if h >= 2 * d and w % 2 == 0:
                 rows.append(bench.halo_grid_comparison(comm, (c, h, w), 1, repeats=args.repeats, seed=1))
+    if why is not None:  # said, not silently an empty table (an error when nothing else was measured)
+        if not rows:
+            raise ValueError(why)
+        say(f"note: {why}")
     return rows
 
 

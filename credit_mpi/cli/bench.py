@@ -48,9 +48,9 @@ from mpi4py import MPI
 
 from ..halo import halo_exchange
 from ..manager import DomainParallelManager
-from ..partition import band_sizes
+from ..partition import band_offsets, band_sizes
 from ..sharding import gather_tensor, shard_batch
-from ..transport.arrays import release_output_pool
+from ..transport.arrays import host_bytes, release_output_pool
 
 __all__ = [
     "Timing",
@@ -62,6 +62,7 @@ __all__ = [
     "gloo_halo_cat",
     "halo_exchange_fn",
     "halo_grid_comparison",
+    "halo_grid_unavailable",
     "square_grid",
     "local_field",
     "raw_allgather",
@@ -169,7 +170,16 @@ def raw_allgather(comm: MPI.Comm, x: Any, *, fresh: bool = False) -> Callable[[]
     once (the floor), or with ``fresh`` on every call, as a gather that
     returns a new array must (its pages are then first touched by MPI).
     The callable returns the ``(size, *x.shape)`` buffer.
+
+    Bands of different sizes (an uneven field, a rank with no rows) take
+    ``Allgatherv`` of the bytes into one flat ``uint8`` buffer instead: an
+    ``Allgather`` with different counts on different ranks is an erroneous
+    MPI program (it hangs or garbles). The counts are shared once, here
+    (collective over ``comm``), not in the timed call.
     """
+    counts = comm.allgather(_nbytes(x))
+    if len(set(counts)) > 1:
+        return _raw_allgatherv(comm, x, counts, fresh)
     if isinstance(x, np.ndarray):
         send = np.ascontiguousarray(x)
 
@@ -192,6 +202,24 @@ def raw_allgather(comm: MPI.Comm, x: Any, *, fresh: bool = False) -> Callable[[]
 
     def run():
         comm.Allgather(send, recv)
+        return recv
+
+    return run
+
+
+def _nbytes(x: Any) -> int:
+    return int(x.nbytes) if isinstance(x, np.ndarray) else int(x.numel() * x.element_size())
+
+
+def _raw_allgatherv(comm: MPI.Comm, x: Any, counts: list[int], fresh: bool) -> Callable[[], np.ndarray]:
+    """:func:`raw_allgather` of bands of different sizes: one ``Allgatherv`` of the bytes (numpy, torch CPU)."""
+    send = host_bytes(np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x.contiguous())
+    spec = (counts, band_offsets(counts))
+    buffer = np.empty(sum(counts), dtype=np.uint8)
+
+    def run():
+        recv = np.empty(sum(counts), dtype=np.uint8) if fresh else buffer
+        comm.Allgatherv([send, MPI.BYTE], [recv, spec, MPI.BYTE])
         return recv
 
     return run
@@ -476,6 +504,18 @@ def square_grid(d: int) -> tuple[int, int]:
     """The most nearly square ``(rows, cols)`` grid of ``d`` ranks (rows <= cols): 4 -> 2x2, 6 -> 2x3, 3 -> 1x3."""
     rows = max(r for r in range(1, math.isqrt(d) + 1) if d % r == 0)
     return rows, d // rows
+
+
+def halo_grid_unavailable(domain_size: int, world_size: int) -> str | None:
+    """Why ``--ops halo_grid`` cannot run on this layout (one line), or None when it can."""
+    if domain_size != world_size:
+        return (f"halo_grid compares the halo of one domain group of all {world_size} ranks on latitude bands and on "
+                f"a 2-D grid; leave out --domain-size (got {domain_size})")
+    rows, cols = square_grid(domain_size)
+    if rows == 1:
+        return (f"halo_grid compares latitude bands with a 2-D grid, and {domain_size} rank(s) have no grid but "
+                f"1x{cols} (none with several rows and columns): run it on 4, 6, 8 or 9 ranks")
+    return None
 
 
 def halo_grid_comparison(

@@ -137,6 +137,15 @@ def _check_device(kind: str, index: int) -> None:
         )
 
 
+# Refused rather than carried: credit_mpi moves an array's bytes, and a masked array's mask is a second
+# array; moving the data alone would silently unmask every value. Moving both is the caller's two calls.
+_MASKED = (
+    "numpy masked arrays are not supported: their mask would be lost (credit_mpi moves the data only); pass "
+    "np.ma.getdata(x) (and the mask as its own array, np.ma.getmaskarray(x), through the same call), or "
+    "x.filled(value)"
+)
+
+
 def describe(x: Any) -> ArrayInfo:
     """Shape, dtype and device of ``x``.
 
@@ -147,6 +156,8 @@ def describe(x: Any) -> ArrayInfo:
     if isinstance(x, np.ndarray):
         if x.dtype.hasobject:
             raise TypeError(f"numpy arrays of dtype {x.dtype} hold Python objects and cannot be sent as bytes")
+        if isinstance(x, np.ma.MaskedArray):
+            raise TypeError(_MASKED)
         return ArrayInfo("numpy", tuple(x.shape), str(x.dtype), "cpu", x.dtype.itemsize)
     if _is_torch(x):
         torch = _torch()
