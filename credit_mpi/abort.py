@@ -14,8 +14,8 @@ not printed; ``CREDIT_MPI_TRACEBACK=all`` prints every rank's whole
 traceback.
 
 It is opt-in: importing credit_mpi changes nothing. (Without it, an error
-that credit_mpi raises on every rank of a group is still printed once, see
-:mod:`credit_mpi._printing`, and the ranks exit as usual.) Use it at the top of a
+that credit_mpi raises on every rank of a group is still printed once, where
+``sys.excepthook`` is Python's own, and the ranks exit as usual.) Use it at the top of a
 batch script::
 
     import credit_mpi
