@@ -120,10 +120,32 @@ def _full_states(model: torch.nn.Module, optimizer: Any) -> tuple[dict, dict | N
         get_optimizer_state_dict,
     )
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # collective over the FSDP mesh
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # collective over the FSDP mesh; rank 0 keeps it
     states = get_model_state_dict(model, options=options)
     optim = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
-    return states, optim
+    return states, (_by_index(optim) if optim else optim)
+
+
+def _by_index(optim: dict) -> dict:
+    """torch.distributed.checkpoint's optimizer state (keyed by parameter names) keyed as ``Optimizer.state_dict``.
+
+    ``Optimizer.state_dict`` numbers the parameters in the order of its
+    param groups; so do the names here, so that the file loads into a plain
+    optimizer (and CREDIT's files into a sharded one, :func:`_by_name`).
+    """
+    ids: dict[str, int] = {}
+    groups = []
+    for group in optim["param_groups"]:
+        groups.append({**group, "params": [ids.setdefault(name, len(ids)) for name in group["params"]]})
+    return {"state": {ids[name]: value for name, value in optim["state"].items()}, "param_groups": groups}
+
+
+def _by_name(model: torch.nn.Module, optimizer: Any, optim: dict) -> dict:
+    """The inverse of :func:`_by_index` for ``optimizer`` of ``model`` (index ``k``: its ``k``-th parameter)."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    groups = [{**group, "params": [names[i] for i in group["params"]]} for group in optim["param_groups"]]
+    return {"state": {names[i]: value for i, value in optim["state"].items()}, "param_groups": groups}
 
 
 def _set_full_states(model: torch.nn.Module, optimizer: Any, states: dict, optim: dict | None) -> None:
@@ -142,7 +164,7 @@ def _set_full_states(model: torch.nn.Module, optimizer: Any, states: dict, optim
     options = StateDictOptions(full_state_dict=True)  # every rank holds the full state: each keeps its shard
     set_model_state_dict(model, states, options=options)
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, optim, options=options)
+        set_optimizer_state_dict(model, optimizer, _by_name(model, optimizer, optim), options=options)
 
 
 # --------------------------------------------------------------------------- the file
