@@ -12,13 +12,10 @@ file, or ranks that disagree on the step raise on every rank.
 
 from __future__ import annotations
 
-import copy
 import glob
 import io
 import os
 import random
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -33,16 +30,6 @@ from credit_mpi.nn import load_checkpoint, save_checkpoint  # noqa: E402
 
 H, W = 11, 8  # uneven bands on 2, 3 and 4 ranks
 
-
-@pytest.fixture
-def shared_dir():
-    """One temporary directory, the same path on every rank (rank 0 makes and removes it)."""
-    world = MPI.COMM_WORLD
-    path = world.bcast(tempfile.mkdtemp(prefix="credit_mpi_ckpt_") if world.Get_rank() == 0 else None)
-    yield path
-    world.Barrier()
-    if world.Get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def layout(world: int) -> int:
@@ -113,13 +100,19 @@ def test_resume_equals_the_uninterrupted_run(make_manager, shared_dir):
     seed_everything(world.Get_rank())
     first = Job(manager)
     before = first.steps(3)
-    save_checkpoint(path, first.model, manager, optimizer=first.opt, scheduler=first.sched, step=3, extra={"note": "k=3"})
+    sampler = torch.utils.data.DistributedSampler(range(8), num_replicas=1, rank=0)
+    sampler.set_epoch(2)
+    save_checkpoint(
+        path, first.model, manager, optimizer=first.opt, scheduler=first.sched, sampler=sampler, step=3, extra={"note": "k=3"}
+    )
     assert glob.glob(os.path.join(shared_dir, ".*tmp*")) == []  # no temporary file left behind
 
     seed_everything(1000 + world.Get_rank())  # scrambled RNGs and other initial weights: the checkpoint restores them
     resumed = Job(manager, seed=5)
-    info = load_checkpoint(path, resumed.model, manager, optimizer=resumed.opt, scheduler=resumed.sched)
-    assert info["step"] == 3 and info["extra"] == {"note": "k=3"}
+    fresh_sampler = torch.utils.data.DistributedSampler(range(8), num_replicas=1, rank=0)
+    info = load_checkpoint(path, resumed.model, manager, optimizer=resumed.opt, scheduler=resumed.sched, sampler=fresh_sampler)
+    assert info["step"] == 3 and info["extra"] == {"note": "k=3"} and info["epoch"] == 2
+    assert fresh_sampler.epoch == 2 and list(fresh_sampler) == list(sampler)
     after = resumed.steps(2)
 
     assert before + after == expected
@@ -212,7 +205,8 @@ def test_ranks_that_disagree_or_a_missing_file_raise_everywhere(make_manager, sh
 
 
 def test_wrappers_are_looked_through():
+    """torch.compile's module prefixes its keys with ``_orig_mod.``: the checkpoint keeps the plain ones."""
     model = net(0)
-    wrapped = copy.deepcopy(model)
-    wrapped._orig_mod = model  # what torch.compile's OptimizedModule holds
-    assert ckpt_module.unwrap_model(wrapped) is model
+    compiled = torch.compile(model)  # nothing is compiled before the first call
+    assert list(compiled.state_dict())[0] == "_orig_mod.0.weight"
+    assert ckpt_module.unwrap_model(compiled) is model

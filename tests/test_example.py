@@ -19,8 +19,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -38,16 +36,6 @@ def example():
     spec.loader.exec_module(module)
     return module
 
-
-@pytest.fixture
-def shared_dir():
-    """One temporary directory, the same path on every rank (rank 0 makes and removes it)."""
-    world = MPI.COMM_WORLD
-    path = world.bcast(tempfile.mkdtemp(prefix="credit_mpi_example_") if world.Get_rank() == 0 else None)
-    yield path
-    world.Barrier()
-    if world.Get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def layout(size: int) -> list[str]:

@@ -17,8 +17,6 @@ The bytes that FSDP2 and the domain sum move per step are counted.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from datetime import timedelta
 
 import numpy as np
@@ -128,15 +126,6 @@ def test_fsdp_steps_equal_one_process_on_every_layout(make_manager):
         manager.free()
         assert not dist.is_initialized()
 
-
-@pytest.fixture
-def shared_dir():
-    world = MPI.COMM_WORLD
-    path = world.bcast(tempfile.mkdtemp(prefix="credit_mpi_fsdp_") if world.Get_rank() == 0 else None)
-    yield path
-    world.Barrier()
-    if world.Get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.mpi(min_size=2)
