@@ -25,7 +25,22 @@ store whole and trains on the same global batches (the union of every
 replica's batch, in the sampler's order).
 
 Rank 0 also trains the same model on the whole field in one process; every
-rank exits 1 if the loss curves differ (float64: relative 1e-9).
+rank exits 1 if the loss curves differ (float64: relative 1e-9; with --bf16:
+3e-2).
+
+Like a real job (docs/training.rst): ``--fsdp`` shards parameters and
+optimizer state over the data-parallel group (FSDP2, the domain sum in its
+all-reduce hook), ``--bf16`` runs the float32 model under bf16 autocast,
+``--compile`` compiles the converted model, ``--checkpoint-every N`` saves
+credit_mpi.nn checkpoints to ``--checkpoint`` and ``--resume`` continues
+from one (the loss curve equals the uninterrupted run's, float for float);
+``--crash-after K`` dies after step K to try it. Rank 0 prints one line per
+step (global loss, step time, samples/s); ``--log`` writes the curve as
+JSON, ``--plot`` draws it (matplotlib).
+
+    mpiexec -n 4 python examples/train_unet.py --data-parallel 2 --fsdp --checkpoint-every 5 --plot loss.png
+    mpiexec -n 2 python examples/train_unet.py --checkpoint-every 5 --crash-after 12   # dies after step 12
+    mpiexec -n 2 python examples/train_unet.py --resume                               # steps 10 to 19
 """
 
 from __future__ import annotations
