@@ -137,10 +137,11 @@ def test_the_file_has_the_plain_models_keys_and_credits_layout(make_manager, sha
         assert torch.equal(p, q.detach())
     assert {"optimizer_state_dict", "scheduler_state_dict", "scaler_state_dict", "epoch"} <= set(saved)
     world.Barrier()
-    # a CREDIT-style file (model and optimizer only) loads into the converted model
+    # a CREDIT-style file (model and optimizer only, an old torch format) loads into the converted model
     credit = os.path.join(shared_dir, "credit.pt")
     if world.Get_rank() == 0:
-        torch.save({"epoch": 4, "model_state_dict": plain.state_dict(), "optimizer_state_dict": job.opt.state_dict()}, credit)
+        state = {"epoch": 4, "model_state_dict": plain.state_dict(), "optimizer_state_dict": job.opt.state_dict()}
+        torch.save(state, credit, _use_new_zipfile_serialization=False)  # torch's legacy format: not mappable
     world.Barrier()
     other = Job(manager, seed=3)
     info = load_checkpoint(credit, other.model, manager, optimizer=other.opt)

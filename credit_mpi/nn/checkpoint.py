@@ -193,6 +193,19 @@ def _write_atomically(path: str, payload: dict) -> None:
         os.close(fd)
 
 
+def _read(path: str) -> dict:
+    """The file's contents on CPU, memory-mapped: the ranks of a node share the page cache, not one copy each.
+
+    Files in torch's legacy (pre-zip) format cannot be mapped: read whole.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def save_checkpoint(
     path: str | os.PathLike,
     model: torch.nn.Module,
@@ -229,14 +242,15 @@ def save_checkpoint(
     def mine() -> tuple:
         if not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"save_checkpoint: step must be a non-negative int, got {step!r}")
-        return path, int(step), rng_state()
+        return path, int(step)
 
     everyone = allgather_or_raise(comm, mine)
-    if any((p, s) != (path, int(step)) for p, s, _ in everyone):
+    if any(e != (path, int(step)) for e in everyone):
         raise ValueError(
             "save_checkpoint: every rank must save the same path at the same step, got "
-            + "; ".join(f"rank {r}: {p!r} step {s}" for r, (p, s, _) in enumerate(everyone))
+            + "; ".join(f"rank {r}: {p!r} step {s}" for r, (p, s) in enumerate(everyone))
         )
+    rngs = comm.gather(rng_state(), root=0)  # agreed above: every rank is here; only the writer holds them all
     states, optim = _full_states(model, optimizer)  # collective under FSDP2: every rank, in the same order
     sampler_epoch = getattr(sampler, "epoch", None) if sampler is not None else None
 
@@ -253,7 +267,7 @@ def save_checkpoint(
             "sampler_epoch": sampler_epoch,
             "step": int(step),
             "world_size": comm.Get_size(),
-            "rng_states": [s for _, _, s in everyone],
+            "rng_states": rngs,
             "extra": extra or {},
         }
         _write_atomically(path, payload)
@@ -296,7 +310,7 @@ def load_checkpoint(
     box: list[dict] = []
 
     def read() -> int | None:
-        box.append(torch.load(path, map_location="cpu", weights_only=True))
+        box.append(_read(path))
         return box[0].get("world_size")
 
     sizes = allgather_or_raise(comm, read)
