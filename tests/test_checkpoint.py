@@ -191,6 +191,10 @@ def test_ranks_that_disagree_or_a_missing_file_raise_everywhere(make_manager, sh
         save_checkpoint(path, job.model, manager, step=world.Get_rank())
     with pytest.raises(ValueError, match="step must be a non-negative int"):
         save_checkpoint(path, job.model, manager, step=-1 if world.Get_rank() == 1 else 0)
+    with torch.no_grad():  # replicas that drifted apart: rank 0 alone would write its own
+        next(job.model.parameters())[0].add_(1.0 if world.Get_rank() == world.Get_size() - 1 else 0.0)
+    with pytest.raises(DomainParallelError, match=rf"rank\(s\) \[{world.Get_size() - 1}\] differ from rank 0"):
+        save_checkpoint(path, job.model, manager, step=0)
     assert not os.path.exists(path)
     mine = os.path.join(shared_dir, "only-rank-0.pt")
     if world.Get_rank() == 0:

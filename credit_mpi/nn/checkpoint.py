@@ -46,7 +46,7 @@ import torch
 from mpi4py import MPI
 
 from ..manager import DomainParallelManager, get_domain_parallel_manager
-from ..validation import allgather_or_raise
+from ..validation import DomainParallelError, allgather_or_raise
 
 __all__ = ["save_checkpoint", "load_checkpoint", "unwrap_model"]
 
@@ -167,6 +167,16 @@ def _set_full_states(model: torch.nn.Module, optimizer: Any, states: dict, optim
         set_optimizer_state_dict(model, optimizer, _by_name(model, optimizer, optim), options=options)
 
 
+def _fingerprint(model: torch.nn.Module) -> bytes:
+    """Two float64 sums (plain and absolute) of every state tensor: equal tensors give equal bytes on any rank."""
+    sums = [
+        torch.stack([t.detach().double().sum(), t.detach().double().abs().sum()]).cpu()
+        for t in model.state_dict().values()
+        if isinstance(t, torch.Tensor) and t.numel()
+    ]
+    return torch.cat(sums).numpy().tobytes() if sums else b""
+
+
 # --------------------------------------------------------------------------- the file
 
 
@@ -218,6 +228,7 @@ def save_checkpoint(
     step: int = 0,
     epoch: int | None = None,
     extra: dict | None = None,
+    check: bool = True,
 ) -> None:
     """Write a checkpoint to ``path`` (collective over ``manager.comm``; the first rank writes the file).
 
@@ -230,25 +241,38 @@ def save_checkpoint(
         step: the number of optimizer steps taken so far.
         epoch: CREDIT's ``epoch`` field (default: the sampler's epoch, else 0).
         extra: more picklable values (plain types and tensors) to keep, returned by :func:`load_checkpoint`.
+        check: first compare a fingerprint of the model's state across the ranks (two float64 sums per
+            tensor, on its device): rank 0 writes for all of them, so they must hold the same model.
+            Not for FSDP2 models (their shards differ by design).
 
     Raises:
         ValueError: the ranks pass different paths or steps (on every rank).
+        DomainParallelError: the ranks hold different models (``check``; on every rank).
         DomainParallelError / OSError: writing failed on the writing rank (raised on every rank; the
             previous checkpoint at ``path`` is untouched).
     """
     comm = _comm(manager)
     path = os.fspath(path)
 
+    fsdp = _is_fsdp(unwrap_model(model))
+
     def mine() -> tuple:
         if not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"save_checkpoint: step must be a non-negative int, got {step!r}")
-        return path, int(step)
+        return path, int(step), _fingerprint(unwrap_model(model)) if check and not fsdp else None
 
     everyone = allgather_or_raise(comm, mine)
-    if any(e != (path, int(step)) for e in everyone):
+    if any(e[:2] != (path, int(step)) for e in everyone):
         raise ValueError(
             "save_checkpoint: every rank must save the same path at the same step, got "
-            + "; ".join(f"rank {r}: {p!r} step {s}" for r, (p, s) in enumerate(everyone))
+            + "; ".join(f"rank {r}: {p!r} step {s}" for r, (p, s, _) in enumerate(everyone))
+        )
+    drifted = [r for r, e in enumerate(everyone) if e[2] != everyone[0][2]]
+    if drifted:
+        raise DomainParallelError(
+            f"save_checkpoint: the model's parameters or buffers on rank(s) {drifted} differ from rank 0's, "
+            f"which alone writes them: the replicas drifted apart (reduce the gradients on every rank, "
+            f"credit_mpi.reduce_gradients, before optimizer.step()); check=False saves rank 0's anyway"
         )
     rngs = comm.gather(rng_state(), root=0)  # agreed above: every rank is here; only the writer holds them all
     states, optim = _full_states(model, optimizer)  # collective under FSDP2: every rank, in the same order
