@@ -7,7 +7,9 @@ run bit for bit (``torch.equal``), with per-rank noise drawn from the torch,
 numpy and Python RNGs so that their restored states matter. A write that
 fails half way on the writing rank is an exception on every rank and leaves
 the previous checkpoint whole; a file with another world size, a missing
-file, or ranks that disagree on the step raise on every rank.
+file, or ranks that disagree on the step raise on every rank. A process
+killed in the middle of a save (serial) leaves the previous checkpoint; the
+next save removes the killed one's temporary file.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import glob
 import io
 import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -23,6 +27,8 @@ from mpi4py import MPI
 
 import credit_mpi
 from credit_mpi import DomainParallelError
+
+from .conftest import child_env
 
 torch = pytest.importorskip("torch")
 from credit_mpi.nn import checkpoint as ckpt_module  # noqa: E402
@@ -215,3 +221,32 @@ def test_wrappers_are_looked_through():
     compiled = torch.compile(model)  # nothing is compiled before the first call
     assert list(compiled.state_dict())[0] == "_orig_mod.0.weight"
     assert ckpt_module.unwrap_model(compiled) is model
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
+    """A process that dies (os._exit) in the middle of writing: the file at ``path`` is the previous one, whole."""
+    path = tmp_path / "ckpt.pt"
+    code = (
+        "import io, os, torch\n"
+        "from credit_mpi.nn import checkpoint as c\n"
+        "model = torch.nn.Linear(3, 2)\n"
+        f"c.save_checkpoint({str(path)!r}, model, step=1)\n"
+        "real = torch.save\n"
+        "def dies(obj, f, *a, **k):\n"
+        "    real(obj, f, *a, **k)\n"
+        "    if not isinstance(f, io.BytesIO):\n"
+        "        f.truncate(f.tell() // 2)\n"
+        "        f.flush()\n"
+        "        os._exit(9)\n"
+        "c.torch.save = dies\n"
+        f"c.save_checkpoint({str(path)!r}, model, step=2)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 9, result.stderr  # killed in the middle of the second save
+    leftovers = list(tmp_path.glob(".ckpt.pt.tmp-*"))
+    assert len(leftovers) == 1  # the killed save's half-written temporary file
+    model = torch.nn.Linear(3, 2)
+    assert load_checkpoint(path, model)["step"] == 1
+    save_checkpoint(path, model, step=3)  # the next save succeeds and removes the leftover
+    assert list(tmp_path.glob(".ckpt.pt.tmp-*")) == []
+    assert load_checkpoint(path, model)["step"] == 3

@@ -27,7 +27,7 @@ initialised, numpy's global generator, Python's ``random``).
 * **Atomic.** The file is written under a temporary name in the same
   directory, flushed and ``fsync``-ed, then ``os.replace``-d over the old
   one (and the directory ``fsync``-ed): a crash mid-save leaves the previous
-  checkpoint whole.
+  checkpoint whole (and a temporary file that the next save removes).
 * **Agreed.** Every rank takes part (collective over ``manager.comm``) and
   a failure on any rank (a bad argument, a full disk on the writing rank, a
   missing file, keys that do not match) raises on every rank
@@ -37,6 +37,8 @@ initialised, numpy's global generator, Python's ``random``).
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import random
 from typing import Any
@@ -201,6 +203,9 @@ def _write_atomically(path: str, payload: dict) -> None:
         pass
     finally:
         os.close(fd)
+    for stale in glob.glob(os.path.join(directory, glob.escape(f".{os.path.basename(path)}.tmp-") + "*")):
+        with contextlib.suppress(OSError):  # a killed save's leftover (this path has one writer: rank 0)
+            os.remove(stale)
 
 
 def _read(path: str) -> dict:
