@@ -5,7 +5,7 @@ the agreements, the allgather of the norm statistics) during the backward
 pass. Every rank runs the same graph, so torch's autograd engine recomputes
 the blocks in the same order on every rank and the collectives pair up.
 Checked on every domain size of the world (1-4 ranks, uneven bands of 13
-latitudes): the output, the input gradient and the parameter gradients
+latitudes) and on a 2 x 2 latitude x longitude grid (4 ranks): the output, the input gradient and the parameter gradients
 after ``reduce_gradients`` equal one process running the same checkpointed
 model (float64, 1e-12), and the BatchNorm running statistics too (a
 recomputed forward updates them a second time, as torch's own BatchNorm
@@ -41,7 +41,7 @@ class Checkpointed(nn.Module):
         norm = nn.BatchNorm2d(4) if batchnorm else nn.GroupNorm(2, 4)
         self.blocks = nn.ModuleList([
             nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), norm, nn.SiLU()),
-            nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.LayerNorm(W), nn.Tanh()),
+            nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.LayerNorm([H, W]), nn.Tanh()),
             nn.Sequential(nn.Conv2d(4, 4, 3, stride=1, padding=2, dilation=2), nn.GELU(), nn.Conv2d(4, 2, 1)),
         ])
         self.reentrant = reentrant
@@ -77,15 +77,17 @@ def test_checkpointed_blocks_equal_one_process(reentrant, batchnorm, make_manage
     if not batchnorm:  # checkpointing changes nothing on one process
         out_plain, _, g_plain = run(plain, x)
         assert torch.equal(out_plain, out_ref) and all(torch.equal(a, b) for a, b in zip(g_plain, g_ref, strict=True))
-    for d in domain_sizes(world):
-        manager = make_manager(d)
+    layouts = [(d, None) for d in domain_sizes(world)] + ([(4, (2, 2))] if world == 4 else [])
+    for d, grid in layouts:  # latitude bands, and a 2 x 2 latitude x longitude grid on 4 ranks
+        manager = make_manager(d, domain_grid=grid)
         net = credit_mpi.convert_to_domain_parallel(copy.deepcopy(model), manager)
         dp, n = manager.data_parallel_size, SAMPLES // manager.data_parallel_size
         mine = slice(manager.dp_rank * n, (manager.dp_rank + 1) * n)
-        out, gx, grads = run(net, credit_mpi.shard_tensor(x[mine], -2, manager, uneven=True), manager)
-        layout = f"{world // d} x {d}, reentrant={reentrant}, batchnorm={batchnorm}"
-        close(credit_mpi.gather_tensor(out, -2, manager), out_ref[mine], layout)
-        close(gx, credit_mpi.shard_tensor(gx_ref[mine], -2, manager, uneven=True), layout)
+        dims = -2 if grid is None else (-2, -1)
+        out, gx, grads = run(net, credit_mpi.shard_tensor(x[mine], dims, manager, uneven=True), manager)
+        layout = f"{world // d} x {d}, grid {grid}, reentrant={reentrant}, batchnorm={batchnorm}"
+        close(credit_mpi.gather_tensor(out, dims, manager), out_ref[mine], layout)
+        close(gx, credit_mpi.shard_tensor(gx_ref[mine], dims, manager, uneven=True), layout)
         for g, r in zip(grads, g_ref, strict=True):
             close(g * dp, r, layout)  # the one-process loss sums all samples, reduce_gradients averages the groups
         if batchnorm:
