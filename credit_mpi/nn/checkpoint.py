@@ -253,8 +253,8 @@ def save_checkpoint(
     Raises:
         ValueError: the ranks pass different paths or steps (on every rank).
         DomainParallelError: the ranks hold different models (``check``; on every rank).
-        DomainParallelError / OSError: writing failed on the writing rank (raised on every rank; the
-            previous checkpoint at ``path`` is untouched).
+        DomainParallelError: writing failed on the writing rank (an ``OSError`` there, named in the
+            message; raised on every rank, the previous checkpoint at ``path`` untouched).
     """
     comm = _comm(manager)
     path = os.fspath(path)
@@ -331,8 +331,8 @@ def load_checkpoint(
 
     Raises:
         ValueError: the file's world size differs and ``rng`` is true (on every rank).
-        DomainParallelError / RuntimeError / OSError: the file is missing or its keys do not match
-            the model (on every rank).
+        DomainParallelError: the file is missing or unreadable, or its keys or shapes do not fit the
+            model or optimizer (torch's error named in the message; on every rank).
     """
     comm = _comm(manager)
     path = os.fspath(path)
