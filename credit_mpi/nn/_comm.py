@@ -33,6 +33,17 @@ from ..validation import DomainParallelError, Local, agree_cached, comm_label
 from ..validation import agree as agree_once
 
 
+def _eager(fn: Callable) -> Callable:
+    """Run ``fn`` eagerly under ``torch.compile``: a graph break, the collective outside the traced graph.
+
+    Dynamo would trace into the MPI plumbing (numpy views of tensors, pooled
+    buffers, mpi4py calls), which it cannot (FakeTensor "setStorage ... out of
+    bounds" errors under ``aot_eager``); with the collectives left eager, the
+    torch ops between them still compile.
+    """
+    return torch.compiler.disable(fn, recursive=True)
+
+
 class ConversionError(DomainParallelError):
     """A module the converter has no exact rule for (raised on every rank), or a layout a layer cannot run."""
 
@@ -58,6 +69,7 @@ class Bands:
         return sum(self.sizes)
 
 
+@_eager
 def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Comm, path: str, extra: Callable[[], Any] | None = None) -> Bands:
     """Every rank's rows of ``x`` along ``axis_of(x)`` (collective over ``comm``).
 
@@ -119,6 +131,7 @@ def check_halo(path: str, sizes: list[int], width: int, boundary: str, axis: int
         raise ValueError(f"{path}: {exc}") from None
 
 
+@_eager
 def fetch_rows(
     x: torch.Tensor,
     bands: Bands,
@@ -177,6 +190,7 @@ class _AllGather(torch.autograd.Function):
         return torch.from_numpy(g[comm.Get_rank()]).to(grad.device), None
 
 
+@_eager
 def allgather_stats(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
     """Stack every rank's ``t`` (float32/float64) along a new first dim; differentiable.
 
@@ -205,6 +219,7 @@ class _OverlapAdd(torch.autograd.Function):
         return halo_exchange(grad.detach().contiguous(), ctx.width, ctx.axis, ctx.manager, check=False), None, None, None, None
 
 
+@_eager
 def overlap_add(y: torch.Tensor, rows: int, width: int, axis: int, manager: Any) -> torch.Tensor:
     """``y`` holds ``rows + 2*width`` rows (``width`` before and after the own ``rows``): add the outer ones to the neighbours'.
 
@@ -249,6 +264,7 @@ class Blocks:
         return [h * w for h in self.heights for w in self.widths]
 
 
+@_eager
 def agree_blocks(
     x: torch.Tensor,
     axes_of: Callable[[torch.Tensor], tuple[int, int]],
@@ -299,6 +315,7 @@ def agree_blocks(
     return Blocks(heights, widths, row, col, everyone[0][0])
 
 
+@_eager
 def fetch_block(
     x: torch.Tensor,
     blocks: Blocks,
@@ -354,6 +371,7 @@ class _OverlapAdd2d(torch.autograd.Function):
         return halo_exchange(g, ctx.width, ctx.axes, ctx.manager, boundary=("zero", "zero"), check=False), None, None, None, None
 
 
+@_eager
 def overlap_add_2d(y: torch.Tensor, own: tuple[int, int], width: tuple[int, int], axes: tuple[int, int], manager: Any) -> torch.Tensor:
     """The 2-D :func:`overlap_add`: ``y`` holds this block's ``own`` (rows, cols) plus ``width`` (hy, hx) on every side.
 

@@ -191,7 +191,7 @@ class _ConvTransposeMixin(DomainParallelModule):
         y = F.pad(y, pad)
         out = overlap_add(y, band.out_rows, w, axis, manager)
         if self.bias is not None:
-            out = out + self.bias.view([-1] + [1] * nd)
+            out = out + self.bias.view([-1] + [1] * nd).to(out.dtype)  # autocast: a bf16 output stays bf16
         return out
 
     def _grid_forward(self, x: torch.Tensor, output_size: list[int] | None) -> torch.Tensor:
@@ -226,7 +226,7 @@ class _ConvTransposeMixin(DomainParallelModule):
         y = F.pad(y, pad)
         out = overlap_add_2d(y, tuple(own), tuple(width), (ay, ax), manager)
         if self.bias is not None:
-            out = out + self.bias.view([-1] + [1] * nd)
+            out = out + self.bias.view([-1] + [1] * nd).to(out.dtype)  # autocast: a bf16 output stays bf16
         return out
 
 

@@ -70,8 +70,20 @@ def global_mean_var(x: torch.Tensor, dims: list[int], comm) -> tuple[torch.Tenso
 
 
 def _normalize(x, mean, var, eps, shape):
+    """``(x - mean) / sqrt(var + eps)`` in the statistics' dtype (float32 for bf16/fp16 input).
+
+    The affine step runs in that dtype too and the layer casts its output
+    back to ``x.dtype`` last (:func:`_out`), as torch's native norms do under
+    autocast: a bf16 input gives a bf16 output, not a float32 one promoted
+    by the float32 weight.
+    """
     xa = x.to(mean.dtype)
-    return ((xa - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + eps)).to(x.dtype)
+    return (xa - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + eps)
+
+
+def _out(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The layer's output in the input's dtype (a no-op for float32/float64 input)."""
+    return y.to(x.dtype)
 
 
 class DomainParallelGroupNorm(DomainParallelModule, nn.GroupNorm):
@@ -97,7 +109,7 @@ class DomainParallelGroupNorm(DomainParallelModule, nn.GroupNorm):
         if self.affine:
             shape = [1, c] + [1] * (x.ndim - 2)
             y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
-        return y
+        return _out(y, x)
 
 
 class _InstanceNormMixin(DomainParallelModule):
@@ -125,7 +137,7 @@ class _InstanceNormMixin(DomainParallelModule):
         if self.affine:
             shape = [1, c] + [1] * nd
             y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
-        return y
+        return _out(y, x)
 
 
 class DomainParallelInstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):
@@ -187,7 +199,7 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
             y = y * self.weight.narrow(sd, bands.start, bands.sizes[bands.rank])
         if self.bias is not None:
             y = y + self.bias.narrow(sd, bands.start, bands.sizes[bands.rank])
-        return y
+        return _out(y, x)
 
     def _grid_forward(self, x: torch.Tensor) -> torch.Tensor:
         """On a 2-D grid: statistics over the whole grid when latitude and longitude are both normalised."""
@@ -225,7 +237,7 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
             y = y * self.weight.narrow(k - 2, blocks.y0, h).narrow(k - 1, blocks.x0, w)
         if self.bias is not None:
             y = y + self.bias.narrow(k - 2, blocks.y0, h).narrow(k - 1, blocks.x0, w)
-        return y
+        return _out(y, x)
 
 
 class _BatchNormMixin(DomainParallelModule):
@@ -257,7 +269,7 @@ class _BatchNormMixin(DomainParallelModule):
         y = _normalize(x, mean, var, self.eps, shape)
         if self.affine:
             y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
-        return y
+        return _out(y, x)
 
 
 class DomainParallelBatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
