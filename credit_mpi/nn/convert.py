@@ -45,7 +45,7 @@ from ..manager import DomainParallelManager, get_domain_parallel_manager
 from ..validation import check_int
 from . import conv, norm, resample
 from ._comm import ConversionError
-from .base import DomainParallelModule, adopt
+from .base import DomainParallelModule, adopt, guard_forward
 
 __all__ = ["convert_to_domain_parallel", "keep_local", "ConversionError", "RULES", "POINTWISE"]
 
@@ -164,7 +164,7 @@ def convert_to_domain_parallel(
         if not isinstance(key, type) or not callable(fn):
             raise TypeError(f"custom_converters maps module types to callables, got {key!r}: {fn!r}")
     manager = get_domain_parallel_manager() if manager is None else manager
-    return _convert(model, "", manager, shard_dim, custom)
+    return guard_forward(_convert(model, "", manager, shard_dim, custom), manager)
 
 
 def _custom_for(module: nn.Module, custom: dict) -> Callable | None:
