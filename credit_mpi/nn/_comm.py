@@ -33,8 +33,11 @@ from ..blocks import decode_block, encode_block
 from ..grid import grid_coords, grid_of
 from ..halo import halo_exchange
 from ..partition import check_halo_width
+from .. import validation
 from ..validation import DomainParallelError, Local, agree_cached, comm_label
 from ..validation import agree as agree_once
+
+_VALIDATION_FILE = validation.__file__
 
 
 class ConversionError(DomainParallelError):
@@ -106,6 +109,21 @@ def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Com
     return agree_cached(comm, "layer", key, local, finish, explain=explain)
 
 
+def agreed_already(exc: BaseException) -> bool:
+    """True when ``exc`` came out of an agreement (:mod:`credit_mpi.validation` settled it): every rank raises it.
+
+    Such an exception is not shared again: the ranks that raised it are
+    done with the agreement, a second one would wait for ranks that left.
+    """
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "_settle" and code.co_filename == _VALIDATION_FILE:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def share_failure(comm: MPI.Comm, exc: Exception) -> NoReturn:
     """Raise ``exc`` (raised on this rank inside a converted forward) on every rank of ``comm`` (collective).
 
@@ -113,8 +131,11 @@ def share_failure(comm: MPI.Comm, exc: Exception) -> NoReturn:
     :func:`forward_done` (every layer starts with one, and the forward ends
     with one); this rank joins it with "I failed", and every rank raises the
     same exception (the agreement's). When every rank raised this very
-    exception (an agreed error) it is raised as it is.
+    exception it is raised as it is; an exception that came out of an
+    agreement (:func:`agreed_already`) is raised on every rank already.
     """
+    if agreed_already(exc):
+        raise exc
 
     def fail() -> Local:
         raise exc

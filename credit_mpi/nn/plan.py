@@ -23,6 +23,7 @@ from ..partition import band_sizes, normalize_dim
 from . import conv, geometry, norm, resample
 from .base import DomainParallelModule
 from .convert import _convert
+from .replicated import is_replicated, replicated
 
 __all__ = ["describe", "Plan", "PlanRow", "GridPlan"]
 
@@ -161,11 +162,16 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
     dry = _convert(copy.deepcopy(model, _memo(model, manager)), "", None, shard_dim, {})
     dry = dry.to("meta")
     calls = []
-    hooks = [
-        m.register_forward_hook(lambda mod, args, out: calls.append((mod, tuple(args[0].shape), tuple(out.shape))))
-        for m in dry.modules()
-        if isinstance(m, DomainParallelModule)
-    ]
+    axis = normalize_dim(shard_dim, len(input_shape))
+
+    def record(mod, args, out):
+        x = args[0]
+        calls.append((mod, tuple(x.shape), tuple(out.shape), is_replicated(x)))
+        if isinstance(mod, resample._AdaptiveAvgMixin) and not is_replicated(x) and _global_mean(x.shape, out.shape, axis):
+            return replicated(out)  # as the run: what is computed from it alone is replicated too
+        return None
+
+    hooks = [m.register_forward_hook(record) for m in dry.modules() if isinstance(m, DomainParallelModule)]
     try:
         with torch.no_grad():
             dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
@@ -173,12 +179,23 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
     finally:
         for h in hooks:
             h.remove()
-    axis = normalize_dim(shard_dim, len(input_shape))
     layouts = {input_shape[axis]: band_sizes(input_shape[axis], domain_size, uneven=True)}
     plan = Plan(domain_size, tuple(input_shape))
-    for mod, shape_in, shape_out in calls:
+    for mod, shape_in, shape_out, whole in calls:
+        if whole:  # a replicated input (a global mean's, on every rank): the layer computes on it locally
+            h_in, h_out = shape_in[axis - len(input_shape)], shape_out[axis - len(input_shape)]
+            plan.rows.append(PlanRow(mod.dp_path, type(mod).__name__.replace("DomainParallel", ""), h_in, h_out,
+                                     (h_in,) * domain_size, (h_out,) * domain_size, 0, 0, 1, 0, True,
+                                     "replicated input: computed locally"))
+            continue
         plan.rows.append(_row(mod, shape_in, shape_out, layouts, domain_size, shard_dim))
     return plan
+
+
+def _global_mean(shape_in, shape_out, axis: int) -> bool:
+    """True for an adaptive average to one row along the sharded axis (replicated on every rank)."""
+    ax = axis - len(shape_in) if axis >= 0 else axis
+    return len(shape_in) >= -ax and shape_out[ax] == 1 and shape_in[ax] > 1
 
 
 def _row(mod, shape_in, shape_out, layouts, n, shard_dim) -> PlanRow:
@@ -227,6 +244,8 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim) -> PlanRow:
             note += f"offsets {geometry.offsets_of(sizes)} not multiples of {stride}: exact, but a transposed layer will not restore them"
         row = PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(out_sizes), before, after, stride,
                       lay.min_rows, exact, note)
+    if note.startswith("global mean"):
+        return row  # replicated, not a band layout
     if h_out in layouts and layouts[h_out] != list(out_sizes) and h_out != 1:
         extra = f"output bands {list(out_sizes)} differ from an earlier {h_out}-row tensor's {layouts[h_out]} (joining them fails)"
         # A skip connection that joins the two would fail on some ranks only (torch.cat of different rows)
