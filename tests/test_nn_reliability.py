@@ -215,3 +215,86 @@ def test_pickling_a_converted_model_names_state_dict(make_manager):
                 save()
         buf = io.BytesIO()
         torch.save(model.state_dict(), buf)  # the way out works
+
+
+# -- item 6: dropout on bands --------------------------------------------------------------------
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dropout_refused_in_training_identity_in_eval(make_manager):
+    """Each band would draw its own mask (the same one on every rank with one seed): refused in training on every
+    rank with the way out named; the identity in eval; keep_local accepts band-local masks."""
+    for d, manager in domains(make_manager):
+        model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.Dropout(0.5)).double(), manager)
+        x = band_of(torch.randn(1, 2, 2 * d, 4, dtype=torch.float64), manager)
+        assert not describe(model, (1, 2, 2 * d, 4), domain_size=d).exact
+        with bounded("dropout in training"):
+            message = same_error_everywhere(manager.domain_group, lambda m=model, x=x: m(x), credit_mpi.nn.ConversionError)
+            assert "keep_local" in message and "p=0.5" in message, message
+            model.eval()
+            assert describe(model, (1, 2, 2 * d, 4), domain_size=d).exact
+            torch.testing.assert_close(model(x), model[0](x), rtol=0, atol=0)
+            kept = convert_to_domain_parallel(nn.Sequential(nn.Dropout(0.5)), manager, custom_converters={nn.Dropout: keep_local})
+            assert type(kept[0]) is nn.Dropout and kept(x.float()).shape == x.shape
+
+
+# -- item 8: describe()'s verdict is the run's ---------------------------------------------------
+
+
+class Doubler(nn.Module):
+    def forward(self, x):
+        return 2 * x
+
+
+VERDICTS = {
+    # name: (build, global (lat, lon) for d ranks, custom converters)
+    "conv": (lambda: nn.Conv2d(2, 2, 3, padding=1), lambda d: (2 * d + 1, 5), None),
+    "reflect_k5_two_rows": (lambda: nn.Conv2d(2, 2, 5, padding=2, padding_mode="reflect"), lambda d: (2 * d, 6), None),
+    "reflect_k5_three_rows": (lambda: nn.Conv2d(2, 2, 5, padding=2, padding_mode="reflect"), lambda d: (3 * d, 6), None),
+    "keep_local": (lambda: nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), Doubler()), lambda d: (2 * d, 4), {Doubler: keep_local}),
+    "skip_that_cannot_join": (SkipNet, lambda d: (8, 6) if d == 3 else (4 * d, 6), None),
+    "mean_then_conv": (mean_then_conv, lambda d: (2 * d + 1, 6), None),
+    "k7_on_thin_bands": (lambda: nn.Conv2d(2, 2, 7, padding=3), lambda d: (2 * d, 6), None),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", sorted(VERDICTS))
+def test_describe_verdict_is_the_runs(name, make_manager):
+    """describe() (taking what convert takes) says "runs exactly" exactly when the run runs."""
+    build, shape_of, custom = VERDICTS[name]
+    for d, manager in domains(make_manager):
+        torch.manual_seed(0)
+        shape = (1, 2, *shape_of(d))
+        model = convert_to_domain_parallel(build().double(), manager, custom_converters=custom)
+        exact = describe(model, shape, domain_size=d, custom_converters=custom).exact
+        assert describe(build(), shape, domain_size=d, custom_converters=custom).exact == exact
+        x = band_of(torch.randn(shape, dtype=torch.float64), manager)
+        with bounded(f"verdict {name}"):
+            try:
+                model(x)
+                ran = True
+            except (ValueError, DomainParallelError):
+                ran = False
+            assert manager.domain_group.allgather(ran) == [ran] * d
+        assert ran == exact, (name, d, ran, exact)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_describe_verdict_layernorm_over_longitude_on_a_grid(make_manager):
+    """A LayerNorm over the longitude on a 2x2 grid: the run refuses it, and so does describe()."""
+    from .test_nn_grid import _block
+
+    if MPI.COMM_WORLD.Get_size() != 4:
+        pytest.skip("a 2x2 grid needs 4 ranks")
+    manager = make_manager(4, domain_grid=(2, 2))
+    for k, refused in ((1, True), (2, False)):
+        ln = nn.LayerNorm((6,) if k == 1 else (4, 6))
+        model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), ln).double(), manager)
+        assert describe(model, (1, 2, 4, 6), manager=manager).exact is not refused
+        x = _block(torch.randn(1, 2, 4, 6, dtype=torch.float64), manager).contiguous()
+        with bounded("layernorm on a grid"):
+            if refused:
+                same_error_everywhere(manager.domain_group, lambda m=model, x=x: m(x), credit_mpi.nn.ConversionError)
+            else:
+                model(x)
