@@ -87,12 +87,13 @@ def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Com
         shape = tuple(x.shape)
         grad = bool(torch.is_grad_enabled() and x.requires_grad)
         return (axis, shape[:axis] + shape[axis + 1 :], str(x.dtype), x.device.type, grad, extra() if extra else None,
-                bool(training))
+                bool(training), path)
 
     def local() -> Local:
         axis = axis_of(x)
         mine = describe(axis)
-        return Local(mine, (*mine[:5], repr(mine[5]), mine[6]), (), x.shape[axis])
+        # the layer's path too: two layers with the same input must not agree with each other
+        return Local(mine, (*mine[:5], repr(mine[5]), *mine[6:]), (), x.shape[axis])
 
     def explain(locals_: list[Local]) -> None:
         _misfit(path, comm, locals_, "bands", "axis", "the sharded one")
@@ -160,10 +161,11 @@ def forward_done(comm: MPI.Comm) -> None:
 def _misfit(path: str, comm: MPI.Comm, locals_: list[Local], pieces: str, axis: str, sharded: str) -> None:
     """The layer agreements' ``explain``: name every rank's input when the bands (or blocks) do not fit together."""
     plans = [loc.plan for loc in locals_]
-    if not all(isinstance(e, tuple) and len(e) == 7 for e in plans):  # another kind of layer agreement on some rank
+    if not all(isinstance(e, tuple) and len(e) == 8 and e[7] == path for e in plans):
+        where = [e[7] if isinstance(e, tuple) and len(e) == 8 else e for e in plans]
         raise DomainParallelError(
-            f"{path}: ranks of {comm_label(comm)} are in different steps of the model (a replicated input on some "
-            f"ranks only, or different code paths): {plans}"
+            f"ranks of {comm_label(comm)} are in different steps of the model (different layers, a replicated input "
+            f"on some ranks only, a model converted differently, or different code paths); per rank: {where}"
         )
     detail = "; ".join(
         f"rank {r}: {axis} {e[0]}, other dims {e[1]}, {e[2]} on {e[3]}, requires_grad={e[4]}, training={e[6]}"
@@ -339,13 +341,13 @@ def agree_blocks(
         shape = tuple(x.shape)
         rest = tuple(s for i, s in enumerate(shape) if i not in axes)
         grad = bool(torch.is_grad_enabled() and x.requires_grad)
-        return axes, rest, str(x.dtype), x.device.type, grad, extra() if extra else None, bool(training)
+        return axes, rest, str(x.dtype), x.device.type, grad, extra() if extra else None, bool(training), path
 
     def local() -> Local:
         ay, ax = axes_of(x)
         mine = describe((ay, ax))
         # the fixed-size agreement of every collective: one count per rank carries the block's (rows, cols)
-        return Local(mine, (*mine[:5], repr(mine[5]), mine[6]), (), encode_block(tuple(x.shape), ay, ax))
+        return Local(mine, (*mine[:5], repr(mine[5]), *mine[6:]), (), encode_block(tuple(x.shape), ay, ax))
 
     def explain(locals_: list[Local]) -> None:
         _misfit(path, comm, locals_, "blocks", "axes", "the two grid dims")
