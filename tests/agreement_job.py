@@ -262,9 +262,15 @@ def main() -> None:
             violations.append(f"{label}: the next valid gather failed: {world.allgather(again)}")
             break
     manager.free()
-    if rank == 0:
+    report("agreement_job", args, counts, violations)
+
+
+def report(job: str, args: argparse.Namespace, counts: Counter, violations: list[str]) -> None:
+    """Rank 0 prints the summary line the tests parse (and every violation); exit non-zero on a violation."""
+    if MPI.COMM_WORLD.Get_rank() == 0:
         summary = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
-        print(f"agreement_job: {n} ranks, seed {args.seed}, {args.trials} trials: {summary}; violations={len(violations)}", flush=True)
+        print(f"{job}: {MPI.COMM_WORLD.Get_size()} ranks, seed {args.seed}, {args.trials} trials: {summary}; "
+              f"violations={len(violations)}", flush=True)
         for v in violations:
             print(f"VIOLATION {v}", flush=True)
     sys.exit(1 if violations else 0)

@@ -24,7 +24,6 @@ import argparse
 import copy
 import os
 import sys
-import traceback
 import warnings
 from collections import Counter
 from types import SimpleNamespace
@@ -37,6 +36,9 @@ from torch import nn
 import credit_mpi
 from credit_mpi.nn import convert_to_domain_parallel, keep_local
 from credit_mpi.partition import band_sizes
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from agreement_job import outcome, report  # noqa: E402 (the agreement property's: one rank's outcome, AGREEMENT_JOB_TRACE=1 prints it)
 
 warnings.filterwarnings("ignore")
 
@@ -176,15 +178,6 @@ def run_io(t, manager, rank, folder, trial):
     return np.array_equal(back["t"].values, band) and np.array_equal(back["s"].values, band * 2)
 
 
-def outcome(fn):
-    try:
-        return "ok", fn()
-    except Exception as exc:  # noqa: BLE001 - compared across ranks
-        if os.environ.get("NN_PROPERTY_TRACE"):
-            traceback.print_exc()
-        return "error", type(exc).__name__
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0)
@@ -201,8 +194,8 @@ def main() -> None:
     probe = torch.zeros(1, 2, 2, 3, dtype=torch.float64)
     for trial in range(args.trials):
         t = draw(rng, n)
-        fn = (lambda t=t: run_nn(t, manager, rank)) if t.area == "nn" else (lambda t=t: run_io(t, manager, rank, args.dir, trial))
-        if os.environ.get("NN_PROPERTY_TRACE"):
+        fn = (lambda t=t: run_nn(t, manager, rank)) if t.area == "nn" else (lambda t=t, k=trial: run_io(t, manager, rank, args.dir, k))
+        if os.environ.get("AGREEMENT_JOB_TRACE"):
             print(f"rank {rank} trial {trial}: {t.area} {getattr(t, 'model', '')} / {t.perturbation} on {t.odd}", flush=True)
         kind, value = outcome(fn)
         every = world.allgather((kind, value))
@@ -225,7 +218,8 @@ def main() -> None:
         if t.area == "io" and t.perturbation == "write-fail" and name != "ok":  # the store must say it is incomplete
             from credit_mpi import io as cio
 
-            refused = outcome(lambda path=getattr(t, "failed_write", None): cio.open_band(path, manager))
+            path = getattr(t, "failed_write", None)
+            refused = outcome(lambda path=path: cio.open_band(path, manager))
             if world.allgather(refused[0]) != ["error"] * n:
                 violations.append(f"{label}: the store of the failed write opened on some rank")
         counts[f"{t.area}-{t.perturbation == 'none' and 'control' or 'perturbed'}-{name == 'ok' and 'ok' or 'error'}"] += 1
@@ -235,12 +229,7 @@ def main() -> None:
             violations.append(f"{label}: the next valid forward failed: {world.allgather(again)}")
             break
     credit_mpi.destroy_domain_parallel()
-    if rank == 0:
-        summary = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
-        print(f"nn_property_job: {n} ranks, seed {args.seed}, {args.trials} trials: {summary}; violations={len(violations)}", flush=True)
-        for v in violations:
-            print(f"VIOLATION {v}", flush=True)
-    sys.exit(1 if violations else 0)
+    report("nn_property_job", args, counts, violations)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from credit_mpi.nn import LatitudeWeightedMSELoss, latitude_weighted_mse, latitu
 from credit_mpi.partition import band_range  # noqa: E402
 
 from .bounded import bounded  # noqa: E402
-from .test_io import H, W, era5_like, shared_dir, store  # noqa: E402, F401 - fixtures
+from .test_io import H, W, era5_like, shared_dir, store  # noqa: E402, F401 - the fixtures, through request
 
 GRIDS = ((2, 2), (1, 4), (4, 1))
 
@@ -42,18 +42,19 @@ def same_failure_everywhere(comm, fn) -> tuple[str, str]:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_unreadable_chunk_on_one_rank_is_everyones_error(store, shared_dir, make_manager):
+def test_unreadable_chunk_on_one_rank_is_everyones_error(request, make_manager):
     """A lazily opened band whose chunk cannot be read on the last rank only: every rank raises the same error before
     any row moves, and nothing is written."""
+    src, folder = request.getfixturevalue("store"), request.getfixturevalue("shared_dir")
     comm = MPI.COMM_WORLD
     manager = make_manager()
     if comm.Get_rank() == 0:  # the last chunk of lsm's rows: only the last rank's band reads it
-        for path in glob.glob(os.path.join(store, "lsm", "c", str((H - 1) // 4), "*")):
+        for path in glob.glob(os.path.join(src, "lsm", "c", str((H - 1) // 4), "*")):
             with open(path, "wb") as f:
                 f.write(b"not a chunk")
     comm.Barrier()
-    band = cio.open_band(store, manager)
-    out = os.path.join(shared_dir, "out.zarr")
+    band = cio.open_band(src, manager)
+    out = os.path.join(folder, "out.zarr")
     with bounded("unreadable chunk"):
         same_failure_everywhere(manager.domain_group, lambda: cio.write_bands(band, out, manager))
     assert not os.path.exists(out)
@@ -61,13 +62,13 @@ def test_unreadable_chunk_on_one_rank_is_everyones_error(store, shared_dir, make
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("suffix", [".zarr", ".nc"])
-def test_failed_write_leaves_a_store_that_says_incomplete(suffix, store, shared_dir, make_manager, monkeypatch):
+def test_failed_write_leaves_a_store_that_says_incomplete(suffix, request, make_manager, monkeypatch):
     """A write that fails on the last rank: the same error everywhere; the Zarr store says it is incomplete and
     open_band / BandDataset refuse it; a netCDF file is never there half. Written again, it opens."""
-    comm = MPI.COMM_WORLD
+    src, folder = request.getfixturevalue("store"), request.getfixturevalue("shared_dir")
     manager = make_manager()
-    band = cio.open_band(store, manager)
-    out = os.path.join(shared_dir, f"out{suffix}")
+    band = cio.open_band(src, manager)
+    out = os.path.join(folder, f"out{suffix}")
 
     def boom(*args, **kwargs):
         raise OSError("injected: disk full")
@@ -107,16 +108,17 @@ def block_of(manager, h=H, w=W) -> tuple[slice, slice]:
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("grid", GRIDS)
-def test_open_band_and_dataset_give_the_block_on_a_grid(grid, store, make_manager):
+def test_open_band_and_dataset_give_the_block_on_a_grid(grid, request, make_manager):
     """On a grid each rank gets its block: the latitudes of its grid row and the longitudes of its grid column."""
     manager = grid_manager(make_manager, grid)
+    src = request.getfixturevalue("store")
     lat, lon = block_of(manager)
     whole = era5_like()
     with bounded("open a block"):
-        band = cio.open_band(store, manager)
+        band = cio.open_band(src, manager)
         np.testing.assert_array_equal(band["t"].values, whole["t"].values[..., lat, lon])
         np.testing.assert_array_equal(band["level_weight"].values, whole["level_weight"].values)
-        ds = cio.BandDataset(store, ["t", "z"], manager, static_variables=["lsm"])
+        ds = cio.BandDataset(src, ["t", "z"], manager, static_variables=["lsm"])
     sample = ds[1]
     np.testing.assert_array_equal(sample["x"][:3, 0].numpy(), whole["t"].values[1][:, lat, lon])
     np.testing.assert_array_equal(sample["static"][0, 0].numpy(), whole["lsm"].values[lat, lon])
@@ -124,12 +126,13 @@ def test_open_band_and_dataset_give_the_block_on_a_grid(grid, store, make_manage
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("grid", [(2, 2), (1, 4)])
-def test_write_bands_refuses_a_grid(grid, store, shared_dir, make_manager):
+def test_write_bands_refuses_a_grid(grid, request, make_manager):
     """Blocks written as bands would repeat the latitudes: every rank raises the same ValueError, nothing written."""
     manager = grid_manager(make_manager, grid)
-    out = os.path.join(shared_dir, "grid.zarr")
+    src, folder = request.getfixturevalue("store"), request.getfixturevalue("shared_dir")
+    out = os.path.join(folder, "grid.zarr")
     with bounded("write on a grid"):
-        block = cio.open_band(store, manager).drop_vars("longitude")
+        block = cio.open_band(src, manager).drop_vars("longitude")
         kind, message = same_failure_everywhere(manager.domain_group, lambda: cio.write_bands(block, out, manager))
     assert kind == "ValueError" and f"{grid[0]}x{grid[1]}" in message and "domain_grid=None" in message, message
     assert not os.path.exists(out)

@@ -9,17 +9,12 @@ on every rank, and a group in step afterwards; it prints a summary line
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from .conftest import ROOT, child_env
-from .test_faults import launcher
+from .conftest import ROOT
+from .test_agreement_property import run_job
 
 pytest.importorskip("torch")
 pytest.importorskip("xarray")
@@ -27,30 +22,15 @@ pytest.importorskip("zarr")
 pytest.importorskip("dask")
 
 JOB = ROOT / "tests" / "nn_property_job.py"
-BOUND_S = 150  # ~10 s per 40 trials on 4 ranks of a loaded 2-core machine
+# bounded as the agreement property's jobs: ~10 s per 40 trials on 4 ranks of a loaded 2-core machine
 TRIALS = 40
 SUMMARY = re.compile(r"nn_property_job: (\d+) ranks, seed (\d+), (\d+) trials: (.*); violations=(\d+)")
-
-
-def run_job(ranks: int, seed: int, folder: str, trials: int = TRIALS) -> tuple[int, str, float]:
-    env = child_env(MPIEXEC_TIMEOUT=str(BOUND_S))  # MPICH's hydra ends the job itself too
-    cmd = [*launcher(), "-n", str(ranks), sys.executable, str(JOB), "--seed", str(seed), "--trials", str(trials),
-           "--dir", folder]
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=BOUND_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
-        out, _ = proc.communicate()
-        pytest.fail(f"{ranks} ranks, seed {seed}: the job still ran after {BOUND_S} s (hang)\n{out[-4000:]}")
-    return proc.returncode, out, time.monotonic() - start
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_one_rank_differs_same_error_or_right_result(ranks, tmp_path):
     seed = 40 + ranks
-    rc, out, took = run_job(ranks, seed, str(tmp_path))
+    rc, out, took = run_job(ranks, seed, TRIALS, JOB, "--dir", str(tmp_path))
     summary = SUMMARY.search(out)
     assert summary is not None, out[-4000:]
     assert rc == 0 and summary.group(5) == "0", f"exit {rc} after {took:.1f} s\n{out[-4000:]}"

@@ -143,8 +143,8 @@ def test_grad_mode_on_one_rank_raises_on_every_rank(make_manager):
         model = convert_to_domain_parallel(nn.Sequential(nn.GroupNorm(1, 2)).double(), manager)
         x = band_of(torch.randn(1, 2, 2 * d, 3, dtype=torch.float64), manager).requires_grad_()
 
-        def call(m=model, x=x):
-            with torch.set_grad_enabled(manager.domain_rank != 0):
+        def call(m=model, x=x, rank=manager.domain_rank):
+            with torch.set_grad_enabled(rank != 0):
                 return m(x)
 
         with bounded("grad mode on one rank"):
@@ -210,7 +210,7 @@ def test_deepcopy_of_a_converted_model_shares_the_manager(make_manager):
 def test_pickling_a_converted_model_names_state_dict(make_manager):
     for _, manager in domains(make_manager):
         model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1)), manager)
-        for save in (lambda: torch.save(model, io.BytesIO()), lambda: pickle.dumps(model)):
+        for save in (lambda m=model: torch.save(m, io.BytesIO()), lambda m=model: pickle.dumps(m)):
             with pytest.raises(TypeError, match=r"state_dict\(\)"):
                 save()
         buf = io.BytesIO()
