@@ -34,7 +34,16 @@ from mpi4py import MPI
 from ..manager import DomainParallelManager
 from ..partition import band_offsets
 from ..validation import allgather_or_raise
-from ._store import INCOMPLETE, agree, domain_layout, grid_position, is_zarr_dir, resolve_manager, store_name, values_digest
+from ._store import (
+    INCOMPLETE,
+    agree,
+    domain_layout,
+    grid_position,
+    is_zarr_dir,
+    resolve_manager,
+    store_name,
+    values_digest,
+)
 
 __all__ = ["write_bands", "writer_ranges"]
 

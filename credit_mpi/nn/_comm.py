@@ -28,12 +28,12 @@ import torch
 from mpi4py import MPI
 from torch.autograd.function import once_differentiable
 
+from .. import validation
 from ..autograd import check_backward_thread
 from ..blocks import decode_block, encode_block
 from ..grid import grid_coords, grid_of
 from ..halo import halo_exchange
 from ..partition import check_halo_width
-from .. import validation
 from ..validation import DomainParallelError, Local, agree_cached, comm_label
 from ..validation import agree as agree_once
 

@@ -17,6 +17,7 @@ travel between processes).
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from typing import Any
 
@@ -184,6 +185,11 @@ class ForwardGuard:
             share_failure(comm, exc)
         forward_done(comm)
         return out
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The module's own forward signature (for code that inspects ``model.forward``)."""
+        return inspect.signature(type(self.module).forward.__get__(self.module))
 
     def __deepcopy__(self, memo: dict) -> ForwardGuard:
         import copy
