@@ -137,6 +137,20 @@ def test_eval_on_one_rank_raises_on_every_rank(layer, make_manager):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_layer_changed_on_one_rank_raises_on_every_rank(make_manager):
+    """A setting that decides the layer's collectives (a global mean on one rank, a resampling on the others) is part
+    of its agreement: the same ValueError on every rank, naming the settings."""
+    for d, manager in domains(make_manager):
+        model = convert_to_domain_parallel(nn.Sequential(nn.AdaptiveAvgPool2d((2, None))).double(), manager)
+        if manager.domain_rank == d - 1:
+            model[0].output_size = (1, None)
+        x = band_of(torch.randn(1, 2, 2 * d, 3, dtype=torch.float64), manager)
+        with bounded("a layer changed on one rank"):
+            message = same_error_everywhere(manager.domain_group, lambda m=model, x=x: m(x), ValueError)
+        assert "output_size=(1, None)" in message and "output_size=(2, None)" in message, message
+
+
+@pytest.mark.mpi(min_size=2)
 def test_grad_mode_on_one_rank_raises_on_every_rank(make_manager):
     """torch.no_grad() on one rank only: the backward's collectives would run on some ranks only."""
     for d, manager in domains(make_manager):

@@ -66,13 +66,14 @@ class Bands:
 
 
 def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Comm, path: str, extra: Callable[[], Any] | None = None,
-          *, training: bool = True) -> Bands:
+          *, mode: tuple = (True, "")) -> Bands:
     """Every rank's rows of ``x`` along ``axis_of(x)`` (collective over ``comm``).
 
     ``axis_of`` runs the layer's local checks and returns the sharded axis;
     ``extra`` returns more arguments that must be equal on every rank;
-    ``training`` is the layer's mode (agreed with the autograd state: a rank
-    in eval mode while the others train raises on every rank).
+    ``mode`` is the layer's (``DomainParallelModule.dp_mode()``: the
+    training flag and the module's settings; agreed with the autograd state:
+    a rank in eval mode while the others train raises on every rank).
     Raises (on every rank alike) when a rank's checks fail or when the bands
     differ in anything but their rows along the axis.
 
@@ -87,7 +88,7 @@ def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Com
         shape = tuple(x.shape)
         grad = bool(torch.is_grad_enabled() and x.requires_grad)
         return (axis, shape[:axis] + shape[axis + 1 :], str(x.dtype), x.device.type, grad, extra() if extra else None,
-                bool(training), path)
+                mode, path)
 
     def local() -> Local:
         axis = axis_of(x)
@@ -168,7 +169,8 @@ def _misfit(path: str, comm: MPI.Comm, locals_: list[Local], pieces: str, axis: 
             f"on some ranks only, a model converted differently, or different code paths); per rank: {where}"
         )
     detail = "; ".join(
-        f"rank {r}: {axis} {e[0]}, other dims {e[1]}, {e[2]} on {e[3]}, requires_grad={e[4]}, training={e[6]}"
+        f"rank {r}: {axis} {e[0]}, other dims {e[1]}, {e[2]} on {e[3]}, requires_grad={e[4]}, "
+        + f"training={e[6][0]} ({e[6][1]})"
         + (f", {e[5]}" if e[5] is not None else "")
         for r, e in enumerate(plans)
     )
@@ -323,13 +325,13 @@ def agree_blocks(
     path: str,
     extra: Callable[[], Any] | None = None,
     *,
-    training: bool = True,
+    mode: tuple = (True, ""),
 ) -> Blocks:
     """Every rank's block of ``x`` on the manager's 2-D domain grid (collective over the domain group).
 
     ``axes_of`` runs the layer's local checks and returns the (latitude,
     longitude) axes; ``extra`` returns more arguments that must be equal on
-    every rank, ``training`` the layer's mode (as in :func:`agree`). Raises (on every rank alike) when a rank's checks fail, when
+    every rank, ``mode`` the layer's (as in :func:`agree`). Raises (on every rank alike) when a rank's checks fail, when
     the blocks differ in anything but their two grid dims, or when they do
     not tile the globe (every block of a grid row needs the same latitude
     rows, every block of a grid column the same longitudes).
@@ -341,7 +343,7 @@ def agree_blocks(
         shape = tuple(x.shape)
         rest = tuple(s for i, s in enumerate(shape) if i not in axes)
         grad = bool(torch.is_grad_enabled() and x.requires_grad)
-        return axes, rest, str(x.dtype), x.device.type, grad, extra() if extra else None, bool(training), path
+        return axes, rest, str(x.dtype), x.device.type, grad, extra() if extra else None, mode, path
 
     def local() -> Local:
         ay, ax = axes_of(x)

@@ -99,6 +99,15 @@ class DomainParallelModule:
         agree_once(self.dp_manager.domain_group, "layer", lambda: Local(("replicated", shape), ("replicated", shape, dtype)))
         return True
 
+    def dp_mode(self) -> tuple[bool, str]:
+        """What the layer's agreement carries besides its input: the training mode and the module's settings.
+
+        Both decide which collectives the layer makes (BatchNorm's statistics,
+        a pooling's halo or global mean), so a rank in eval mode, or whose
+        layer was changed, raises with the others instead of leaving them waiting.
+        """
+        return bool(self.training), super().extra_repr()  # type: ignore[misc]
+
     def dp_grid(self) -> tuple[int, int]:
         """``(rows, cols)`` of the manager's domain grid (``(n, 1)``: latitude bands)."""
         m = self.dp_manager

@@ -92,7 +92,7 @@ class _ConvMixin(DomainParallelModule):
         if self.dp_on_grid():
             return self._grid_forward(x)
         manager, nd = self.dp_manager, self._nd
-        bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path, training=self.training)
+        bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path, mode=self.dp_mode())
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         lay = conv_layout(self, bands.sizes, sd)
@@ -117,7 +117,7 @@ class _ConvMixin(DomainParallelModule):
     def _grid_forward(self, x: torch.Tensor) -> torch.Tensor:
         """On a 2-D grid: fetch the (latitude, longitude) window of this block's output block, then convolve."""
         manager, nd = self.dp_manager, self._nd
-        blocks = agree_blocks(x, lambda t: self.dp_grid_axes(t, nd, type(self).__name__), manager, self.dp_path, training=self.training)
+        blocks = agree_blocks(x, lambda t: self.dp_grid_axes(t, nd, type(self).__name__), manager, self.dp_path, mode=self.dp_mode())
         ay, ax = blocks.axes
         sy, sx = ay - (x.ndim - nd), ax - (x.ndim - nd)
         lays = (conv_layout(self, blocks.heights, sy), conv_layout(self, blocks.widths, sx))
@@ -173,7 +173,7 @@ class _ConvTransposeMixin(DomainParallelModule):
                 raise ValueError(f"{self.dp_path}: padding_mode={self.padding_mode!r} (torch supports only 'zeros')")
             return self.dp_spatial_axis(t, nd, type(self).__name__)
 
-        bands = agree(x, axis_of, manager.domain_group, self.dp_path, training=self.training)
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path, mode=self.dp_mode())
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         lay = transposed_layout(self, bands.sizes, sd)
@@ -205,7 +205,7 @@ class _ConvTransposeMixin(DomainParallelModule):
                 raise ValueError(f"{self.dp_path}: padding_mode={self.padding_mode!r} (torch supports only 'zeros')")
             return self.dp_grid_axes(t, nd, type(self).__name__)
 
-        blocks = agree_blocks(x, axes_of, manager, self.dp_path, training=self.training)
+        blocks = agree_blocks(x, axes_of, manager, self.dp_path, mode=self.dp_mode())
         ay, ax = blocks.axes
         sy, sx = ay - (x.ndim - nd), ax - (x.ndim - nd)
         lays = (transposed_layout(self, blocks.heights, sy), transposed_layout(self, blocks.widths, sx))

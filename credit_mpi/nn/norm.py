@@ -173,7 +173,7 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
                 raise ValueError(f"{self.dp_path} (LayerNorm): input shape {tuple(t.shape)} does not end in normalized_shape {tuple(self.normalized_shape)}")
             return axis
 
-        bands = agree(x, axis_of, manager.domain_group, self.dp_path, training=self.training)
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path, mode=self.dp_mode())
         _no_empty(self.dp_path, bands.sizes)
         sd = axis - (x.ndim - k)
         if bands.total != self.normalized_shape[sd]:
@@ -210,7 +210,7 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
                 raise ValueError(f"{self.dp_path} (LayerNorm): input shape {tuple(t.shape)} does not end in normalized_shape {tuple(self.normalized_shape)}")
             return ay, ax
 
-        blocks = agree_blocks(x, axes_of, manager, self.dp_path, training=self.training)
+        blocks = agree_blocks(x, axes_of, manager, self.dp_path, mode=self.dp_mode())
         _no_empty(self.dp_path, blocks.sizes)
         if (sum(blocks.heights), sum(blocks.widths)) != tuple(self.normalized_shape[-2:]):
             raise ValueError(
@@ -302,8 +302,8 @@ def _agreed_sizes(layer: DomainParallelModule, x: torch.Tensor, axis_of) -> list
     """Agree on every rank's band (latitude bands) or block (a 2-D grid): each rank's rows / elements per slice."""
     manager = layer.dp_manager
     if layer.dp_on_grid():
-        return agree_blocks(x, axis_of, manager, layer.dp_path, training=layer.training).sizes
-    return agree(x, axis_of, manager.domain_group, layer.dp_path, training=layer.training).sizes
+        return agree_blocks(x, axis_of, manager, layer.dp_path, mode=layer.dp_mode()).sizes
+    return agree(x, axis_of, manager.domain_group, layer.dp_path, mode=layer.dp_mode()).sizes
 
 
 def _no_empty(path: str, sizes: list[int]) -> None:

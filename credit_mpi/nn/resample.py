@@ -132,7 +132,7 @@ class _InterpolateMixin(DomainParallelModule):
             return self.dp_spatial_axis(t, nd, "interpolate")
 
         bands = agree(x, axis_of, manager.domain_group, self.dp_path, lambda: (size, scale_factor, mode, align_corners),
-                      training=self.training)
+                      mode=self.dp_mode())
         sd = bands.axis - 2
         sizes, scales = _per_dim(size, nd), _per_dim(scale_factor, nd)
         w = resample_matrix(mode, bands.total, sizes[sd], None if scale_factor is None else float(scales[sd]),
@@ -194,7 +194,7 @@ class _PoolMixin(DomainParallelModule):
                 raise ValueError(f"{self.dp_path}: return_indices=True has no rule on bands (the indices would be local)")
             return self.dp_spatial_axis(t, nd, type(self).__name__)
 
-        bands = agree(x, axis_of, manager.domain_group, self.dp_path, training=self.training)
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path, mode=self.dp_mode())
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         k, s, p = (_per_dim(v, nd) for v in (self.kernel_size, self.stride or self.kernel_size, self.padding))
@@ -270,7 +270,7 @@ class _AdaptiveAvgMixin(DomainParallelModule):
         if self.dp_local(x):
             return super().forward(x)
         nd, manager = self._nd, self.dp_manager
-        bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path, training=self.training)
+        bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path, mode=self.dp_mode())
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         out = _per_dim(self.output_size, nd)
