@@ -9,7 +9,7 @@ model or an IO call and one perturbation applied on ONE random rank (or
 none: the control trials): the model's mode (eval), the autograd state, the
 input dtype, another width, another band split (legal: the result must be
 exact), a custom converter on that rank only, an exception in user code
-between layers; for IO, another store, another variable set, a read that
+between layers, another setting of a layer; for IO, another store, another variable set, a read that
 fails, a write that fails. The rule: every rank raised the same exception
 type, or every rank succeeded with the single-process result; afterwards a
 valid converted forward works on every rank (the group is in step), and
@@ -81,7 +81,7 @@ MODELS = {
     "skip": lambda: nn.Sequential(FailsOn(), skipnet()),
 }
 LAYERS = (nn.Conv2d, nn.ConvTranspose2d, nn.GroupNorm, nn.BatchNorm2d, nn.MaxPool2d, nn.Upsample, nn.AdaptiveAvgPool2d)
-NN_PERTURBATIONS = ["none", "eval", "no-grad", "dtype", "width", "band-rows", "custom", "raise"]
+NN_PERTURBATIONS = ["none", "eval", "no-grad", "dtype", "width", "band-rows", "custom", "raise", "setting"]
 IO_PERTURBATIONS = ["none", "store", "variables", "read-fail", "write-fail"]
 LEGAL = {"none", "band-rows"}  # success is legal (and must be exact); the others must raise alike
 
@@ -121,6 +121,8 @@ def run_nn(t, manager, rank):
         model.eval()
     if p == "raise":
         next(m for m in model.modules() if isinstance(m, FailsOn)).rank = rank
+    if p == "setting":  # this rank's first layer changed after conversion
+        change(next(m for m in model.modules() if isinstance(m, LAYERS)))
     start = sum(t.sizes[:rank])
     x = torch.from_numpy(t.x[:, :, start : start + t.sizes[rank]].copy())
     if p == "dtype":
@@ -135,6 +137,16 @@ def run_nn(t, manager, rank):
         return torch.allclose(out, whole, rtol=1e-10, atol=1e-12)
     parts = manager.domain_group.allgather(out.detach().numpy())
     return np.allclose(np.concatenate(parts, -2), whole.detach().numpy(), rtol=1e-10, atol=1e-12)
+
+
+def change(layer: nn.Module) -> None:
+    """Another setting of ``layer`` (a pooling's output size, a window's padding)."""
+    if isinstance(layer, nn.AdaptiveAvgPool2d):
+        layer.output_size = (2, None)
+    elif isinstance(layer.padding, tuple):
+        layer.padding = tuple(p + 1 for p in layer.padding)
+    else:
+        layer.padding = layer.padding + 1
 
 
 def _raise(block):
