@@ -8,18 +8,7 @@ import xarray as xr
 
 from ..manager import DomainParallelManager
 from ..partition import band_range
-from ._store import (
-    agree,
-    check_complete,
-    check_dim,
-    close_quietly,
-    describe,
-    domain_layout,
-    grid_position,
-    open_store,
-    resolve_manager,
-    store_name,
-)
+from . import _store
 
 __all__ = ["open_band"]
 
@@ -80,30 +69,30 @@ def open_band(
             stores or arguments.
         TypeError: ``dim`` is not a string or ``manager`` not a manager.
     """
-    manager = resolve_manager(manager)
-    comm, _, _ = domain_layout(manager)
+    manager = _store.resolve_manager(manager)
+    comm, _, _ = _store.domain_layout(manager)
     opened: dict[str, Any] = {}
 
     def plan() -> dict:
         if not isinstance(uneven, bool):
             raise TypeError(f"uneven must be True or False, got {uneven!r}")
-        ds = opened["ds"] = open_store(store, open_kwargs)
-        what = f"the store {store_name(store)[-1]!r}"
-        check_dim(ds, dim, what)
-        check_complete(ds, what)
+        ds = opened["ds"] = _store.open_store(store, open_kwargs)
+        what = f"the store {_store.store_name(store)[-1]!r}"
+        _store.check_dim(ds, dim, what)
+        _store.check_complete(ds, what)
         if cols > 1:
-            check_dim(ds, lon_dim, f"{what} (a {rows}x{cols} domain grid cuts the longitude too: pass lon_dim=)")
-        return {"store": store_name(store), "dim": dim, "lon_dim": lon_dim if cols > 1 else None, "uneven": uneven,
-                **describe(ds)}
+            _store.check_dim(ds, lon_dim, f"{what} (a {rows}x{cols} domain grid cuts the longitude too: pass lon_dim=)")
+        return {"store": _store.store_name(store), "dim": dim, "lon_dim": lon_dim if cols > 1 else None, "uneven": uneven,
+                **_store.describe(ds)}
 
-    (rows, cols), (row, col) = grid_position(manager)
-    agree(comm, "open_band", plan, lambda: close_quietly(opened.get("ds"), store))
+    (rows, cols), (row, col) = _store.grid_position(manager)
+    _store.agree(comm, "open_band", plan, lambda: _store.close_quietly(opened.get("ds"), store))
     ds = opened["ds"]
     try:  # same inputs on every rank: same error
         cut = {dim: slice(*band_range(ds.sizes[dim], rows, row, uneven))}
         if cols > 1:
             cut[lon_dim] = slice(*band_range(ds.sizes[lon_dim], cols, col, uneven))
     except ValueError:
-        close_quietly(ds, store)
+        _store.close_quietly(ds, store)
         raise
     return ds.isel(cut)
