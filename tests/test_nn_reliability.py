@@ -294,6 +294,17 @@ def test_describe_verdict_is_the_runs(name, make_manager):
         assert ran == exact, (name, d, ran, exact)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_describe_on_one_rank_makes_no_mpi_call(make_manager):
+    """describe() of a converted model (its root's forward guard included) is a dry run: rank 0 alone may call it."""
+    for d, manager in domains(make_manager):
+        model = convert_to_domain_parallel(SkipNet().double(), manager)
+        with bounded("describe on one rank"):
+            if manager.domain_rank == 0:
+                assert describe(model, (1, 2, 4 * d, 6), manager=manager).exact
+            manager.domain_group.Barrier()
+
+
 @pytest.mark.mpi(min_size=4)
 def test_describe_verdict_layernorm_over_longitude_on_a_grid(make_manager):
     """A LayerNorm over the longitude on a 2x2 grid: the run refuses it, and so does describe()."""

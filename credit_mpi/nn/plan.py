@@ -21,7 +21,7 @@ from torch import nn
 from ..grid import check_grid, grid_of
 from ..partition import band_sizes, check_halo_width, normalize_dim
 from . import conv, dropout, geometry, norm, resample
-from .base import DomainParallelModule
+from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
 from .replicated import is_replicated, replicated
 
@@ -165,7 +165,8 @@ def _memo(model: nn.Module, manager) -> dict:
 
 def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, manager, shard_dim: int, custom: dict,
           grid: tuple[int, int] | None = None) -> Plan:
-    dry = _convert(copy.deepcopy(model, _memo(model, manager)), "", None, shard_dim, custom)
+    # no manager anywhere, the root's forward guard included: the dry run makes no MPI call
+    dry = guard_forward(_convert(copy.deepcopy(model, _memo(model, manager)), "", None, shard_dim, custom), None)
     dry = dry.to("meta")
     calls = []
     axis = normalize_dim(shard_dim, len(input_shape))
