@@ -16,7 +16,8 @@ latitude and longitude together there (longitude alone would need the
 statistics of one grid row: refused with ``ConversionError``).
 
 BatchNorm has ``torch.nn.SyncBatchNorm``'s semantics over every rank of the
-manager (domain x data parallel): the batch statistics are those of all
+manager (domain x data parallel; on bands its mode is agreed in eval too, as a
+rank in eval mode would skip the statistics the training ranks gather): the batch statistics are those of all
 samples of all bands, and the running statistics are updated identically on
 every rank (unbiased variance from the global count). This holds for a
 domain of size 1 too when there are data-parallel ranks (the one exception
@@ -236,6 +237,8 @@ class _BatchNormMixin(DomainParallelModule):
         m = self.dp_manager
         if m is None or m.world_size == 1:  # SyncBatchNorm over data parallel ranks too
             return super().forward(x)
+        if not use_batch and m.domain_parallel_size == 1:
+            return super().forward(x)  # SyncBatchNorm's eval: local (one data-parallel rank may evaluate alone)
         comm = _batch_comm(m, x)
         if comm is None:
             return super().forward(x)  # a replicated input and no data-parallel ranks: local is exact
