@@ -156,3 +156,7 @@ def test_latitude_weights_and_loss_on_a_grid(grid, make_manager):
     if grid[1] > 1:
         with pytest.raises(ValueError, match="longitudes="):
             LatitudeWeightedMSELoss(13, manager)
+    if grid[0] > 1:  # the whole weight vector for a block: the hint says what to check, not what was done
+        with pytest.raises(ValueError, match="grid row") as info:
+            latitude_weighted_mse(pred[..., lat, lon], target[..., lat, lon], full, 13)
+        assert "this rank's band (or block)" in str(info.value)
