@@ -26,7 +26,7 @@ from credit_mpi.partition import band_range  # noqa: E402
 from .bounded import bounded  # noqa: E402
 from .test_io import H, W, era5_like, shared_dir, store  # noqa: E402, F401 - the fixtures, through request
 
-GRIDS = ((2, 2), (1, 4), (4, 1))
+GRIDS = ((2, 2), (1, 4))  # (4, 1) is latitude bands: tests/test_io.py
 
 
 def same_failure_everywhere(comm, fn) -> tuple[str, str]:
