@@ -26,6 +26,7 @@ from .conv import (
     DomainParallelPeriodicConv2d,
 )
 from .convert import convert_to_domain_parallel, keep_local
+from .dropout import DomainParallelAlphaDropout, DomainParallelDropout
 from .exchange import HaloExchange
 from .norm import (
     DomainParallelBatchNorm1d,
@@ -97,6 +98,8 @@ __all__ = [
     "DomainParallelAdaptiveAvgPool1d",
     "DomainParallelAdaptiveAvgPool2d",
     "DomainParallelAdaptiveAvgPool3d",
+    "DomainParallelDropout",
+    "DomainParallelAlphaDropout",
     "latitude_weights",
     "latitude_weighted_mse",
     "LatitudeWeightedMSELoss",
