@@ -31,3 +31,55 @@ def test_halo_exchange_module_deepcopies_and_names_state_dict_when_pickled(make_
                 with pytest.raises(TypeError, match=r"state_dict\(\)"):
                     save()
     pickle.loads(pickle.dumps(HaloExchange(1)))  # no manager (the global one at each call): pickles
+
+
+def _agreements(run) -> int:
+    """The agreements ``run()`` makes on this rank (each one is an ``Allgather``: the watchdog counts them)."""
+    from credit_mpi import watchdog
+
+    before = watchdog.STATE.seq
+    run()
+    return watchdog.STATE.seq - before
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_converted_conv_agrees_once_per_call(make_manager):
+    """The layer's agreement covers the halo's (issue 26, item 1): three convs cost two agreements more than one."""
+    from credit_mpi.nn import convert_to_domain_parallel
+
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            if d == 1:
+                continue
+            a, b = band(4 * d, manager)
+            x = torch.randn(1, 2, 4 * d, 5, dtype=torch.float64).narrow(2, a, b - a).contiguous().requires_grad_()
+            counts = []
+            for k in (1, 3):
+                model = convert_to_domain_parallel(nn.Sequential(*[nn.Conv2d(2, 2, 3, padding=1) for _ in range(k)]).double(), manager)
+                model(x).sum().backward()  # plans remembered
+                counts.append(_agreements(lambda m=model: m(x).sum().backward()))
+            assert counts[1] - counts[0] == 2, counts
+
+
+@pytest.mark.mpi(min_size=2)
+def test_grad_mode_or_requires_grad_on_one_rank_raises_on_every_rank(make_manager):
+    """What the skipped halo agreement checked (autograd records the exchange, or not) the layer's still does."""
+    from credit_mpi.nn import convert_to_domain_parallel
+
+    from .nn_reference import same_error_everywhere
+
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            if d == 1:
+                continue
+            model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1)).double(), manager)
+            a, b = band(4 * d, manager)
+            x = torch.randn(1, 2, 4 * d, 5, dtype=torch.float64).narrow(2, a, b - a).contiguous()
+            last = manager.domain_rank == d - 1
+            model(x.requires_grad_(True))  # remembered with grad
+            odd = x.detach().requires_grad_(not last)
+            message = same_error_everywhere(manager.domain_group, lambda m=model, t=odd: m(t), ValueError)
+            assert "requires_grad" in message
+            with torch.set_grad_enabled(not last):
+                message = same_error_everywhere(manager.domain_group, lambda m=model, t=x: m(t), ValueError)
+            assert "requires_grad" in message
