@@ -7,6 +7,7 @@ import io
 import pickle
 
 import pytest
+from mpi4py import MPI
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -83,3 +84,58 @@ def test_grad_mode_or_requires_grad_on_one_rank_raises_on_every_rank(make_manage
             with torch.set_grad_enabled(not last):
                 message = same_error_everywhere(manager.domain_group, lambda m=model, t=x: m(t), ValueError)
             assert "requires_grad" in message
+
+
+# -- overlap (issue 26, item 1): the halo travels while the interior rows are convolved --------------
+
+
+@pytest.fixture
+def overlap(monkeypatch):
+    """``credit_mpi.nn.conv.OVERLAP`` on (every rank), and a count of the overlapped calls."""
+    from credit_mpi.nn import conv
+
+    calls = []
+    real = conv.overlapped_conv
+    monkeypatch.setattr(conv, "OVERLAP", True)
+    monkeypatch.setattr(conv, "overlapped_conv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["k3p1", "k3s2p1", "k5d2p4", "same4", "circular", "k3s3p0", "k8s4p2", "groups", "replicate"])
+def test_overlapped_convs_equal_one_process(name, overlap, make_manager):
+    """Every band layout of tests/test_nn.py's conv test (the plain path where a band has no interior row, or replicate)."""
+    from . import test_nn
+
+    test_nn.test_conv_layers(name, make_manager)
+    if MPI.COMM_WORLD.Get_size() > 1 and name in ("k3p1", "k3s2p1", "same4", "circular", "groups"):
+        assert overlap  # bands of 8 rows: an interior for these kernels
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["unet", "fuxi", "crossembed_s2"])
+def test_overlapped_models_equal_one_process(name, overlap, make_manager):
+    from . import test_nn
+
+    test_nn.test_models(name, make_manager)
+    if name == "unet":
+        test_nn.test_five_training_steps_equal_one_process(make_manager)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overlap_set_on_one_rank_only_raises_on_every_rank(make_manager, monkeypatch):
+    from credit_mpi.nn import conv, convert_to_domain_parallel
+
+    from .nn_reference import same_error_everywhere
+
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            if d == 1:
+                continue
+            model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1)).double(), manager)
+            a, b = band(4 * d, manager)
+            x = torch.randn(1, 2, 4 * d, 5, dtype=torch.float64).narrow(2, a, b - a).contiguous()
+            monkeypatch.setattr(conv, "OVERLAP", manager.domain_rank == d - 1)
+            message = same_error_everywhere(manager.domain_group, lambda m=model: m(x), ValueError)
+            assert "overlap" in message
+            monkeypatch.setattr(conv, "OVERLAP", False)
