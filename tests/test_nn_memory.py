@@ -50,9 +50,9 @@ def test_band_norms_save_no_more_than_torch_on_one_process(make_manager):
                 for name, build in _norms(h).items():
                     torch.manual_seed(0)
                     layer = convert_to_domain_parallel(build().double(), manager)
-                    ours, out = saved_activation_bytes(lambda m=layer: m(x), layer.parameters())
+                    ours, out = saved_activation_bytes(lambda m=layer, x=x: m(x), layer.parameters())
                     alone = (_norms(b - a)[name] if name == "layernorm" else build)().double()
-                    theirs, _ = saved_activation_bytes(lambda m=alone: m(x), alone.parameters())
+                    theirs, _ = saved_activation_bytes(lambda m=alone, x=x: m(x), alone.parameters())
                     assert 0 < ours <= theirs, (name, d, h, ours, theirs)
                     out.sum().backward()  # every rank: the backward's gather is collective
 
@@ -101,6 +101,7 @@ def test_example_unet_saved_activations_within_the_bound(make_manager):
         for d, manager in managers:
             model = convert_to_domain_parallel(copy.deepcopy(ref), manager)
             a, b = band(48, manager)
-            ours, out = saved_activation_bytes(lambda m=model: m(xg.narrow(2, a, b - a).clone().requires_grad_()), model.parameters())
+            x = xg.narrow(2, a, b - a).clone().requires_grad_()
+            ours, out = saved_activation_bytes(lambda m=model, x=x: m(x), model.parameters())
             assert ours <= 1.1 * one / d + halo_row_bytes(ref, xg, d), (d, ours, one)
             out.sum().backward()

@@ -43,47 +43,50 @@ def _agreements(run) -> int:
     return watchdog.STATE.seq - before
 
 
+def _domains(make_manager):
+    """``(d, manager, x)`` for every domain of 2.. ranks: ``x`` this rank's band of a (1, 2, 4d, 5) float64 field."""
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            if d > 1:
+                a, b = band(4 * d, manager)
+                yield d, manager, torch.randn(1, 2, 4 * d, 5, dtype=torch.float64).narrow(2, a, b - a).contiguous()
+
+
+def _convs(k: int, manager):
+    """``k`` converted 3x3 convolutions in a row (float64)."""
+    from credit_mpi.nn import convert_to_domain_parallel
+
+    return convert_to_domain_parallel(nn.Sequential(*[nn.Conv2d(2, 2, 3, padding=1) for _ in range(k)]).double(), manager)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_converted_conv_agrees_once_per_call(make_manager):
     """The layer's agreement covers the halo's (issue 26, item 1): three convs cost two agreements more than one."""
-    from credit_mpi.nn import convert_to_domain_parallel
-
-    with prefix_managers(make_manager) as managers:
-        for d, manager in managers:
-            if d == 1:
-                continue
-            a, b = band(4 * d, manager)
-            x = torch.randn(1, 2, 4 * d, 5, dtype=torch.float64).narrow(2, a, b - a).contiguous().requires_grad_()
-            counts = []
-            for k in (1, 3):
-                model = convert_to_domain_parallel(nn.Sequential(*[nn.Conv2d(2, 2, 3, padding=1) for _ in range(k)]).double(), manager)
-                model(x).sum().backward()  # plans remembered
-                counts.append(_agreements(lambda m=model: m(x).sum().backward()))
-            assert counts[1] - counts[0] == 2, counts
+    for _, manager, x in _domains(make_manager):
+        x.requires_grad_()
+        counts = []
+        for k in (1, 3):
+            model = _convs(k, manager)
+            model(x).sum().backward()  # plans remembered
+            counts.append(_agreements(lambda m=model, x=x: m(x).sum().backward()))
+        assert counts[1] - counts[0] == 2, counts
 
 
 @pytest.mark.mpi(min_size=2)
 def test_grad_mode_or_requires_grad_on_one_rank_raises_on_every_rank(make_manager):
     """What the skipped halo agreement checked (autograd records the exchange, or not) the layer's still does."""
-    from credit_mpi.nn import convert_to_domain_parallel
-
     from .nn_reference import same_error_everywhere
 
-    with prefix_managers(make_manager) as managers:
-        for d, manager in managers:
-            if d == 1:
-                continue
-            model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1)).double(), manager)
-            a, b = band(4 * d, manager)
-            x = torch.randn(1, 2, 4 * d, 5, dtype=torch.float64).narrow(2, a, b - a).contiguous()
-            last = manager.domain_rank == d - 1
-            model(x.requires_grad_(True))  # remembered with grad
-            odd = x.detach().requires_grad_(not last)
-            message = same_error_everywhere(manager.domain_group, lambda m=model, t=odd: m(t), ValueError)
-            assert "requires_grad" in message
-            with torch.set_grad_enabled(not last):
-                message = same_error_everywhere(manager.domain_group, lambda m=model, t=x: m(t), ValueError)
-            assert "requires_grad" in message
+    for d, manager, x in _domains(make_manager):
+        model = _convs(1, manager)
+        last = manager.domain_rank == d - 1
+        model(x.requires_grad_(True))  # remembered with grad
+        odd = x.detach().requires_grad_(not last)
+        message = same_error_everywhere(manager.domain_group, lambda m=model, t=odd: m(t), ValueError)
+        assert "requires_grad" in message
+        with torch.set_grad_enabled(not last):
+            message = same_error_everywhere(manager.domain_group, lambda m=model, t=x: m(t), ValueError)
+        assert "requires_grad" in message
 
 
 # -- overlap (issue 26, item 1): the halo travels while the interior rows are convolved --------------
@@ -124,18 +127,13 @@ def test_overlapped_models_equal_one_process(name, overlap, make_manager):
 
 @pytest.mark.mpi(min_size=2)
 def test_overlap_set_on_one_rank_only_raises_on_every_rank(make_manager, monkeypatch):
-    from credit_mpi.nn import conv, convert_to_domain_parallel
+    from credit_mpi.nn import conv
 
     from .nn_reference import same_error_everywhere
 
-    with prefix_managers(make_manager) as managers:
-        for d, manager in managers:
-            if d == 1:
-                continue
-            model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1)).double(), manager)
-            a, b = band(4 * d, manager)
-            x = torch.randn(1, 2, 4 * d, 5, dtype=torch.float64).narrow(2, a, b - a).contiguous()
-            monkeypatch.setattr(conv, "OVERLAP", manager.domain_rank == d - 1)
-            message = same_error_everywhere(manager.domain_group, lambda m=model: m(x), ValueError)
-            assert "overlap" in message
-            monkeypatch.setattr(conv, "OVERLAP", False)
+    for d, manager, x in _domains(make_manager):
+        model = _convs(1, manager)
+        monkeypatch.setattr(conv, "OVERLAP", manager.domain_rank == d - 1)
+        message = same_error_everywhere(manager.domain_group, lambda m=model, x=x: m(x), ValueError)
+        assert "overlap" in message
+        monkeypatch.setattr(conv, "OVERLAP", False)

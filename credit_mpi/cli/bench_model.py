@@ -98,7 +98,8 @@ def measure(build: Callable[[], Any], shape: tuple[int, ...], sizes: Iterable[in
     ``local_s`` the same step of the unconverted model on the band alone
     (the same shapes, no communication, halos replaced by its own padding):
     ``comm_share`` = 1 - local_s / step_s, the part of the step that the
-    communication (and its waiting) costs.
+    communication (and its waiting) costs; ``overlap_s`` the step with
+    ``credit_mpi.nn.conv.OVERLAP`` on, ``overlap_vs_local`` = overlap_s / local_s.
     """
     import statistics
     import time
@@ -107,7 +108,7 @@ def measure(build: Callable[[], Any], shape: tuple[int, ...], sizes: Iterable[in
     from mpi4py import MPI
 
     import credit_mpi
-    from credit_mpi.nn import convert_to_domain_parallel
+    from credit_mpi.nn import conv, convert_to_domain_parallel
     from credit_mpi.partition import band_range
 
     world = MPI.COMM_WORLD
@@ -127,11 +128,12 @@ def measure(build: Callable[[], Any], shape: tuple[int, ...], sizes: Iterable[in
         model.load_state_dict(ref.state_dict())
         a, b = band_range(shape[-2], d, sub.Get_rank(), uneven=True)
         x = xg.narrow(-2, a, b - a).contiguous()
-        saved, out = saved_activation_bytes(lambda m=model: m(x.clone().requires_grad_()), model.parameters())
+        saved, out = saved_activation_bytes(lambda m=model, x=x: m(x.clone().requires_grad_()), model.parameters())
         out.sum().backward()
-        times = {"step": [], "local": []}
-        for _ in range(iters):
-            for name, m in (("step", model), ("local", ref)):
+        times = {"step": [], "overlap": [], "local": []}
+        for _ in range(iters):  # interleaved: the machine's load changes alike for all three
+            for name, m in (("step", model), ("overlap", model), ("local", ref)):
+                conv.OVERLAP = name == "overlap"  # every rank alike (the layers agree on it)
                 sub.Barrier()
                 t0 = time.perf_counter()
                 _step(m, x.clone().requires_grad_(), count)
@@ -139,12 +141,13 @@ def measure(build: Callable[[], Any], shape: tuple[int, ...], sizes: Iterable[in
                     credit_mpi.reduce_gradients(list(model.parameters()), manager)
                 times[name].append(time.perf_counter() - t0)
                 m.zero_grad()
-        step = sub.allreduce(statistics.median(times["step"]), op=MPI.MAX)
-        local = sub.allreduce(statistics.median(times["local"]), op=MPI.MAX)
+        conv.OVERLAP = False
+        step, overlap, local = (sub.allreduce(statistics.median(times[k]), op=MPI.MAX) for k in ("step", "overlap", "local"))
         saved = sub.allreduce(saved, op=MPI.MAX)
         halo = halo_row_bytes(build(), xg, d)
         rows.append({"ranks": d, "saved_mib": saved / 2**20, "bound_mib": (1.1 * one / d + halo) / 2**20,
-                     "halo_mib": halo / 2**20, "step_s": step, "local_s": local, "comm_share": 1 - local / step})
+                     "halo_mib": halo / 2**20, "step_s": step, "overlap_s": overlap, "local_s": local,
+                     "comm_share": 1 - local / step, "overlap_vs_local": overlap / local})
         manager.free()
         sub.Free()
         _wait_idle(world)
@@ -153,11 +156,12 @@ def measure(build: Callable[[], Any], shape: tuple[int, ...], sizes: Iterable[in
 
 def table(rows: list[dict]) -> str:
     """The rows of :func:`measure` as a text table, with each step time as a ratio to one rank's."""
-    head = f"{'ranks':>5}  {'saved MiB/rank':>14}  {'bound MiB':>9}  {'halo MiB':>8}  {'step s':>7}  {'x 1 rank':>8}  {'comm share':>10}"
+    head = (f"{'ranks':>5}  {'saved MiB/rank':>14}  {'bound MiB':>9}  {'halo MiB':>8}  {'step s':>7}  {'x 1 rank':>8}  "
+            f"{'comm share':>10}  {'overlap s':>9}  {'overlap / local':>15}")
     base = rows[0]["step_s"]
     lines = [head] + [
         f"{r['ranks']:>5}  {r['saved_mib']:>14.1f}  {r['bound_mib']:>9.1f}  {r['halo_mib']:>8.2f}  {r['step_s']:>7.3f}  "
-        f"{r['step_s'] / base:>8.2f}  {100 * r['comm_share']:>9.0f}%"
+        f"{r['step_s'] / base:>8.2f}  {100 * r['comm_share']:>9.0f}%  {r['overlap_s']:>9.3f}  {r['overlap_vs_local']:>15.2f}"
         for r in rows
     ]
     return "\n".join(lines)

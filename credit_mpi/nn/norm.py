@@ -4,10 +4,13 @@ GroupNorm / InstanceNorm / LayerNorm (when the sharded dim is among the
 normalised ones) and BatchNorm compute each rank's count, mean and centred
 sum of squares (``M2``) of its band, share them in ONE allgather (float64
 for float64 input, float32 otherwise), and combine them exactly (Chan et
-al.'s pairwise formula: stable, true counts, any band sizes). The allgather
-is differentiable: its backward sums the statistics' gradients over the
-ranks, so the input and parameter gradients are those of one process (after
-:func:`credit_mpi.reduce_gradients`).
+al.'s pairwise formula: stable, true counts, any band sizes). Group,
+Instance and LayerNorm run as one autograd Function (:func:`band_norm`) that
+keeps for backward what torch's own kernel keeps on one process (the input,
+the weight, the per-group mean and 1/std: no normalised copy), and whose
+backward gathers the two per-group sums it needs across the bands in one
+allgather; the input and parameter gradients are those of one process
+(after :func:`credit_mpi.reduce_gradients`). Once differentiable.
 
 On a 2-D latitude x longitude domain grid (``domain_grid=(rows, cols)``,
 ``cols > 1``) the blocks are agreed in both dims and the statistics span
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
 from torch.autograd.function import once_differentiable
 
 from ..autograd import check_backward_thread
