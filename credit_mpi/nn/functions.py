@@ -134,16 +134,17 @@ class Tracker(TorchFunctionMode):
             time None (each rank checks its own band; the ForwardGuard shares a refusal).
         on_layer: Called ``(module, args, out)`` after every domain-parallel layer (the dry run's plan);
             a tensor it returns replaces the layer's output.
+        judge: False on a domain of one band (the original forward is exact): layers are still reported.
     """
 
     def __init__(self, root: torch.nn.Module, shard_dim: int, manager: Any = None,
                  band_sizes: Callable[[int], list[int]] | None = None,
-                 on_layer: Callable[[Any, tuple, Any], Any] | None = None) -> None:
+                 on_layer: Callable[[Any, tuple, Any], Any] | None = None, judge: bool = True) -> None:
         super().__init__()
         self.shard_dim, self.manager, self.band_sizes, self.on_layer = shard_dim, manager, band_sizes, on_layer
         self.paths = {id(m): (name or "<root>") for name, m in root.named_modules()}
         # the root's forward is called directly (no module hooks): a layer as the root is trusted here
-        self.trusted = int(self._trusts(root))
+        self.trusted = int(self._trusts(root) or not judge)
         self.stack: list[tuple[str, bool]] = [(self._path(root), bool(self.trusted))]
         self.place: dict[int, tuple[weakref.ref, Sharded]] = {}
         self._hooks: list = []
@@ -175,10 +176,10 @@ class Tracker(TorchFunctionMode):
             if t.is_floating_point() and not is_replicated(t):
                 self.set(t, self.band(t))
 
-    def rows_ok(self, rows: int, factor: int) -> bool:
-        """True when every band (this rank's at run time) is a whole number of ``factor`` rows."""
+    def rows_ok(self, rows: int, factor: int, least: int = 1) -> bool:
+        """True when every band (this rank's at run time) is a whole number (at least ``least``) of ``factor`` rows."""
         sizes = [rows] if self.band_sizes is None else self.band_sizes(rows)
-        return all(s % factor == 0 for s in sizes)
+        return all(s % factor == 0 and s >= least * factor for s in sizes)
 
     def ratio_ok(self, rows: int, target: int) -> bool:
         """True when every band's target rows are one whole factor times its rows (this rank's at run time)."""
@@ -430,25 +431,33 @@ _RESHAPES = "reshape view view_as reshape_as flatten unflatten squeeze unsqueeze
 
 
 def _reshaped(tr: Tracker, shape_in: tuple, p: Sharded, shape_out: tuple) -> Sharded:
-    """The placement after a reshape, or _Why when the band's rows do not stay whole."""
+    """The placement after a reshape, or _Why when the band's rows do not stay whole.
+
+    In flat-index terms the band's rows are the digits of strides ``[after, after * rows)``. A split
+    into windows (an output dim of stride ``after * window``, ``1 < window < rows``, holding the
+    window count) is looked for first: a band of one window is refused (its count dim of size one
+    could not be told from a dim of whole rows), so the dry run asks every band for two windows.
+    Otherwise an output dim that holds those digits whole carries the band (merged with its neighbours).
+    """
     rows = shape_in[p.dim] // (p.outer * p.inner)
-    before = math.prod(shape_in[: p.dim]) * p.outer  # elements-blocks outside the rows
+    before = math.prod(shape_in[: p.dim]) * p.outer  # blocks outside the rows
     after = p.inner * math.prod(shape_in[p.dim + 1 :])  # elements inside one row
+    for j, size in enumerate(shape_out):  # rows split into windows: whole windows on every band
+        stride = math.prod(shape_out[j + 1 :])
+        if stride % after or not 1 < stride // after < rows:
+            continue
+        window = stride // after
+        if rows % window == 0 and (size * stride) % (after * rows) == 0 and size * window % rows == 0:
+            if not tr.rows_ok(rows, window, 2):
+                raise _Why(f"it splits the sharded dim into windows of {window} rows, and not every band is a "
+                           f"whole number (at least two) of windows (choose band sizes that are multiples of {window})")
+            return Sharded(j, size * window // rows, 1)
     for j, size in enumerate(shape_out):
         pj, sj = math.prod(shape_out[:j]), math.prod(shape_out[j + 1 :])
         if before % pj == 0 and after % sj == 0 and size == (before // pj) * rows * (after // sj) and (size != 1 or rows == 1):
             return Sharded(j, before // pj, after // sj)
-    for j, size in enumerate(shape_out):  # rows split into windows: whole windows on every band
-        pj, sj = math.prod(shape_out[:j]), math.prod(shape_out[j + 1 :])
-        if before % pj == 0 and sj % after == 0 and rows % (sj // after) == 0:
-            window = sj // after
-            if size == (before // pj) * (rows // window) and window > 1:
-                if not tr.rows_ok(rows, window):
-                    raise _Why(f"it splits the sharded dim into windows of {window} rows, and not every band is a "
-                               f"whole number of windows (choose band sizes that are multiples of {window})")
-                return Sharded(j, before // pj, 1)
     raise _Why(f"a reshape of {tuple(shape_in)} (bands along {p.describe()}) to {tuple(shape_out)} does not keep "
-               f"the band's rows whole")
+               f"the band's rows whole (a band of one window, or a size stored for the whole field?)")
 
 
 @_rule(*_RESHAPES)

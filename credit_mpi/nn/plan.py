@@ -192,7 +192,7 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         return list(layouts.get(rows) or band_sizes(rows, domain_size, uneven=True))
 
     try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.functions)
-        with torch.no_grad(), Tracker(dry, shard_dim, None, sizes_of, record) as tracker:
+        with torch.no_grad(), Tracker(dry, shard_dim, None, sizes_of, record, judge=domain_size > 1) as tracker:
             dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
             x = torch.empty(input_shape, device="meta", dtype=dtype)
             tracker.mark_inputs(x)
@@ -252,7 +252,7 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None) -> PlanRow:
         k, s, p = (resample._per_dim(v, nsp) for v in (mod.kernel_size, mod.stride or mod.kernel_size, mod.padding))
         d = resample._per_dim(getattr(mod, "dilation", 1), nsp)
         lay, stride = geometry.conv_layout(sizes, k[sd], s[sd], d[sd], p[sd], p[sd], mod.ceil_mode), s[sd]
-    elif isinstance(mod, resample.DomainParallelUpsample):
+    elif isinstance(mod, resample._InterpolateMixin):
         sf = resample._per_dim(mod.scale_factor, nsp)[sd]
         w = resample.resample_matrix(mod.mode, h_in, h_out if sf is None else None, None if sf is None else float(sf),
                                      mod.align_corners, mod.recompute_scale_factor)
