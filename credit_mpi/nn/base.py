@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +63,19 @@ class ManagerRef:
         )
 
 
+_BATCH = threading.local()
+
+
+@contextlib.contextmanager
+def batch_bands():
+    """Within: the layers run their original forward (their input holds the bands in its batch dim)."""
+    _BATCH.depth = getattr(_BATCH, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _BATCH.depth -= 1
+
+
 class DomainParallelModule:
     """Mixin of every domain-parallel layer (the manager, the sharded dim, the module's path)."""
 
@@ -85,7 +99,12 @@ class DomainParallelModule:
         return m is not None and m.domain_parallel_size > 1
 
     def dp_local(self, x: Any) -> bool:
-        """True when the layer runs its original ``forward``: no bands, or an input replicated on every rank.
+        """True when the layer runs its original ``forward``: no bands, an input replicated on every rank, or bands in the batch.
+
+        Bands in the batch dim (windows moved there by a custom forward, as
+        CrossFormer's short-distance attention does) are whole samples: the
+        function-level tracker says so through :func:`batch_bands` (the same
+        on every rank: it follows the same forward).
 
         A :class:`~credit_mpi.nn.replicated.Replicated` input (a global
         mean's output, whole on every rank) is computed locally, which is
@@ -93,7 +112,7 @@ class DomainParallelModule:
         ``Allgather``, only then: a rank whose input is a band is in its
         band agreement, and both raise).
         """
-        if not self.dp_active():
+        if not self.dp_active() or getattr(_BATCH, "depth", 0):
             return True
         if not is_replicated(x):
             return False

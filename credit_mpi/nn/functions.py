@@ -135,18 +135,23 @@ class Tracker(TorchFunctionMode):
         on_layer: Called ``(module, args, out)`` after every domain-parallel layer (the dry run's plan);
             a tensor it returns replaces the layer's output.
         judge: False on a domain of one band (the original forward is exact): layers are still reported.
+        adopt_layout: In the dry run, ``(rows, sizes) -> ok``: a block of merged rows taken as a band
+            of that height has that layout (False: an earlier tensor of that height has another one).
     """
 
     def __init__(self, root: torch.nn.Module, shard_dim: int, manager: Any = None,
                  band_sizes: Callable[[int], list[int]] | None = None,
-                 on_layer: Callable[[Any, tuple, Any], Any] | None = None, judge: bool = True) -> None:
+                 on_layer: Callable[[Any, tuple, Any], Any] | None = None, judge: bool = True,
+                 adopt_layout: Callable[[int, list[int]], bool] | None = None) -> None:
         super().__init__()
         self.shard_dim, self.manager, self.band_sizes, self.on_layer = shard_dim, manager, band_sizes, on_layer
+        self.adopt_layout = adopt_layout
         self.paths = {id(m): (name or "<root>") for name, m in root.named_modules()}
         # the root's forward is called directly (no module hooks): a layer as the root is trusted here
         self.trusted = int(self._trusts(root) or not judge)
-        self.stack: list[tuple[str, bool]] = [(self._path(root), bool(self.trusted))]
+        self.stack: list[tuple[str, bool, tuple | None]] = [(self._path(root), bool(self.trusted), None)]
         self.place: dict[int, tuple[weakref.ref, Sharded]] = {}
+        self._locals: list = []
         self._hooks: list = []
 
     # -- placements ------------------------------------------------------------------------------
@@ -175,6 +180,24 @@ class Tracker(TorchFunctionMode):
         for t in _tensors(tree):
             if t.is_floating_point() and not is_replicated(t):
                 self.set(t, self.band(t))
+
+    def as_band(self, t: torch.Tensor, p: Sharded) -> Sharded | None:
+        """``p`` as a plain band along its dim when it is one, else None.
+
+        Rows merged with whole inner ones (``outer == 1``: windows merged back, tokens) are a
+        contiguous block of the dim: a band of ``inner`` times the rows' layout. At run time a
+        partner's shape checks it on every rank; in the dry run that layout is compared with (or
+        becomes) the layout of that height.
+        """
+        if p.outer != 1:
+            return None
+        if p.inner == 1 or self.band_sizes is None:
+            return Sharded(p.dim)
+        height = t.shape[p.dim]
+        mine = [p.inner * s for s in self.band_sizes(height // p.inner)]
+        if self.band_sizes(height) == mine or (self.adopt_layout is not None and self.adopt_layout(height, mine)):
+            return Sharded(p.dim)
+        return None
 
     def rows_ok(self, rows: int, factor: int, least: int = 1) -> bool:
         """True when every band (this rank's at run time) is a whole number (at least ``least``) of ``factor`` rows."""
@@ -217,30 +240,52 @@ class Tracker(TorchFunctionMode):
 
     def _pre(self, module: torch.nn.Module, args: tuple) -> None:
         trusted = self._trusts(module)
-        if trusted and not self.trusted:
-            self._check_layer_input(module, args)
-        self.stack.append((self._path(module), trusted))
+        local, placement = self._check_layer_input(module, args) if trusted and not self.trusted else (False, None)
+        if local:
+            local_ctx = base.batch_bands()
+            local_ctx.__enter__()
+            self._locals.append(local_ctx)
+        self.stack.append((self._path(module), trusted, (placement,) if local else None))
         self.trusted += trusted
 
     def _post(self, module: torch.nn.Module, args: tuple, out: Any) -> Any:
-        _, trusted = self.stack.pop() if len(self.stack) > 1 else (None, False)
+        _, trusted, local = self.stack.pop() if len(self.stack) > 1 else (None, False, None)
         self.trusted -= trusted
-        if self.on_layer is not None and isinstance(module, DomainParallelModule):
+        if local is not None:
+            self._locals.pop().__exit__(None, None, None)
+        if out is None:
+            return None
+        if self.on_layer is not None and isinstance(module, DomainParallelModule) and local is None:
             new = self.on_layer(module, args, out)
             out = out if new is None else new
         if trusted and not self.trusted:  # a layer's output: a band along the sharded dim (or replicated)
             for t in _tensors(out):
-                self.set(t, self.band(t))
+                self.set(t, local[0] if local is not None else self.band(t))
         return out
 
-    def _check_layer_input(self, module: torch.nn.Module, args: tuple) -> None:
-        """A layer (or a user's trusted module) takes bands along ``shard_dim``: not tokens, not a permuted band."""
+    def _check_layer_input(self, module: torch.nn.Module, args: tuple) -> tuple[bool, Sharded | None]:
+        """A layer (or a user's trusted module) takes bands along ``shard_dim``: not tokens, not a permuted band.
+
+        Returns ``(local, placement)``: ``local`` when the layer runs its original forward on this input
+        (bands in the batch dim, whole samples; or a tensor without bands, the same on every rank: a
+        position table made from parameters), and the placement of its outputs then.
+        """
         for t in _tensors(args)[:1]:
             p, want = self.get(t), self.band(t)
-            if p is not None and p != want:
+            if not isinstance(module, DomainParallelModule):
+                break
+            if p is None and not is_replicated(t):
+                return True, None
+            if p is not None and p.dim == 0 and t.ndim >= 3:
+                if "BatchNorm" in type(module).__name__:
+                    raise refusal(self._path(module), "its forward", "batch statistics over samples that are "
+                                  "spread over the bands (windows moved into the batch dim)")
+                return True, p
+            if p is not None and p != want and self.as_band(t, p) != want:
                 raise refusal(self._path(module), "its forward",
                               f"its input holds the bands along {p.describe()} (after a permute or a reshape), "
                               f"but the layer runs on bands along the sharded dim ({want.describe() if want else self.shard_dim})")
+        return False, None
 
     # -- the judge --------------------------------------------------------------------------------
 
@@ -327,8 +372,11 @@ def _pointwise(tr: Tracker, func, args, kwargs, held):
         tensors = tensors[:1]
     ndim = max(t.ndim for t in tensors)
     dims = {(p.dim + ndim - t.ndim, p.outer, p.inner) for t, p in held}
-    if len(dims) > 1:
-        raise _Why(f"it combines tensors whose bands are along different dims ({sorted(dims)})")
+    if len(dims) > 1:  # a band and a block of merged rows (windows merged back): the same band when they line up
+        bands = {(b.dim + ndim - t.ndim, 1, 1) if (b := tr.as_band(t, p)) else (None,) for t, p in held}
+        if len(bands) > 1 or (None,) in bands:
+            raise _Why(f"it combines tensors whose bands are along different dims ({sorted(dims)})")
+        dims = bands
     d, outer, inner = dims.pop()
     for t in tensors:
         k = d - (ndim - t.ndim)
@@ -489,6 +537,12 @@ def _permute(tr, func, args, kwargs, held):
 @_rule("expand", "expand_as", "broadcast_to", "repeat", "tile")
 def _expand(tr, func, args, kwargs, held):
     x, p = args[0], tr.get(args[0])
+    if p is None:  # expanded to a band's shape: one row along the sharded dim is the band's every row
+        q, target = held[0][1], held[0][0]
+        k = q.dim - (target.ndim - x.ndim)
+        if k >= 0 and x.shape[k] != 1:
+            raise _Why("it expands a tensor that is not a band to a band's shape")
+        return tr.run(func, args, kwargs, q)
     out = func(*args, **kwargs)
     d = p.dim + out.ndim - x.ndim
     if out.shape[d] != x.shape[p.dim]:
@@ -525,8 +579,10 @@ def _join(tr, func, args, kwargs, held):
     dim = normalize_dim(int(_arg(args, kwargs, 1, "dim", 0)), ndim + (op == "stack"))
     places = [tr.get(t) for t in parts]
     got = {q for q in places if q is not None}
-    if len(got) > 1:
-        raise _Why(f"it joins tensors whose bands are along different dims ({sorted(got, key=str)})")
+    if len(got) > 1:  # a band and a block of merged rows: the same band when they line up
+        got = {tr.as_band(t, q) for t, q in zip(parts, places, strict=True) if q is not None}
+        if len(got) > 1 or None in got:
+            raise _Why(f"it joins tensors whose bands are along different dims ({sorted(map(str, got))})")
     q = got.pop()
     if op != "stack" and dim == q.dim:
         raise _Why("it joins along the sharded dim: on bands the rows would not follow the field's order "
@@ -724,16 +780,14 @@ def _einsum(tr, func, args, kwargs, held):
     for spec, t in zip(ins.split(","), operands, strict=True):
         q = tr.get(t)
         if q is not None:
-            if q.outer * q.inner != 1:
-                raise _Why("an einsum over merged bands has no rule")
-            letters.add(spec[q.dim])
-    if len(letters) != 1 or next(iter(letters)) not in out:
+            letters.add((spec[q.dim], q.outer, q.inner))
+    if len(letters) != 1 or next(iter(letters))[0] not in out:
         raise _Why("it sums over the sharded dim (or pairs bands along different letters)")
-    letter = letters.pop()
+    letter, outer, inner = letters.pop()
     for spec, t in zip(ins.split(","), operands, strict=True):
         if tr.get(t) is None and letter in spec and t.shape[spec.index(letter)] != 1:
             raise _Why("it pairs a band with a tensor that is not one along the sharded dim")
-    return tr.run(func, args, kwargs, Sharded(out.index(letter)))
+    return tr.run(func, args, kwargs, Sharded(out.index(letter), outer, inner))
 
 
 @_rule("scaled_dot_product_attention")

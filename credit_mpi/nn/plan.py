@@ -191,8 +191,12 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
     def sizes_of(rows: int) -> list[int]:
         return list(layouts.get(rows) or band_sizes(rows, domain_size, uneven=True))
 
+    def adopt(rows: int, sizes: list[int]) -> bool:
+        return list(layouts.setdefault(rows, list(sizes))) == list(sizes)
+
     try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.functions)
-        with torch.no_grad(), Tracker(dry, shard_dim, None, sizes_of, record, judge=domain_size > 1) as tracker:
+        with torch.no_grad(), Tracker(dry, shard_dim, None, sizes_of, record, judge=domain_size > 1,
+                                         adopt_layout=adopt) as tracker:
             dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
             x = torch.empty(input_shape, device="meta", dtype=dtype)
             tracker.mark_inputs(x)

@@ -1,0 +1,91 @@
+"""NCAR CREDIT's own models (PyPI ``miles-credit`` 2026.2.0, the ``credit`` test extra) converted with no change.
+
+Small float64 versions; each is exact against one process on 1..W ranks (forward, input gradient,
+parameter gradients after reduce_gradients) wherever ``describe()`` says it runs exactly, and raises
+the same ConversionError on every rank (naming the module and the op the author changes) where it
+says it does not: never silently wrong.
+
+``credit.postblock.gen1`` (imported by the model modules for the optional post block, which these
+configurations do not build) needs torchvision and torch_harmonics, whose wheels do not load beside
+the CPU torch this project pins: a stand-in that refuses to build a PostBlock takes its place.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("einops")
+pytest.importorskip("credit")
+
+from credit_mpi import DomainParallelError  # noqa: E402
+from credit_mpi.nn import ConversionError, describe  # noqa: E402
+
+from .halo_reference import prefix_managers  # noqa: E402
+from .nn_reference import assert_same, run_both  # noqa: E402
+
+
+def _credit_models():
+    try:
+        import credit.postblock.gen1  # noqa: F401
+    except ImportError:
+        stand_in = types.ModuleType("credit.postblock.gen1")
+
+        class PostBlock:  # the configurations below never build one
+            def __init__(self, *args, **kwargs):
+                raise RuntimeError("credit.postblock.gen1 stand-in: the post block is not part of these tests")
+
+        stand_in.PostBlock = PostBlock
+        sys.modules["credit.postblock.gen1"] = stand_in
+    from credit.models import crossformer, unet_attention_modules
+
+    return crossformer, unet_attention_modules
+
+
+crossformer, attention = _credit_models()
+
+CASES = {
+    # name: (build, input shape for d bands (d -> shape))
+    "upblock": (lambda: crossformer.UpBlock(4, 4, 2), lambda d: (1, 4, 4 * d, 4)),
+    "upblock_upsample": (lambda: crossformer.UpBlock(4, 4, 2, upsample_v_conv=True), lambda d: (1, 4, 4 * d + 1, 4)),
+    "upblock_scse": (lambda: crossformer.UpBlock(4, 4, 2, attention_type="scse_standard", reduction=2), lambda d: (1, 4, 4 * d, 4)),
+    "upblock_coordinate": (lambda: crossformer.UpBlock(4, 8, 2, attention_type="coordinate", reduction=2), lambda d: (1, 4, 4 * d, 4)),
+    "upblock_eca": (lambda: crossformer.UpBlock(4, 4, 2, attention_type="eca"), lambda d: (1, 4, 4 * d, 4)),
+    "upblock_spatial": (lambda: crossformer.UpBlock(4, 4, 2, attention_type="spatial", spatial_kernel=3), lambda d: (1, 4, 4 * d, 4)),
+    "cross_embed": (lambda: crossformer.CrossEmbedLayer(2, 8, (2, 4), stride=2), lambda d: (1, 2, 4 * d, 8)),
+    "channel_layernorm": (lambda: crossformer.LayerNorm(4), lambda d: (1, 4, 3 * d + 1, 4)),
+    "feedforward": (lambda: crossformer.FeedForward(4, 2), lambda d: (1, 4, 3 * d + 1, 4)),
+    "attention_global": (lambda: crossformer.Attention(8, attn_type="long", window_size=2, dim_head=4), lambda d: (1, 8, 4 * d, 4)),
+    "attention_local": (lambda: crossformer.Attention(8, attn_type="short", window_size=2, dim_head=4), lambda d: (1, 8, 4 * d, 4)),
+}
+
+
+def _outcome(comm, fn):
+    try:
+        return fn(), None
+    except (ConversionError, DomainParallelError) as exc:
+        names = comm.allgather(type(exc).__name__)
+        assert len(set(names)) == 1, names
+        return None, exc
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_credit_model_exact_or_refused_on_every_rank(name, make_manager):
+    build, shape_of = CASES[name]
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            comm, shape = manager.domain_group, shape_of(d)
+            torch.manual_seed(0)
+            plan = describe(build().double(), shape, d)
+            result, error = _outcome(comm, lambda s=shape: run_both(build, s, manager, seed=5))
+            verdicts = comm.allgather((plan.exact, error is None))
+            assert all(v == verdicts[0] for v in verdicts), verdicts
+            if plan.exact:
+                assert error is None, f"{name} {shape} on {d}: plan exact, run raised {error}\n{plan}"
+                assert_same(result)
+            else:
+                assert isinstance(error, ConversionError), f"{name} {shape} on {d}: plan says NO, run gave {error!r}\n{plan}"
