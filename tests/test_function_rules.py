@@ -105,8 +105,22 @@ class Windows(nn.Module):
         return o.reshape(b, c, h, w) + x
 
 
-def _rel_table(n=3):
-    return torch.arange(n * n, dtype=torch.float64).reshape(n, n)
+class GlobalAttention(nn.Module):
+    """Full attention over the tokens flattened from (lat, lon) with F.scaled_dot_product_attention: K/V gathered."""
+
+    def __init__(self, c=4, heads=2):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Conv2d(c, 3 * c, 1), nn.Conv2d(c, c, 1), heads
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=1)
+
+        def tokens(t):  # (b, heads, h w, c / heads)
+            return t.reshape(b, self.heads, c // self.heads, h * w).transpose(-1, -2)
+
+        o = F.scaled_dot_product_attention(tokens(q), tokens(k), tokens(v))
+        return self.out(o.transpose(-1, -2).reshape(b, c, h, w)) + x
 
 
 class RelativeTable(nn.Module):
@@ -133,6 +147,7 @@ CASES = {
     "pixel_unshuffle": (lambda: nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.PixelUnshuffle(2), nn.Conv2d(8, 2, 3, padding=1)), 2, 4, 2),
     "windows": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Windows(4)), 2, 4, 2),
     "relative_table": (RelativeTable, 2, 4, 1),
+    "global_attention": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), GlobalAttention(4)), 2, 3, 1),
 }
 # what the run must do (True: exact wherever the plan says so; the verdict equals the run in every case)
 NEVER_EXACT = {"attention", "coord_attention"}
@@ -230,3 +245,20 @@ def test_einops_on_uneven_bands_raises_on_every_rank(make_manager):
         assert None not in names and len(set(names)) == 1, names
         # whole windows on every band: exact
         assert_same(run_both(Rearranged, (1, 2, 4 * d, 4), manager))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_global_attention_moves_what_the_theory_says(make_manager):
+    """K and V gathered: per rank 2 (N - N_rank) d elements received, 2 N d (P - 1) / P on even bands."""
+    from credit_mpi.gather_tokens import received_elements
+
+    manager = make_manager()
+    d = manager.domain_parallel_size
+    b, c, h, w = 1, 4, 4 * d, 3
+    model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), GlobalAttention(c)).double(), manager)
+    x = torch.randn(b, 2, h // d, w, dtype=torch.float64)
+    received_elements(reset=True)
+    model(x)
+    n, n_rank = h * w, (h // d) * w
+    assert received_elements() == 2 * (n - n_rank) * b * c  # heads x (c / heads) = c features per token
+    assert received_elements() == 2 * n * b * c * (d - 1) // d

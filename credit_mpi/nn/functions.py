@@ -792,10 +792,31 @@ def _einsum(tr, func, args, kwargs, held):
 
 @_rule("scaled_dot_product_attention")
 def _sdpa(tr, func, args, kwargs, held):
-    places = {(p.dim - t.ndim) for t, p in held}
-    if any(d >= -2 for d in places) or len({tr.get(t) for t, _ in held}) > 1:
-        raise _Why("attention over tokens of every band has no rule yet (windows moved into the batch dim do)")
-    return tr.run(func, args, kwargs, held[0][1])
+    """Attention: windows in the batch dim pass; queries on token bands attend to every band's keys.
+
+    The exact rule for tokens of every band (q, k, v with their tokens, dim -2, on bands; no mask,
+    not causal, no dropout): K and V gathered from every rank (:func:`credit_mpi.gather_tokens.allgather_along`,
+    backward the reduce-scatter of their gradients), this rank's queries attended to all of them.
+    """
+    q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
+    places = [tr.get(t) for t in (q, k, v)]
+    if all(p is not None and p.dim < t.ndim - 2 for t, p in zip((q, k, v), places, strict=True)) and len(set(places)) == 1:
+        return tr.run(func, args, kwargs, places[0])  # windows (or samples) in the batch dim: each is whole
+    tokens = [tr.as_band(t, p) if p is not None and p.dim == t.ndim - 2 else None for t, p in zip((q, k, v), places, strict=True)]
+    if None in tokens:
+        raise _Why("attention with bands in some of q, k, v only, or along their features, has no rule")
+    mask, dropout, causal = _arg(args, kwargs, 3, "attn_mask"), _arg(args, kwargs, 4, "dropout_p", 0.0), _arg(args, kwargs, 5, "is_causal", False)
+    if mask is not None or dropout or causal:
+        raise _Why("attention across bands with a mask, dropout or is_causal has no rule yet (masks in global coordinates)")
+    if tr.manager is not None:
+        from ..gather_tokens import allgather_along
+
+        comm, path = tr.manager.domain_group, tr.stack[-1][0]
+        k, v = allgather_along(k, -2, comm, path), allgather_along(v, -2, comm, path)
+    rest = {n: kwargs[n] for n in ("scale", "enable_gqa") if n in kwargs}
+    out = func(q, k, v, **rest)
+    tr.set(out, tokens[0])
+    return out
 
 
 @_rule("embedding")
