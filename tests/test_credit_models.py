@@ -21,11 +21,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("einops")
 pytest.importorskip("credit")
 
-from credit_mpi import DomainParallelError  # noqa: E402
-from credit_mpi.nn import ConversionError, describe  # noqa: E402
-
 from .halo_reference import prefix_managers  # noqa: E402
-from .nn_reference import assert_same, run_both  # noqa: E402
+from .verdict_reference import verdict_is_the_run  # noqa: E402
 
 
 def _credit_models():
@@ -63,29 +60,11 @@ CASES = {
 }
 
 
-def _outcome(comm, fn):
-    try:
-        return fn(), None
-    except (ConversionError, DomainParallelError) as exc:
-        names = comm.allgather(type(exc).__name__)
-        assert len(set(names)) == 1, names
-        return None, exc
-
-
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_credit_model_exact_or_refused_on_every_rank(name, make_manager):
     build, shape_of = CASES[name]
     with prefix_managers(make_manager) as managers:
         for d, manager in managers:
-            comm, shape = manager.domain_group, shape_of(d)
             torch.manual_seed(0)
-            plan = describe(build().double(), shape, d)
-            result, error = _outcome(comm, lambda s=shape: run_both(build, s, manager, seed=5))
-            verdicts = comm.allgather((plan.exact, error is None))
-            assert all(v == verdicts[0] for v in verdicts), verdicts
-            if plan.exact:
-                assert error is None, f"{name} {shape} on {d}: plan exact, run raised {error}\n{plan}"
-                assert_same(result)
-            else:
-                assert isinstance(error, ConversionError), f"{name} {shape} on {d}: plan says NO, run gave {error!r}\n{plan}"
+            verdict_is_the_run(name, build, shape_of(d), manager, seed=5, same_op=name != "attention_global")

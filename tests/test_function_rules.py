@@ -13,11 +13,11 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from credit_mpi import DomainParallelError  # noqa: E402
 from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe  # noqa: E402
 
 from .halo_reference import prefix_managers  # noqa: E402
 from .nn_reference import assert_same, run_both  # noqa: E402
+from .verdict_reference import verdict_is_the_run  # noqa: E402
 
 F = torch.nn.functional
 
@@ -153,16 +153,6 @@ CASES = {
 NEVER_EXACT = {"attention", "coord_attention"}
 
 
-def _outcome(comm, fn):
-    """``(result, None)`` or ``(None, error name)``: the same on every rank (asserted)."""
-    try:
-        return fn(), None
-    except (ConversionError, DomainParallelError) as exc:
-        names = comm.allgather(type(exc).__name__)
-        assert len(set(names)) == 1, names
-        return None, exc
-
-
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_verdict_is_what_the_run_does(name, make_manager):
@@ -173,25 +163,10 @@ def test_verdict_is_what_the_run_does(name, make_manager):
 
 
 def _verdict_case(name, build, c, width, unit, d, manager):
-    comm = manager.domain_group
-    if True:
-        for h in (4 * unit * d, 4 * unit * d + unit * (d > 1)):  # even bands, then uneven ones
-            shape = (2, c, h, width)
-            plan = describe(build().double(), shape, d)
-            result, error = _outcome(comm, lambda s=shape: run_both(build, s, manager, seed=3))
-            flags = comm.allgather((plan.exact, error is None))
-            assert all(f == flags[0] for f in flags), flags
-            if d > 1 and name in NEVER_EXACT:
-                assert not plan.exact, str(plan)
-            if plan.exact:
-                assert error is None, f"{name} {shape} on {d}: plan exact, run raised {error}\n{plan}"
-                assert_same(result)
-            else:
-                assert error is not None, f"{name} {shape} on {d}: plan says NO, run did not raise\n{plan}"
-                assert isinstance(error, ConversionError), repr(error)
-                row = next(r for r in plan.rows if not r.exact)
-                if row.note.startswith("refused"):
-                    assert row.path.split(" (")[0] in str(error) and row.kind in str(error), (row, error)
+    for h in (4 * unit * d, 4 * unit * d + unit * (d > 1)):  # even bands, then uneven ones
+        plan = verdict_is_the_run(name, build, (2, c, h, width), manager)
+        if d > 1 and name in NEVER_EXACT:
+            assert not plan.exact, str(plan)
 
 
 @pytest.mark.mpi(min_size=2)
