@@ -16,7 +16,9 @@ that holds bands and judges each torch function applied to one:
   an integer factor (the :class:`~credit_mpi.nn.DomainParallelInterpolate`
   layer), ``pixel_shuffle`` (output rows ``[r a, r b)`` from input rows
   ``[a, b)``), ``pixel_unshuffle`` and a reshape into windows when every
-  band is a whole number of them;
+  band is a whole number of them; ``F.scaled_dot_product_attention`` over
+  the tokens of every band (keys and values gathered:
+  :func:`credit_mpi.gather_tokens.allgather_along`);
 * everything else that touches the sharded dim raises ``ConversionError``
   naming the module's path and the op. At run time the converted model's
   :class:`~credit_mpi.nn.base.ForwardGuard` makes it every rank's exception;
