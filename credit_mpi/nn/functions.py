@@ -241,6 +241,8 @@ class Tracker(TorchFunctionMode):
         return f"{path} ({type(module).__name__})"
 
     def _pre(self, module: torch.nn.Module, args: tuple) -> None:
+        if active_tracker() is not self:  # the hooks are global: another thread's modules, or a nested tracker's
+            return
         trusted = self._trusts(module)
         local, placement = self._check_layer_input(module, args) if trusted and not self.trusted else (False, None)
         if local:
@@ -251,6 +253,8 @@ class Tracker(TorchFunctionMode):
         self.trusted += trusted
 
     def _post(self, module: torch.nn.Module, args: tuple, out: Any) -> Any:
+        if active_tracker() is not self:
+            return None
         _, trusted, local = self.stack.pop() if len(self.stack) > 1 else (None, False, None)
         self.trusted -= trusted
         if local is not None:
