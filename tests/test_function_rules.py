@@ -147,6 +147,7 @@ CASES = {
     "pixel_unshuffle": (lambda: nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.PixelUnshuffle(2), nn.Conv2d(8, 2, 3, padding=1)), 2, 4, 2),
     "windows": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Windows(4)), 2, 4, 2),
     "relative_table": (RelativeTable, 2, 4, 1),
+    "zero_pad": (lambda: nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.ZeroPad2d((1, 0, 2, 1)), nn.Conv2d(2, 2, 3)), 2, 4, 1),
     "global_attention": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), GlobalAttention(4)), 2, 3, 1),
 }
 # what the run must do (True: exact wherever the plan says so; the verdict equals the run in every case)

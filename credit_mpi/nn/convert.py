@@ -11,7 +11,8 @@ Policy (every module of the model, the root included, is visited once):
    ``nn.Dropout`` / ``nn.AlphaDropout`` -> a wrapper that is the identity in
    eval and refuses training (:mod:`credit_mpi.nn.dropout`).
 3. Padding modules (``nn.CircularPad2d((1, 1, 0, 0))``: circular longitude)
-   that leave the sharded dim alone, and modules that act on each row on its own (activations,
+   that leave the sharded dim alone, constant ones (``nn.ZeroPad2d``) that pad it
+   (the field's edges, on the first and last band), and modules that act on each row on its own (activations,
    ``nn.Linear`` / ``nn.Identity`` acting on the last dim when that is not
    the sharded one, ...) stay as they are.
 4. Every other module (containers, custom modules, ``nn.Softmax``,
@@ -110,6 +111,11 @@ _PADS = tuple(
 )
 
 
+# constant padding of the sharded dim: the field's edges, on the first and last band (credit_mpi.nn.functions)
+_CONSTANT_PADS = tuple(getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant") for n in (1, 2, 3)
+                       if hasattr(nn, f"{kind}Pad{n}d"))
+
+
 def _pads_sharded_dim(module: nn.Module, shard_dim: int) -> bool:
     """True unless the padding module leaves the sharded dim alone (``padding`` lists (before, after) from the last dim)."""
     pad = tuple(module.padding)
@@ -204,7 +210,7 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
     if kind in POINTWISE:
         return module
     if kind in _PADS:
-        if _pads_sharded_dim(module, shard_dim):
+        if _pads_sharded_dim(module, shard_dim) and (grid or kind not in _CONSTANT_PADS):
             _refuse(module, label, "it pads the sharded dim (only the global edges may be padded: use the conv's own padding)")
         if grid and _pads_sharded_dim(module, -1):
             _refuse(module, label, f"it pads the longitude (the last dim), which the {grid[0]}x{grid[1]} domain grid "

@@ -668,12 +668,31 @@ def _flip(tr, func, args, kwargs, held):
 
 @_rule("pad")
 def _pad(tr, func, args, kwargs, held):
+    """Padding of other dims passes; constant padding of the sharded dim pads the global edges only (first and last band)."""
     x, p = args[0], tr.get(args[0])
     pad = list(_arg(args, kwargs, 1, "pad"))
     pair = x.ndim - 1 - p.dim
-    if 2 * pair + 1 < len(pad) and (pad[2 * pair] or pad[2 * pair + 1]):
-        raise _Why(f"F.pad pads the sharded dim by {pad[2 * pair: 2 * pair + 2]} on every band (halo rows are the "
-                   f"neighbours', not padding: use the conv's own padding, or pad the longitude only)")
+    if not (2 * pair + 1 < len(pad) and (pad[2 * pair] or pad[2 * pair + 1])):
+        return tr.run(func, args, kwargs, p)
+    before, after = pad[2 * pair], pad[2 * pair + 1]
+    mode = _arg(args, kwargs, 2, "mode", "constant")
+    if mode != "constant" or before < 0 or after < 0 or p.outer * p.inner != 1:
+        raise _Why(f"F.pad(mode={mode!r}) of the sharded dim by {[before, after]} has no rule (only constant padding "
+                   f"of the field's edges: the rows next to a band are the neighbours')")
+    rows = x.shape[p.dim]
+    if tr.manager is not None:  # the run: the first band pads the field's first edge, the last band its last
+        from ..grid import grid_of
+
+        size, rank = tr.manager.domain_parallel_size, tr.manager.domain_rank
+        if grid_of(tr.manager, size)[1] > 1:
+            raise _Why("F.pad of the sharded dim has no rule on a latitude x longitude domain grid yet")
+        pad[2 * pair], pad[2 * pair + 1] = (before if rank == 0 else 0), (after if rank == size - 1 else 0)
+        rest = [a for i, a in enumerate(args) if i > 1]
+        return tr.run(func, (x, tuple(pad), *rest), {k: v for k, v in kwargs.items() if k != "pad"}, p)
+    sizes = tr.band_sizes(rows) if tr.band_sizes is not None else [rows]
+    padded = [s + (before if i == 0 else 0) + (after if i == len(sizes) - 1 else 0) for i, s in enumerate(sizes)]
+    if tr.adopt_layout is not None and not tr.adopt_layout(rows + before + after, padded):
+        raise _Why(f"the padded bands {padded} differ from an earlier tensor of {rows + before + after} rows")
     return tr.run(func, args, kwargs, p)
 
 
