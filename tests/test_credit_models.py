@@ -37,12 +37,13 @@ def _credit_models():
 
         stand_in.PostBlock = PostBlock
         sys.modules["credit.postblock.gen1"] = stand_in
-    from credit.models import crossformer, unet_attention_modules
+    from credit.models import crossformer
+    from credit.models.wxformer import crossformer as wxformer
 
-    return crossformer, unet_attention_modules
+    return crossformer, wxformer
 
 
-crossformer, attention = _credit_models()
+crossformer, wxformer = _credit_models()
 
 class EveryParameter(torch.nn.Module):
     """``model`` with every parameter in the graph (CrossFormer holds some its forward does not use: no grad to compare)."""
@@ -73,6 +74,9 @@ CASES = {
     "upblock_eca": (lambda: crossformer.UpBlock(4, 4, 2, attention_type="eca"), lambda d: (1, 4, 4 * d, 4)),
     "upblock_spatial": (lambda: crossformer.UpBlock(4, 4, 2, attention_type="spatial", spatial_kernel=3), lambda d: (1, 4, 4 * d, 4)),
     "cross_embed": (lambda: crossformer.CrossEmbedLayer(2, 8, (2, 4), stride=2), lambda d: (1, 2, 4 * d, 8)),
+    # WXFormer's: each branch a ZeroPad2d (the field's edges) and an unpadded conv; stride 1 pads unevenly
+    "wxformer_cross_embed": (lambda: wxformer.CrossEmbedLayer(2, 8, (2, 4), stride=2), lambda d: (1, 2, 4 * d + 2, 8)),
+    "wxformer_cross_embed_s1": (lambda: wxformer.CrossEmbedLayer(2, 4, (2, 3), stride=1), lambda d: (1, 2, 3 * d + 1, 6)),
     "channel_layernorm": (lambda: crossformer.LayerNorm(4), lambda d: (1, 4, 3 * d + 1, 4)),
     "feedforward": (lambda: crossformer.FeedForward(4, 2), lambda d: (1, 4, 3 * d + 1, 4)),
     "attention_global": (lambda: crossformer.Attention(8, attn_type="long", window_size=2, dim_head=4), lambda d: (1, 8, 4 * d, 4)),
