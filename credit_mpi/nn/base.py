@@ -221,8 +221,14 @@ class ForwardGuard:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, manager = self.module, self.ref.manager
         forward = type(module).forward
-        if manager is None or manager.domain_parallel_size <= 1 or torch.compiler.is_compiling():
+        if manager is None or manager.domain_parallel_size <= 1:
             return forward(module, *args, **kwargs)
+        return self._guarded(module, forward, manager, args, kwargs)
+
+    @torch.compiler.disable(recursive=False)
+    def _guarded(self, module, forward, manager, args, kwargs) -> Any:
+        """The judged, shared forward; under ``torch.compile`` this frame stays eager (the judge and the
+        agreements must run every call), the model's own forward below it is still compiled."""
         comm = manager.domain_group
         try:
             with judged(module, self.shard_dim, manager, (args, kwargs)):
