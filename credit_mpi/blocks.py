@@ -31,8 +31,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .grid import block_sizes, grid_coords, grid_of
+from .layout import Layout
 from .manager import Domain, domain_of
-from .partition import band_offsets, normalize_dim
+from .partition import normalize_dim
 from .transport import arrays, rowops, staging
 from .validation import Local, agree, check_root, check_transport
 
@@ -47,9 +48,6 @@ __all__ = [
     "gather_tensor_2d",
     "scatter_tensor_2d",
 ]
-
-_SHIFT = 32  # a block's (rows, cols) travel as one agreed count: rows << 32 | cols
-
 
 def is_grid_call(manager: Any, *args: Any) -> bool:
     """True when a public call takes the 2-D path (any of ``args`` is a pair). Local: no check, no MPI call."""
@@ -112,8 +110,9 @@ def grid_comm(domain: Domain) -> MPI.Comm:
 
 def _block_slice(x: Any, ay: int, ax: int, heights: list[int], widths: list[int], coords: tuple[int, int]) -> Any:
     row, col = coords
-    band = arrays.narrow(x, ay, sum(heights[:row]), heights[row])
-    return arrays.narrow(band, ax, sum(widths[:col]), widths[col])
+    layout = Layout((tuple(heights), tuple(widths)))
+    band = arrays.narrow(x, ay, layout.start(row, 0), heights[row])
+    return arrays.narrow(band, ax, layout.start(col, 1), widths[col])
 
 
 def shard_tensor_2d(x: Any, dim: Any, manager: Any, uneven: bool, collective: bool) -> Any:
@@ -202,8 +201,8 @@ class Gather2d(NamedTuple):
     @property
     def start(self) -> tuple[int, int]:
         """This rank's first (row, column) in the global field."""
-        row, col = grid_coords(self.rank, self.grid)
-        return sum(self.heights[:row]), sum(self.widths[:col])
+        (y0, _), (x0, _) = Layout((tuple(self.heights), tuple(self.widths))).block(self.rank)
+        return y0, x0
 
     def apply(self, x: Any) -> Any:
         """The gather (:func:`gather2d_kernel`)."""
@@ -232,14 +231,12 @@ def block_table(counts: list[int], grid: tuple[int, int], what: str, ay: int, ax
 
 def decode_block(count: int) -> tuple[int, int]:
     """The ``(rows, cols)`` of a block that :func:`encode_block` made one count of."""
-    return count >> _SHIFT, count & ((1 << _SHIFT) - 1)
+    return Layout.decode(count, 2)
 
 
 def encode_block(shape: tuple, ay: int, ax: int) -> int:
     """A block's rows and columns as the one count :func:`credit_mpi.validation.agree` shares."""
-    if shape[ax] >= 1 << _SHIFT:
-        raise ValueError(f"a block of {shape[ax]} columns is too wide (at most {(1 << _SHIFT) - 1})")
-    return shape[ay] << _SHIFT | shape[ax]
+    return Layout.encode((shape[ay], shape[ax]))
 
 
 def _rest(shape: tuple, ay: int, ax: int) -> tuple:
@@ -295,7 +292,8 @@ def _block_types(p_shape: tuple, ay: int, ax: int, grid: tuple[int, int], height
                  itemsize: int) -> list[MPI.Datatype | None]:
     """Per domain rank: the subarray type of its block in the global array (None for an empty block)."""
     types: list[MPI.Datatype | None] = []
-    ys, xs = band_offsets(heights), band_offsets(widths)
+    layout = Layout((tuple(heights), tuple(widths)))
+    ys, xs = layout.starts(0), layout.starts(1)
     for r in range(grid[0] * grid[1]):
         i, j = grid_coords(r, grid)
         sub, start = list(p_shape), [0] * len(p_shape)

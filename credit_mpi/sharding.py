@@ -51,6 +51,7 @@ from mpi4py import MPI
 
 from . import blocks
 from .manager import Domain, DomainParallelManager, domain_of, live_domain_comm
+from .layout import Layout
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
 from .transport import arrays, limits, rowops, staging
 from .validation import Local, agree, agree_cached, check_bands_fit, check_root, check_transport, repeat_remembered
@@ -116,7 +117,7 @@ def shard_tensor(
 
     plan = _agree(domain, "shard_tensor", local, _different_arrays("shard_tensor")) if collective else local().plan
     _, axis, sizes = plan
-    return arrays.narrow(x, axis, sum(sizes[: domain.rank]), sizes[domain.rank])
+    return arrays.narrow(x, axis, Layout.bands(sizes).start(domain.rank), sizes[domain.rank])
 
 
 class _Gather(NamedTuple):
@@ -137,7 +138,7 @@ class _Gather(NamedTuple):
 
     def own(self, grad: Any) -> Any:
         """This rank's rows of the gathered (replicated) gradient: the gather's backward, no communication."""
-        return grad.narrow(self.axis, sum(self.sizes[: self.rank]), self.sizes[self.rank])
+        return grad.narrow(self.axis, Layout.bands(self.sizes).start(self.rank), self.sizes[self.rank])
 
 
 def gather_tensor(
@@ -506,7 +507,7 @@ def shard_batch(
     bands = _agree(domain, "shard_batch", local, _different_arrays("shard_batch")) if collective else local().plan
     sharded = dict(batch)
     for key, (_, axis, sizes) in bands.items():
-        sharded[key] = arrays.narrow(batch[key], axis, sum(sizes[: domain.rank]), sizes[domain.rank])
+        sharded[key] = arrays.narrow(batch[key], axis, Layout.bands(sizes).start(domain.rank), sizes[domain.rank])
     return sharded
 
 

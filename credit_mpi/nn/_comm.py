@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 
 from ..autograd import check_backward_thread
 from ..blocks import decode_block, encode_block
+from ..layout import Layout
 from ..grid import grid_coords, grid_of
 from ..halo import halo_exchange
 from ..partition import check_halo_width
@@ -47,7 +48,7 @@ class Bands:
 
     @property
     def start(self) -> int:
-        return sum(self.sizes[: self.rank])
+        return Layout.bands(self.sizes).start(self.rank)
 
     @property
     def stop(self) -> int:
@@ -236,12 +237,12 @@ class Blocks:
     @property
     def y0(self) -> int:
         """First global latitude row of this rank's block."""
-        return sum(self.heights[: self.row])
+        return Layout.bands(self.heights).start(self.row)
 
     @property
     def x0(self) -> int:
         """First global longitude of this rank's block."""
-        return sum(self.widths[: self.col])
+        return Layout.bands(self.widths).start(self.col)
 
     @property
     def sizes(self) -> list[int]:

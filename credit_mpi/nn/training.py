@@ -40,6 +40,7 @@ import torch
 from mpi4py import MPI
 
 from ..grad_sync import reduce_gradients
+from ..layout import Layout
 from ..manager import DomainParallelManager, get_domain_parallel_manager
 from ..partition import band_sizes, normalize_dim
 from ..validation import DomainParallelError, allgather_or_raise, check_int, comm_label
@@ -139,8 +140,8 @@ def latitude_weights(
     lat, sizes = plan()
     cos = np.cos(np.deg2rad(lat))
     weights = cos / cos.mean()
-    start = sum(sizes[:rank])
-    band = np.ascontiguousarray(weights[start : start + sizes[rank]])
+    layout = Layout.bands(sizes)
+    band = np.ascontiguousarray(weights[layout.start(rank) : layout.stop(rank)])
     return torch.from_numpy(band).to(dtype=dtype, device=device).reshape((-1,) + (1,) * (-dim - 1))
 
 
