@@ -34,7 +34,7 @@ from .grid import block_sizes, grid_coords, grid_of
 from .layout import Layout
 from .manager import Domain, domain_of
 from .partition import normalize_dim
-from .transport import arrays, rowops, staging
+from .transport import arrays, moves, rowops, staging
 from .validation import Local, agree, check_root, check_transport
 
 __all__ = [
@@ -191,6 +191,7 @@ class Gather2d(NamedTuple):
     widths: list  # columns of each grid column
     rank: int
     out: Any
+    moves: Any = None  # transport="torch": the protocol's torch transport (None: MPI's Alltoallw)
 
     @property
     def shape(self) -> tuple:
@@ -250,8 +251,9 @@ def gather_tensor_2d(x: Any, dim: Any, manager: Any, check: bool, out: Any, tran
     comm = grid_comm(domain)
 
     def local() -> Local:
-        if transport != "mpi":
-            raise ValueError(f"transport={transport!r} is not supported for a 2-D gather (dim={dim!r}); use transport='mpi'")
+        check_transport(transport)
+        if transport == "torch" and domain.size > 1:
+            domain.manager.torch_group("domain")  # a clear error when the bridge is missing
         info = arrays.describe(x)
         ay, ax = normalize_dims(dim, len(info.shape))
         out_shape = None
@@ -262,7 +264,7 @@ def gather_tensor_2d(x: Any, dim: Any, manager: Any, check: bool, out: Any, tran
                                  f"{len(info.shape)} dims on {info.device_type}, got {o.kind} {o.dtype} {o.shape} on {o.device}")
             arrays.check_writable(out, "gather_tensor's out")
             out_shape = o.shape
-        calls = ("2d", ay, ax, len(info.shape), _rest(info.shape, ay, ax), info.itemsize, out_shape)
+        calls = ("2d", ay, ax, len(info.shape), _rest(info.shape, ay, ax), info.itemsize, transport, out_shape)
         return Local((info, ay, ax), calls, (info.kind, info.dtype, info.device_type), encode_block(info.shape, ay, ax))
 
     def explain(locals_: list[Local]) -> None:
@@ -273,7 +275,12 @@ def gather_tensor_2d(x: Any, dim: Any, manager: Any, check: bool, out: Any, tran
 
     (info, ay, ax), counts = agree(domain.comm, "gather_tensor/2d", local, check=check, explain=explain)
     heights, widths = block_table(counts, grid, "gather_tensor", ay, ax)
-    plan = Gather2d(comm, info, ay, ax, grid, heights, widths, domain.rank, out)
+    transfer = None
+    if transport == "torch" and domain.size > 1:
+        from .transport.torch_moves import TorchMoves  # imports torch
+
+        transfer = TorchMoves(domain.manager.torch_group("domain"))
+    plan = Gather2d(comm, info, ay, ax, grid, heights, widths, domain.rank, out, transfer)
     if out is not None and tuple(out.shape) != plan.shape:  # out's shape is agreed: every rank raises alike
         raise ValueError(f"gather_tensor: out has shape {tuple(out.shape)}, the gathered field {plan.shape}")
     if arrays.requires_grad(x):
@@ -310,6 +317,11 @@ def gather2d_kernel(x: Any, p: Gather2d) -> Any:
         return out
     if p.out is not None and arrays.shares_memory(x, out):
         x = rowops.clone(x)
+    if p.moves is not None:
+        moves.gather_blocks(p.moves, x, out, Layout((tuple(p.heights), tuple(p.widths))), (p.ay, p.ax))
+        if p.out is not None:
+            arrays.mark_written(out)
+        return out
     n = p.comm.Get_size()
     types = _block_types(shape, p.ay, p.ax, p.grid, p.heights, p.widths, p.info.itemsize)
     nbytes = math.prod(p.info.shape) * p.info.itemsize

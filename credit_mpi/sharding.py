@@ -50,8 +50,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import blocks
-from .manager import Domain, DomainParallelManager, domain_of, live_domain_comm
 from .layout import Layout
+from .manager import Domain, DomainParallelManager, domain_of, live_domain_comm
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
 from .transport import arrays, limits, rowops, staging
 from .validation import Local, agree, agree_cached, check_bands_fit, check_root, check_transport, repeat_remembered

@@ -47,8 +47,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..halo import halo_exchange
-from ..manager import DomainParallelManager
 from ..layout import Layout
+from ..manager import DomainParallelManager
 from ..partition import band_offsets, band_sizes
 from ..sharding import gather_tensor, shard_batch
 from ..transport.arrays import host_bytes, release_output_pool

@@ -26,9 +26,9 @@ from torch.autograd.function import once_differentiable
 
 from ..autograd import check_backward_thread
 from ..blocks import decode_block, encode_block
-from ..layout import Layout
 from ..grid import grid_coords, grid_of
 from ..halo import halo_exchange
+from ..layout import Layout
 from ..partition import check_halo_width
 from ..validation import DomainParallelError, Local, agree_cached, comm_label
 from ..validation import agree as agree_once

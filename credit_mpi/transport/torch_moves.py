@@ -1,8 +1,9 @@
 """Data movement over the torch.distributed groups that mirror the MPI communicators.
 
-The ``transport="torch"`` counterparts of the MPI data paths: the gather's
-``Allgather(v)`` (:func:`allgather_bands`) and the halo exchange's two
-``Sendrecv`` (:func:`swap_edges`). The groups come from
+The ``transport="torch"`` counterparts of the MPI data paths: the 1-D
+gather's ``Allgather(v)`` (:func:`allgather_bands`) and the transport
+protocol of :mod:`credit_mpi.transport.moves` (:class:`TorchMoves`), which
+the halo exchange's one edge swap and the 2-D gather run on. The groups come from
 :func:`credit_mpi.init_torch_distributed`; the callers have agreed on every
 size already. Imports torch (loaded only when ``transport="torch"`` is used).
 """
@@ -18,9 +19,10 @@ import torch.distributed as dist
 
 from ..partition import band_offsets
 from . import arrays
-from .limits import SLICE_BYTES, TAG_DOWN, TAG_UP
+from .limits import SLICE_BYTES
+from .moves import SEND
 
-__all__ = ["allgather_bands", "swap_edges"]
+__all__ = ["allgather_bands", "TorchMoves"]
 
 
 def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], group: Any) -> Any:
@@ -84,58 +86,65 @@ def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], group: An
     return out
 
 
-def swap_edges(up: Any, down: Any, prev: int | None, nxt: int | None, group: Any) -> tuple[Any, Any]:
-    """Send ``up`` to domain rank ``prev`` and ``down`` to ``nxt`` over the torch group ``group``.
+class TorchMoves:
+    """The transport protocol of :mod:`credit_mpi.transport.moves` over the torch.distributed group ``group``.
 
-    ``up`` is None exactly when ``prev`` is, ``down`` when ``nxt`` is.
-
-    The torch counterpart of the two ``Sendrecv`` calls of
-    :func:`credit_mpi.halo_exchange` (forward and backward). Returns
-    ``(from_next, from_prev)``: what ``nxt`` sent up and what ``prev`` sent
-    down, as new arrays of the edges' kind and shape (None without that
-    neighbour). The operations are issued in the same order on every rank
-    (NCCL matches point-to-point messages between two ranks in issue order,
-    not by tag). Data not on the group's device (CPU tensors with NCCL) is
-    copied there and back.
+    Peers are ranks of the group (the domain ranks). Data not on the
+    group's device (numpy arrays and CPU tensors with NCCL) is copied there
+    and back. Receive targets are contiguous arrays.
     """
-    device = _group_device(group)
-    ops, landing = [], []
 
-    def on_device(x: Any) -> Any:
-        data = arrays.as_torch_bytes(arrays.contiguous(x))
-        return data if data.device == device else data.to(device)
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
 
-    def send(x: Any, peer: int, tag: int) -> None:
-        ops.append(dist.P2POp(dist.isend, on_device(x), dist.get_global_rank(group, peer), group, tag))
+    def exchange(self, ops: Sequence[tuple[str, Any, int, int]]) -> None:
+        """Every message of ``ops`` in one ``batch_isend_irecv``, issued in ``ops``' order.
 
-    def recv(like: Any, peer: int, tag: int) -> Any:
-        result = arrays.empty(like, like.shape)
-        target = arrays.as_torch_bytes(result)
-        buf = target if target.device == device else torch.empty_like(target, device=device)
-        ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, peer), group, tag))
-        landing.append((buf, target))
-        return result
+        NCCL matches point-to-point messages between two ranks in issue
+        order, not by tag: the callers issue them in the same order on every
+        rank. Messages to this rank itself are copied (matched by tag).
+        """
+        device = _group_device(self.group)
+        p2p, landing, to_self = [], [], {}
+        for kind, x, peer, tag in ops:
+            if kind == SEND:
+                data = arrays.as_torch_bytes(arrays.contiguous(x))
+                if peer == self.rank:
+                    to_self.setdefault(tag, []).append(data)
+                    continue
+                data = data if data.device == device else data.to(device)
+                p2p.append(dist.P2POp(dist.isend, data, dist.get_global_rank(self.group, peer), self.group, tag))
+                continue
+            target = arrays.as_torch_bytes(x)
+            if peer == self.rank:
+                landing.append((None, target, x, tag))
+                continue
+            buf = target if target.device == device else torch.empty_like(target, device=device)
+            p2p.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(self.group, peer), self.group, tag))
+            landing.append((buf, target, x, tag))
+        if p2p:
+            for work in dist.batch_isend_irecv(p2p):
+                work.wait()
+        for buf, target, x, tag in landing:
+            source = to_self[tag].pop(0) if buf is None else buf
+            if source is not target:
+                target.copy_(source)
+            arrays.after_torch_wrote(x)
 
-    from_next = from_prev = None
-    like = up if up is not None else down
-    if prev is not None:
-        send(up, prev, TAG_UP)
-    if nxt is not None:
-        from_next = recv(like, nxt, TAG_UP)
-        send(down, nxt, TAG_DOWN)
-    if prev is not None:
-        from_prev = recv(like, prev, TAG_DOWN)
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    for buf, target in landing:
-        if buf is not target:
-            target.copy_(buf)
-    for result in (from_next, from_prev):
-        if result is not None:
-            arrays.after_torch_wrote(result)
-    return from_next, from_prev
-
+    def allgatherv(self, send: Any, recv: Any, counts: Sequence[int], displs: Sequence[int]) -> None:
+        """Every rank's ``send`` bytes at ``displs[r]`` of ``recv``: one all-gather, every part padded to the widest."""
+        device = _group_device(self.group)
+        n, widest = len(counts), max(counts)
+        data = arrays.as_torch_bytes(arrays.contiguous(send)).reshape(-1).to(device)
+        padded = torch.zeros(widest, dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data
+        staging = torch.empty((n, widest), dtype=torch.uint8, device=device)
+        _gather_slices(staging.view(1, n * widest), padded.view(1, widest), self.group)
+        target = arrays.as_torch_bytes(recv).reshape(-1)
+        for r, (count, displ) in enumerate(zip(counts, displs, strict=True)):
+            target[displ : displ + count].copy_(staging[r, :count])
+        arrays.after_torch_wrote(recv)
 
 
 def _group_device(group: Any) -> torch.device:
