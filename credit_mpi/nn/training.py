@@ -28,7 +28,6 @@ Every collective here is over the manager's communicators; with no manager
 
 from __future__ import annotations
 
-import hashlib
 import math
 import numbers
 from collections.abc import Iterable
@@ -43,7 +42,7 @@ from ..grad_sync import reduce_gradients
 from ..layout import Layout
 from ..manager import DomainParallelManager, get_domain_parallel_manager
 from ..partition import band_sizes, normalize_dim
-from ..validation import DomainParallelError, allgather_or_raise, check_int, comm_label
+from ..validation import DomainParallelError, allgather_or_raise, check_int, comm_label, digest
 
 __all__ = [
     "latitude_weights",
@@ -178,7 +177,7 @@ def _global_latitudes(latitudes: Any) -> np.ndarray:
 
 
 def _digest(lat: np.ndarray, dim: int, uneven: bool) -> tuple:
-    return (lat.size, dim, uneven, hashlib.sha256(lat.tobytes()).hexdigest())
+    return (lat.size, dim, uneven, digest(lat.tobytes()))
 
 
 # -- loss ------------------------------------------------------------------

@@ -61,46 +61,53 @@ class MpiMoves:
             return
         mine = self._lock.acquire(blocking=False)
         scratch = self._scratch if mine else {}
+        stack = None  # staging contexts of device arrays (host arrays need none)
         try:
-            with contextlib.ExitStack() as stack:
-                requests, unpack = [], []
-                for kind in (RECV, SEND):
-                    for i, (k, x, peer, tag) in enumerate(ops):
-                        if k != kind:
-                            continue
-                        buf = self._buffer(stack, scratch, i, k, x, unpack)
-                        post = self.comm.Irecv if k == RECV else self.comm.Isend
-                        requests.append(post([buf, MPI.BYTE], peer, tag))
-                MPI.Request.Waitall(requests)
+            recvs, sends, unpack = [], [], []
+            for i, (kind, x, peer, tag) in enumerate(ops):
+                buf = _host_buffer(x, kind, scratch, i, unpack)
+                if buf is None:
+                    if stack is None:
+                        stack = contextlib.ExitStack()
+                    move = staging.send_buffer if kind == SEND else staging.recv_buffer
+                    buf = stack.enter_context(move(arrays.contiguous(x) if kind == SEND else x, self.comm))
+                (recvs if kind == RECV else sends).append(([buf, MPI.BYTE], peer, tag))
+            comm = self.comm
+            requests = [comm.Irecv(*r) for r in recvs]
+            requests += [comm.Isend(*s) for s in sends]
+            MPI.Request.Waitall(requests)
             for dst, src in unpack:
                 dst[...] = src
         finally:
+            if stack is not None:
+                stack.close()  # received device data copied back (after Waitall)
             if mine:
                 self._lock.release()
-
-    def _buffer(self, stack: contextlib.ExitStack, scratch: dict, i: int, kind: str, x: Any, unpack: list) -> Any:
-        """Bytes MPI reads (send) or writes (recv) for ``x``: in place when it can, else packed or staged."""
-        if isinstance(x, np.ndarray) and not x.flags.c_contiguous:  # a strided host view: through a kept buffer
-            key = (i, x.shape, x.dtype.str)
-            buf = scratch.get(key)
-            if buf is None:
-                buf = scratch[key] = np.empty(x.shape, x.dtype)
-            if kind == SEND:
-                buf[...] = x
-            else:
-                unpack.append((x, buf))
-            return buf.reshape(-1).view(np.uint8)
-        if kind == SEND:
-            x = arrays.contiguous(x)
-        data = arrays.host_bytes(x)
-        if data is not None:
-            return data
-        return stack.enter_context((staging.send_buffer if kind == SEND else staging.recv_buffer)(x, self.comm))
 
     def allgatherv(self, send: Any, recv: Any, counts: Sequence[int], displs: Sequence[int]) -> None:
         """``Allgatherv`` of byte buffers (host or device, as staging routes them)."""
         with staging.send_buffer(send, self.comm) as s, staging.recv_buffer(recv, self.comm) as r:
             self.comm.Allgatherv([s, MPI.BYTE], [r, (list(counts), list(displs)), MPI.BYTE])
+
+
+def _host_buffer(x: Any, kind: str, scratch: dict, i: int, unpack: list) -> Any:
+    """What MPI reads (send) or writes (recv) for host ``x``, in place when contiguous; None for device arrays.
+
+    A strided numpy view goes through a buffer of ``scratch`` (kept per op
+    position ``i``): packed before a send, unpacked after a receive.
+    """
+    if isinstance(x, np.ndarray):
+        if x.flags.c_contiguous:
+            return x
+        buf = scratch.get(i)
+        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+            buf = scratch[i] = np.empty(x.shape, x.dtype)
+        if kind == SEND:
+            buf[...] = x
+        else:
+            unpack.append((x, buf))
+        return buf
+    return arrays.host_bytes(arrays.contiguous(x) if kind == SEND else x)
 
 
 def swap_edges(moves: Any, up: Any, down: Any, prev: int | None, nxt: int | None,
