@@ -13,7 +13,9 @@ traceback, every other rank one line naming it. Chained causes are named,
 not printed; ``CREDIT_MPI_TRACEBACK=all`` prints every rank's whole
 traceback.
 
-It is opt-in: importing credit_mpi changes nothing. Use it at the top of a
+It is opt-in: importing credit_mpi changes nothing. (Without it, an error
+that credit_mpi raises on every rank of a group is still printed once, where
+``sys.excepthook`` is Python's own, and the ranks exit as usual.) Use it at the top of a
 batch script::
 
     import credit_mpi
@@ -45,14 +47,14 @@ from typing import Any
 
 from mpi4py import MPI
 
+from ._printing import TRACEBACK_VARIABLE, agreed_printer, last_traceback, one_line
+
 __all__ = ["abort_on_exception", "abort_on_exception_enabled"]
 
 # The hooks that were in place before we installed ours (None: not installed).
 _saved: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
 _errorcode = 1
 
-#: ``CREDIT_MPI_TRACEBACK=all``: every rank prints its whole traceback (chained exceptions included).
-TRACEBACK_VARIABLE = "CREDIT_MPI_TRACEBACK"
 # How long a rank that leaves the traceback to another waits before aborting.
 _PRINTER_GRACE_S = 1.0
 
@@ -117,7 +119,7 @@ def _abort(exc_type, exc_value, exc_tb, where: str) -> None:
     rank, size = world.Get_rank(), world.Get_size()
     try:
         head = f"[credit_mpi rank {rank}/{size}] uncaught exception{where}; aborting all {size} rank(s) of MPI.COMM_WORLD with status {_errorcode}"
-        printer = _agreed_printer(exc_tb)
+        printer = agreed_printer(exc_tb)
         if os.environ.get(TRACEBACK_VARIABLE) == "all":
             text = f"{head}\n" + "".join(traceback.format_exception(exc_type, exc_value, exc_tb))
         elif printer is not None and printer != rank:
@@ -125,49 +127,15 @@ def _abort(exc_type, exc_value, exc_tb, where: str) -> None:
             # the job; this rank waits for that, and says one line only if the job is still there.
             sys.stdout.flush()
             time.sleep(_PRINTER_GRACE_S)
-            text = f"[credit_mpi rank {rank}/{size}] {_one_line(exc_type, exc_value)} (the same error as rank {printer})\n"
+            text = f"[credit_mpi rank {rank}/{size}] {one_line(exc_type, exc_value)} (the same error as rank {printer})\n"
         else:
             group = "" if printer is None else " (raised alike on every rank of its group: printed once)"
-            text = f"{head}{group}\n" + _last_traceback(exc_type, exc_value, exc_tb)
+            text = f"{head}{group}\n" + last_traceback(exc_type, exc_value, exc_tb)
         sys.stderr.write(text)
         sys.stderr.flush()
         sys.stdout.flush()
     finally:
         world.Abort(_errorcode)
-
-
-def _agreed_printer(tb) -> int | None:
-    """The COMM_WORLD rank that prints an error agreed on by a group of ranks, else None.
-
-    An error raised while ranks settle an agreement (``validation._settle``,
-    where every rank of the communicator raises the same exception) is the
-    same on every rank of that communicator: its rank 0 prints it.
-    """
-    for frame, _ in traceback.walk_tb(tb):
-        code = frame.f_code
-        if code.co_name == "_settle" and code.co_filename.endswith(os.path.join("credit_mpi", "validation.py")):
-            comm = frame.f_locals.get("comm")
-            try:
-                return MPI.Group.Translate_ranks(comm.Get_group(), [0], MPI.COMM_WORLD.Get_group())[0]
-            except Exception:  # noqa: BLE001 - a freed communicator: print here
-                return None
-    return None
-
-
-def _one_line(exc_type, exc_value) -> str:
-    lines = str(exc_value).strip().splitlines()
-    text = lines[0] if lines else ""
-    return f"{exc_type.__name__}: {text[:300]}{'...' if len(text) > 300 or len(lines) > 1 else ''}"
-
-
-def _last_traceback(exc_type, exc_value, exc_tb) -> str:
-    """The traceback of the exception itself; its chained causes (often the same error a rank raised first) by name only."""
-    text = "".join(traceback.format_exception(exc_type, exc_value, exc_tb, chain=False))
-    cause = exc_value.__cause__ or (None if exc_value.__suppress_context__ else exc_value.__context__)
-    if cause is not None and not str(exc_value).startswith(str(cause)):  # an agreed error repeats its cause's text
-        text += (f"(raised while handling {type(cause).__name__}: {str(cause).strip()[:200]}; "
-                 f"{TRACEBACK_VARIABLE}=all prints the whole chain on every rank)\n")
-    return text
 
 
 def _excepthook(exc_type, exc_value, exc_tb) -> None:

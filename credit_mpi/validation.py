@@ -33,6 +33,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import watchdog
+from ._printing import install_print_once
 from .partition import band_offsets
 
 __all__ = [
@@ -227,7 +228,8 @@ def _settle(
     """
     if not table[:, 2].any() and (table[:, :4] == table[0, :4]).all():
         return mine.plan, table[:, 4].tolist()
-    # Some rank failed or differs: every rank saw the same table, so every rank is here.
+    # Some rank failed or differs: every rank saw the same table, so every rank is here, and raises alike.
+    install_print_once()
     if error is not None:
         item = (False, (type(error) if isinstance(error, _PORTABLE) else None, str(error)))
     else:

@@ -52,6 +52,20 @@ def self_comm():
 
 
 @pytest.fixture
+def shared_dir():
+    """One temporary directory, the same path on every rank (rank 0 makes it and removes it after the test)."""
+    import shutil
+    import tempfile
+
+    world = MPI.COMM_WORLD
+    path = world.bcast(tempfile.mkdtemp(prefix="credit_mpi_test_") if world.Get_rank() == 0 else None)
+    yield path
+    world.Barrier()
+    if world.Get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def rng():
     """The same random stream on every rank, so every rank can build the reference."""
     return np.random.default_rng(SEED)

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 import credit_mpi
-from credit_mpi import abort
+from credit_mpi import _printing, abort
 
 
 @pytest.fixture(autouse=True)
@@ -20,6 +20,8 @@ def restore():
     before = (sys.excepthook, threading.excepthook, sys.exit)
     yield
     credit_mpi.abort_on_exception(False)
+    if sys.excepthook is _printing.print_once_hook:  # an agreed error raised in this process installed it
+        sys.excepthook = sys.__excepthook__
     assert (sys.excepthook, threading.excepthook, sys.exit) == before
 
 
@@ -82,12 +84,12 @@ def test_an_agreed_error_is_printed_by_the_groups_first_rank():
         raise ValueError("nope")
 
     agreed = _caught(lambda: credit_mpi.allgather_or_raise(MPI.COMM_SELF, bad))
-    assert abort._agreed_printer(agreed.__traceback__) == MPI.COMM_WORLD.Get_rank()  # COMM_SELF's rank 0
-    assert abort._agreed_printer(_caught(bad).__traceback__) is None  # one rank's own error: it prints it
-    text = abort._last_traceback(type(agreed), agreed, agreed.__traceback__)
+    assert abort.agreed_printer(agreed.__traceback__) == MPI.COMM_WORLD.Get_rank()  # COMM_SELF's rank 0
+    assert abort.agreed_printer(_caught(bad).__traceback__) is None  # one rank's own error: it prints it
+    text = abort.last_traceback(type(agreed), agreed, agreed.__traceback__)
     assert text.count("Traceback") == 1 and "nope [on rank(s) 0" in text
     assert "raised while handling" not in text  # the cause says what the agreed error says
-    assert abort._one_line(ValueError, ValueError("a\nb")) == "ValueError: a..."
+    assert abort.one_line(ValueError, ValueError("a\nb")) == "ValueError: a..."
 
 
 def test_a_cause_with_other_words_is_named_not_printed():
@@ -97,7 +99,7 @@ def test_a_cause_with_other_words_is_named_not_printed():
         except KeyError as exc:
             raise RuntimeError("wrapped") from exc
     except RuntimeError as exc:
-        text = abort._last_traceback(RuntimeError, exc, exc.__traceback__)
+        text = abort.last_traceback(RuntimeError, exc, exc.__traceback__)
     assert text.count("Traceback") == 1 and "raised while handling KeyError: 'k'" in text
     assert "CREDIT_MPI_TRACEBACK=all" in text
 
@@ -105,16 +107,21 @@ def test_a_cause_with_other_words_is_named_not_printed():
 AGREED_JOB = """
 import numpy as np
 import credit_mpi as cm
-cm.abort_on_exception()
+{hook}
 m = cm.initialize_domain_parallel(None, {n})
 x = np.zeros((1, 2, 8 + (m.domain_rank == 1), 4))
 cm.halo_exchange(x, 1, dim=-1)
 """
 
 
+@pytest.mark.parametrize("hook", [True, False], ids=["abort_on_exception", "no-hook"])
 @pytest.mark.parametrize("variable", [None, "all"])
-def test_one_traceback_for_an_error_every_rank_raises(variable, tmp_path):
-    """3 ranks, one wrong band: the agreed ValueError is one traceback (every rank's with CREDIT_MPI_TRACEBACK=all)."""
+def test_one_traceback_for_an_error_every_rank_raises(variable, hook, tmp_path):
+    """3 ranks, one wrong band: the agreed ValueError is one traceback (every rank's with CREDIT_MPI_TRACEBACK=all).
+
+    With abort_on_exception the first rank prints it and aborts the job; without it (a plain script) the
+    first agreed error installs the print-once hook (Python's own hook was in place), every rank exits.
+    """
     import subprocess
     from pathlib import Path
 
@@ -128,7 +135,7 @@ def test_one_traceback_for_an_error_every_rank_raises(variable, tmp_path):
     if not mpiexec.exists():
         pytest.skip(f"no {mpiexec}")
     script = tmp_path / "job.py"
-    script.write_text(AGREED_JOB.format(n=3))
+    script.write_text(AGREED_JOB.format(n=3, hook="cm.abort_on_exception()" if hook else ""))
     env = child_env(MPIEXEC_TIMEOUT="120", **({"CREDIT_MPI_TRACEBACK": variable} if variable else {}))
     result = subprocess.run([str(mpiexec), "-n", "3", sys.executable, str(script)], env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=150)
@@ -137,6 +144,10 @@ def test_one_traceback_for_an_error_every_rank_raises(variable, tmp_path):
     assert "bands do not fit together" in out, out
     if variable is None:
         assert out.count("Traceback (most recent call last)") == 1, out
-        assert "[credit_mpi rank 0/3] uncaught exception" in out and "printed once" in out, out
+        head = "[credit_mpi rank 0/3] uncaught exception" if hook else "[credit_mpi rank 0/3] raised alike"
+        assert head in out and "printed once" in out, out
+        if not hook:  # the others say one line each
+            assert all(f"[credit_mpi rank {r}/3] ValueError:" in out and "(the same error as rank 0" in out
+                       for r in (1, 2)), out
     else:
         assert out.count("Traceback (most recent call last)") >= 2, out  # the chain too (on every rank that got to print)

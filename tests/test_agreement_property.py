@@ -30,9 +30,10 @@ TRIALS = 150
 SUMMARY = re.compile(r"(?:grid_)?agreement_job: (\d+) ranks, seed (\d+), (\d+) trials: (.*); violations=(\d+)")
 
 
-def run_job(ranks: int, seed: int, trials: int = TRIALS, job=JOB) -> tuple[int, str, float]:
+def run_job(ranks: int, seed: int, trials: int = TRIALS, job=JOB, *extra: str) -> tuple[int, str, float]:
+    """Run ``job`` (a property job: ``--seed``, ``--trials``, then ``extra``) on ``ranks`` ranks, bounded by BOUND_S."""
     env = child_env(MPIEXEC_TIMEOUT=str(BOUND_S))  # MPICH's hydra ends the job itself too
-    cmd = [*launcher(), "-n", str(ranks), sys.executable, str(job), "--seed", str(seed), "--trials", str(trials)]
+    cmd = [*launcher(), "-n", str(ranks), sys.executable, str(job), "--seed", str(seed), "--trials", str(trials), *extra]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:

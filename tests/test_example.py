@@ -1,4 +1,4 @@
-"""examples/train_unet.py reading its samples through credit_mpi.io.BandDataset (``--store``).
+"""examples/train_unet.py: its store (``--store``), resume (``--resume``), FSDP2, bf16 and its command line.
 
 MPI tests: the example's ``main()`` runs on the current communicator (1-4
 ranks; on 4 ranks as 2 bands x 2 data-parallel groups). It writes the
@@ -8,15 +8,17 @@ the data-parallel sampler, and returns 0 only when its loss curve equals the
 single-process run on the whole store (relative 1e-9). The batches are
 smaller than each replica's share of the samples, so the curve depends on
 the sampler's order: a reference that trained on other global batches would
-differ from step 0.
+differ from step 0. A run resumed from a checkpoint gives the uninterrupted
+run's losses exactly; ``--fsdp`` and ``--bf16`` train against one process;
+``--help`` shows the defaults and a ``--data-parallel`` that does not divide
+the ranks is refused.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -34,16 +36,6 @@ def example():
     spec.loader.exec_module(module)
     return module
 
-
-@pytest.fixture
-def shared_dir():
-    """One temporary directory, the same path on every rank (rank 0 makes and removes it)."""
-    world = MPI.COMM_WORLD
-    path = world.bcast(tempfile.mkdtemp(prefix="credit_mpi_example_") if world.Get_rank() == 0 else None)
-    yield path
-    world.Barrier()
-    if world.Get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def layout(size: int) -> list[str]:
@@ -99,3 +91,52 @@ def test_example_refuses_a_layout_its_skip_connection_cannot_join():
     lat = "16" if size == 3 else "15"
     with pytest.raises(ValueError, match=rf"--lat {lat}[ :].*the UNet needs an even latitude count"):
         example().main(["--data-parallel", "1", "--lat", lat, "--lon", "16", "--steps", "1"])
+
+
+def test_example_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as exc:
+        example().main(["--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 20)" in out and "(default: unet_checkpoint.pt)" in out
+
+
+def test_example_refuses_a_data_parallel_size_that_does_not_divide_the_ranks(capsys):
+    """``-n 3 --data-parallel 2`` ran 1 band x 3 replicas (integer division); on one rank: --data-parallel 2."""
+    size = MPI.COMM_WORLD.Get_size()
+    with pytest.raises(SystemExit) as exc:
+        example().main(["--data-parallel", str(size + 1)])
+    assert exc.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--data-parallel {size + 1} does not divide the {size} rank(s)" in err
+
+
+def curve(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_example_resumes_bit_for_bit(shared_dir):
+    """4 steps straight; 2 steps with a checkpoint, then --resume to 4: the same losses (float equality)."""
+    world = MPI.COMM_WORLD
+    module = example()
+    base = [*layout(world.Get_size()), "--checkpoint", os.path.join(shared_dir, "ckpt.pt")]
+    straight, resumed = os.path.join(shared_dir, "straight.json"), os.path.join(shared_dir, "resumed.json")
+    assert module.main([*base, "--steps", "4", "--log", straight]) == 0
+    assert module.main([*base, "--steps", "2", "--checkpoint-every", "2"]) == 0
+    assert module.main([*base, "--steps", "4", "--resume", "--log", resumed]) == 0
+    if world.Get_rank() == 0:
+        a, b = curve(straight), curve(resumed)
+        assert b["steps"] == [2, 3]
+        assert b["loss"] == a["loss"][2:]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_example_trains_with_fsdp_and_bf16(shared_dir):
+    """--fsdp (exact against one process) and --bf16 (within bf16 tolerance), with a checkpoint of the FSDP model."""
+    module = example()
+    args = [*layout(MPI.COMM_WORLD.Get_size()), "--steps", "2", "--checkpoint", os.path.join(shared_dir, "f.pt")]
+    assert module.main([*args, "--fsdp", "--checkpoint-every", "1"]) == 0
+    assert module.main([*args, "--fsdp", "--steps", "3", "--resume"]) == 0
+    assert module.main([*args, "--bf16"]) == 0

@@ -50,6 +50,28 @@ def domain_layout(manager: DomainParallelManager | None) -> tuple[MPI.Comm | Non
     return manager.domain_group, manager.domain_parallel_size, manager.domain_rank
 
 
+INCOMPLETE = "credit_mpi_incomplete"  # the store attribute write_bands sets first and removes last
+
+
+def grid_position(manager: DomainParallelManager | None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((rows, cols), (row, col))`` of this rank on the manager's domain grid (``((n, 1), (rank, 0))``: bands)."""
+    from ..grid import grid_coords, grid_of
+
+    if manager is None or manager.domain_parallel_size <= 1:
+        return (1, 1), (0, 0)
+    grid = grid_of(manager, manager.domain_parallel_size)
+    return grid, grid_coords(manager.domain_rank, grid)
+
+
+def check_complete(ds: xr.Dataset, what: str) -> None:
+    """ValueError when ``ds`` is a store that :func:`credit_mpi.io.write_bands` did not finish writing."""
+    if INCOMPLETE in ds.attrs:
+        raise ValueError(
+            f"{what} is incomplete: {ds.attrs[INCOMPLETE]} (write_bands sets this attribute first and removes it "
+            f"after every rank wrote its rows); write it again"
+        )
+
+
 def agree(comm: MPI.Comm | None, what: str, compute: Callable[[], dict], cleanup: Callable[[], None]) -> list[dict]:
     """Run ``compute`` on every rank of ``comm`` and require the same result everywhere.
 

@@ -15,11 +15,13 @@ from ..partition import band_range
 from ..validation import allgather_or_raise, check_int
 from ._store import (
     agree,
+    check_complete,
     check_dim,
     check_same,
     close_quietly,
     describe,
     domain_layout,
+    grid_position,
     open_store,
     resolve_manager,
     store_name,
@@ -49,8 +51,14 @@ class BandDataset(torch.utils.data.Dataset):
     dimension: ``x``/``y``/``static`` are sharded at dim -2, ``index`` is left
     alone), reading only the chunks that overlap the band.
 
+    On a latitude x longitude domain grid (``domain_grid=(rows, cols)``,
+    ``cols > 1``) the samples are the rank's block: the latitude band of its
+    grid row and the band of its grid column along the last dim (``W_block``),
+    as ``shard_batch`` with the (latitude, longitude) dims gives.
+
     Construction is collective over the domain group (the ranks agree on the
-    store, the variables and every argument, as :func:`open_band`).
+    store, the variables and every argument, as :func:`open_band`; a store
+    that :func:`write_bands` did not finish is refused).
     ``__getitem__`` calls no MPI: it opens the store with xarray (once per
     process) and reads. Pickled (``DataLoader`` workers with ``spawn`` or
     ``forkserver``), the dataset unpickles without initialising MPI in the
@@ -90,7 +98,8 @@ class BandDataset(torch.utils.data.Dataset):
         open_kwargs: dict | None = None,
     ) -> None:
         manager = resolve_manager(manager)
-        comm, n, rank = domain_layout(manager)
+        comm, _, _ = domain_layout(manager)
+        (rows, cols), (row, col) = grid_position(manager)
         open_kwargs = dict(open_kwargs or {})
         opened: dict[str, Any] = {}
 
@@ -107,6 +116,7 @@ class BandDataset(torch.utils.data.Dataset):
             what = f"the store {store_name(store)[-1]!r}"
             check_dim(ds, dim, what)
             check_dim(ds, time_dim, what)
+            check_complete(ds, what)
             layout = [_layout(ds, name, dim, time_dim, True) for name in names]
             static_layout = [_layout(ds, name, dim, time_dim, False) for name in statics]
             widths = {ds.sizes[order[-1]] for _, order in layout + static_layout}
@@ -137,7 +147,9 @@ class BandDataset(torch.utils.data.Dataset):
         self.dim, self.time_dim, self.history, self.forecast = dim, time_dim, h, f
         self.dtype = out_dtype
         self.open_kwargs = open_kwargs
-        self.band = band_range(ds.sizes[dim], n, rank, uneven)
+        self.band = band_range(ds.sizes[dim], rows, row, uneven)
+        width = ds.sizes[layout[0][1][-1]]
+        self.lon_band = band_range(width, cols, col, uneven) if cols > 1 else None  # the last dim's block on a grid
         self.channels = sum(int(np.prod([ds.sizes[d] for d in order[1:-2]])) for _, order in layout)
         self._layout, self._static_layout = layout, static_layout
         self._positions = positions
@@ -162,7 +174,7 @@ class BandDataset(torch.utils.data.Dataset):
         band = slice(*self.band)
         parts = []
         for name, order in self._layout:
-            a = ds[name].isel({self.time_dim: _as_slice(times), self.dim: band}).transpose(*order).values
+            a = ds[name].isel({self.time_dim: _as_slice(times), self.dim: band, **self._lon_cut(order)}).transpose(*order).values
             parts.append(a.reshape(a.shape[0], -1, *a.shape[-2:]))
         data = np.concatenate(parts, axis=1).astype(self.dtype, copy=False).swapaxes(0, 1)  # (C, T, H, W)
         sample = {"x": torch.from_numpy(np.ascontiguousarray(data[:, : self.history]))}
@@ -177,10 +189,14 @@ class BandDataset(torch.utils.data.Dataset):
         if self._static is None:
             parts = []
             for name, order in self._static_layout:
-                a = ds[name].isel({self.dim: slice(*self.band)}).transpose(*order).values
+                a = ds[name].isel({self.dim: slice(*self.band), **self._lon_cut(order)}).transpose(*order).values
                 parts.append(a.reshape(-1, 1, *a.shape[-2:]))
             self._static = torch.from_numpy(np.ascontiguousarray(np.concatenate(parts).astype(self.dtype, copy=False)))
         return self._static.clone()
+
+    def _lon_cut(self, order: tuple) -> dict:
+        """The last dim's block of a variable laid out as ``order`` on a grid (nothing on bands)."""
+        return {} if self.lon_band is None else {order[-1]: slice(*self.lon_band)}
 
     def _open(self) -> xr.Dataset:
         if self._ds is None:

@@ -34,7 +34,16 @@ from mpi4py import MPI
 from ..manager import DomainParallelManager
 from ..partition import band_offsets
 from ..validation import allgather_or_raise
-from ._store import agree, domain_layout, is_zarr_dir, resolve_manager, store_name, values_digest
+from ._store import (
+    INCOMPLETE,
+    agree,
+    domain_layout,
+    grid_position,
+    is_zarr_dir,
+    resolve_manager,
+    store_name,
+    values_digest,
+)
 
 __all__ = ["write_bands", "writer_ranges"]
 
@@ -122,9 +131,18 @@ def write_bands(
 
     Collective over the domain group. Everything that could differ between
     ranks (store, mode, dim, chunks, variables, dtypes, the shared
-    variables' values) is agreed before anything is written: a mistake is
-    the same exception on every rank and nothing is written. A failure while
-    writing is reported on every rank (the store is then incomplete).
+    variables' values) is agreed before anything is written, and each rank
+    reads its band (a lazily opened one too) inside that agreement: a
+    mistake or a chunk that cannot be read is the same exception on every
+    rank and nothing is written. A failure while writing is reported on
+    every rank, and the store says it is incomplete: a Zarr store carries
+    the attribute ``credit_mpi_incomplete`` from its creation until every
+    rank has written its rows (:func:`open_band` and
+    :class:`BandDataset` refuse it); a netCDF file is written under a
+    temporary name and renamed when whole.
+
+    Latitude bands only: on a domain grid of more than one column
+    (``domain_grid=(rows, cols)``) every rank raises a ``ValueError``.
 
     Args:
         ds_band: This rank's band (an :class:`xarray.Dataset`; lazy is fine).
@@ -144,8 +162,16 @@ def write_bands(
     """
     manager = resolve_manager(manager)
     comm, n, rank = domain_layout(manager)
+    (rows, cols), _ = grid_position(manager)
+    band_data: dict[str, np.ndarray] = {}
 
     def plan() -> dict:
+        if cols > 1:
+            raise ValueError(
+                f"write_bands writes latitude bands, but the manager's domain is a {rows}x{cols} latitude x longitude "
+                f"grid (each rank a block); write from a manager of latitude bands (domain_grid=None), or gather each "
+                f"grid row's blocks along the longitude first"
+            )
         if not isinstance(ds_band, xr.Dataset):
             raise TypeError(f"ds_band must be an xarray.Dataset, got {type(ds_band).__name__}")
         if mode not in MODES:
@@ -167,6 +193,9 @@ def write_bands(
             shape = tuple(int(s) for d, s in zip(var.dims, var.shape, strict=True) if d != dim)
             shared = None if dim in var.dims else values_digest(var.values)
             variables.append((str(name), tuple(map(str, var.dims)), var.dtype.str, shape, shared))
+        for name, var in ds_band.variables.items():  # read now: a chunk that cannot be read is everyone's error
+            if dim in var.dims and name != dim:
+                band_data[name] = np.asarray(var.values)
         index = ds_band.indexes.get(dim)
         return {
             "store": target,
@@ -197,7 +226,7 @@ def write_bands(
     moved: dict[str, xr.Variable] = {}
     for name in names:  # the same names, in the same order, on every rank (agreed)
         var = ds_band.variables[name]
-        data = np.asarray(var.values)
+        data = band_data[name]
         if comm is not None:
             data = exchange_rows(comm, data, var.dims.index(dim), have, want)
         moved[name] = xr.Variable(var.dims, data)
@@ -205,8 +234,10 @@ def write_bands(
     def write() -> None:
         start, stop = want[rank]
         if target[0] == "netcdf":
-            if rank == 0:
-                _global_dataset(ds_band, moved, dim, global_index).to_netcdf(target[1], mode="w")
+            if rank == 0:  # under a temporary name, renamed when whole: never half a file under the name
+                partial = f"{target[1]}.incomplete"
+                _global_dataset(ds_band, moved, dim, global_index).to_netcdf(partial, mode="w")
+                os.replace(partial, target[1])
         elif comm is None:
             _create(ds_band, store, dim, sizes, global_index, dict(descs[0]["chunks"]), chunk, mode)
             xr.Dataset(moved).to_zarr(store, region={dim: slice(start, stop)}, mode="r+")
@@ -215,11 +246,27 @@ def write_bands(
 
     if comm is None:
         write()
+        if target[0] == "zarr":
+            _mark_complete(store)
         return
     try:
         allgather_or_raise(comm, write)
     except Exception as exc:
         raise type(exc)(f"{exc} (writing {target[1]!r}: the store is incomplete)") from exc
+    if target[0] == "zarr":  # every rank wrote its rows: domain rank 0 removes the mark, last
+        allgather_or_raise(comm, lambda: _mark_complete(store) if rank == 0 else None)
+
+
+def _mark_complete(store: Any) -> None:
+    """Remove the :data:`INCOMPLETE` attribute of a Zarr store (and consolidate its metadata again)."""
+    import zarr
+
+    group = zarr.open_group(store, mode="r+")
+    if INCOMPLETE in group.attrs:
+        del group.attrs[INCOMPLETE]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Consolidated metadata", category=UserWarning)
+        zarr.consolidate_metadata(store)
 
 
 def _split_band(desc: dict) -> dict:
@@ -303,7 +350,8 @@ def _create(
     if global_index is not None:
         var = ds_band.variables[dim]
         coords[dim] = xr.Variable((dim,), global_index, var.attrs, {k: v for k, v in var.encoding.items() if k in _KEEP_ENCODING})
-    template = xr.Dataset(variables, coords=coords, attrs=ds_band.attrs)
+    attrs = {**ds_band.attrs, INCOMPLETE: "write_bands has not finished writing every rank's rows (or a write failed)"}
+    template = xr.Dataset(variables, coords=coords, attrs=attrs)
     with warnings.catch_warnings():
         # zarr warns that consolidated metadata is not in the Zarr 3 spec; xarray reads it (no listing
         # of the store on open, no warning), and the region writes that follow do not change metadata

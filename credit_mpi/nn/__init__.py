@@ -7,12 +7,15 @@ same ``state_dict`` keys) and refuses what it has no rule for;
 stride alignment, minimum band height) before any data moves.
 
 The training-loop helpers (latitude weights, the band-share loss, global
-metrics, ``clip_grad_norm_``) live in :mod:`credit_mpi.nn.training`.
+metrics, ``clip_grad_norm_``) live in :mod:`credit_mpi.nn.training`;
+checkpoints that resume bit for bit (``save_checkpoint``,
+``load_checkpoint``) in :mod:`credit_mpi.nn.checkpoint`.
 
 Importing this subpackage imports torch (``import credit_mpi`` does not).
 """
 
 from ._comm import ConversionError
+from .checkpoint import load_checkpoint, save_checkpoint
 from .conv import (
     DomainParallelConv1d,
     DomainParallelConv2d,
@@ -23,6 +26,7 @@ from .conv import (
     DomainParallelPeriodicConv2d,
 )
 from .convert import convert_to_domain_parallel, keep_local
+from .dropout import DomainParallelAlphaDropout, DomainParallelDropout
 from .exchange import HaloExchange
 from .norm import (
     DomainParallelBatchNorm1d,
@@ -94,10 +98,14 @@ __all__ = [
     "DomainParallelAdaptiveAvgPool1d",
     "DomainParallelAdaptiveAvgPool2d",
     "DomainParallelAdaptiveAvgPool3d",
+    "DomainParallelDropout",
+    "DomainParallelAlphaDropout",
     "latitude_weights",
     "latitude_weighted_mse",
     "LatitudeWeightedMSELoss",
     "global_loss",
     "latitude_weighted_metrics",
     "clip_grad_norm_",
+    "save_checkpoint",
+    "load_checkpoint",
 ]

@@ -11,19 +11,24 @@
   (backward: the gradients summed over the ranks).
 * :func:`overlap_add` - the adjoint of a halo exchange (transposed
   convolutions), differentiable.
+* :func:`share_failure` / :func:`forward_done` - the converted model's
+  forward ends in one agreement, and a rank-local exception anywhere inside
+  it takes part in the agreement the other ranks are in (the next layer's
+  or that last one): the same exception on every rank, not a wait.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 from mpi4py import MPI
 from torch.autograd.function import once_differentiable
 
+from .. import validation
 from ..autograd import check_backward_thread
 from ..blocks import decode_block, encode_block
 from ..grid import grid_coords, grid_of
@@ -32,6 +37,19 @@ from ..layout import Layout
 from ..partition import check_halo_width
 from ..validation import DomainParallelError, Local, agree_cached, comm_label
 from ..validation import agree as agree_once
+
+_VALIDATION_FILE = validation.__file__
+
+
+def _eager(fn: Callable) -> Callable:
+    """Run ``fn`` eagerly under ``torch.compile``: a graph break, the collective outside the traced graph.
+
+    Dynamo would trace into the MPI plumbing (numpy views of tensors, pooled
+    buffers, mpi4py calls), which it cannot (FakeTensor "setStorage ... out of
+    bounds" errors under ``aot_eager``); with the collectives left eager, the
+    torch ops between them still compile.
+    """
+    return torch.compiler.disable(fn, recursive=True)
 
 
 class ConversionError(DomainParallelError):
@@ -59,11 +77,16 @@ class Bands:
         return sum(self.sizes)
 
 
-def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Comm, path: str, extra: Callable[[], Any] | None = None) -> Bands:
+@_eager
+def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Comm, path: str, extra: Callable[[], Any] | None = None,
+          *, mode: tuple = (True, "")) -> Bands:
     """Every rank's rows of ``x`` along ``axis_of(x)`` (collective over ``comm``).
 
     ``axis_of`` runs the layer's local checks and returns the sharded axis;
-    ``extra`` returns more arguments that must be equal on every rank.
+    ``extra`` returns more arguments that must be equal on every rank;
+    ``mode`` is the layer's (``DomainParallelModule.dp_mode()``: the
+    training flag and the module's settings; agreed with the autograd state:
+    a rank in eval mode while the others train raises on every rank).
     Raises (on every rank alike) when a rank's checks fail or when the bands
     differ in anything but their rows along the axis.
 
@@ -77,12 +100,14 @@ def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Com
     def describe(axis: int) -> tuple:
         shape = tuple(x.shape)
         grad = bool(torch.is_grad_enabled() and x.requires_grad)
-        return axis, shape[:axis] + shape[axis + 1 :], str(x.dtype), x.device.type, grad, extra() if extra else None
+        return (axis, shape[:axis] + shape[axis + 1 :], str(x.dtype), x.device.type, grad, extra() if extra else None,
+                mode, path)
 
     def local() -> Local:
         axis = axis_of(x)
         mine = describe(axis)
-        return Local(mine, (mine[0], mine[1], mine[2], mine[3], mine[4], repr(mine[5])), (), x.shape[axis])
+        # the layer's path too: two layers with the same input must not agree with each other
+        return Local(mine, (*mine[:5], repr(mine[5]), *mine[6:]), (), x.shape[axis])
 
     def explain(locals_: list[Local]) -> None:
         _misfit(path, comm, locals_, "bands", "axis", "the sharded one")
@@ -99,16 +124,74 @@ def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Com
     return agree_cached(comm, "layer", key, local, finish, explain=explain)
 
 
+def agreed_already(exc: BaseException) -> bool:
+    """True when ``exc`` came out of an agreement (:mod:`credit_mpi.validation` settled it): every rank raises it.
+
+    Such an exception is not shared again: the ranks that raised it are
+    done with the agreement, a second one would wait for ranks that left.
+    """
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "_settle" and code.co_filename == _VALIDATION_FILE:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+@_eager
+def share_failure(comm: MPI.Comm, exc: Exception) -> NoReturn:
+    """Raise ``exc`` (raised on this rank inside a converted forward) on every rank of ``comm`` (collective).
+
+    The other ranks are in the next layer's agreement or in
+    :func:`forward_done` (every layer starts with one, and the forward ends
+    with one); this rank joins it with "I failed", and every rank raises the
+    same exception (the agreement's). When every rank raised this very
+    exception it is raised as it is; an exception that came out of an
+    agreement (:func:`agreed_already`) is raised on every rank already.
+    """
+    if agreed_already(exc):
+        raise exc
+
+    def fail() -> Local:
+        raise exc
+
+    try:
+        agree_once(comm, "layer", fail)
+    except Exception as agreed:  # noqa: BLE001 - always: fail() raised
+        shared = agreed
+    else:  # pragma: no cover - agree raises when local() does
+        raise AssertionError("agree returned after a failure")
+    everyone = ", ".join(str(r) for r in range(comm.Get_size()))
+    if str(shared) == f"{exc} [on rank(s) {everyone} of {comm_label(comm)}]":
+        raise exc
+    raise shared from exc
+
+
+@_eager
+def forward_done(comm: MPI.Comm) -> None:
+    """The last agreement of a converted forward (one fixed-size ``Allgather``): meets a rank that failed after its last layer."""
+    agree_once(comm, "layer", lambda: Local(None, ("forward done",)))
+
+
 def _misfit(path: str, comm: MPI.Comm, locals_: list[Local], pieces: str, axis: str, sharded: str) -> None:
     """The layer agreements' ``explain``: name every rank's input when the bands (or blocks) do not fit together."""
+    plans = [loc.plan for loc in locals_]
+    if not all(isinstance(e, tuple) and len(e) == 8 and e[7] == path for e in plans):
+        where = [e[7] if isinstance(e, tuple) and len(e) == 8 else e for e in plans]
+        raise DomainParallelError(
+            f"ranks of {comm_label(comm)} are in different steps of the model (different layers, a replicated input "
+            f"on some ranks only, a model converted differently, or different code paths); per rank: {where}"
+        )
     detail = "; ".join(
-        f"rank {r}: {axis} {e[0]}, other dims {e[1]}, {e[2]} on {e[3]}, requires_grad={e[4]}"
+        f"rank {r}: {axis} {e[0]}, other dims {e[1]}, {e[2]} on {e[3]}, requires_grad={e[4]}, "
+        + f"training={e[6][0]} ({e[6][1]})"
         + (f", {e[5]}" if e[5] is not None else "")
-        for r, e in enumerate(loc.plan for loc in locals_)
+        for r, e in enumerate(plans)
     )
     raise ValueError(
         f"{path}: the {pieces} do not fit together across {comm_label(comm)} (the same dtype, device type, "
-        f"requires_grad and every dimension but {sharded} are needed on every rank): {detail}"
+        f"requires_grad, training mode and every dimension but {sharded} are needed on every rank): {detail}"
     )
 
 
@@ -120,6 +203,7 @@ def check_halo(path: str, sizes: list[int], width: int, boundary: str, axis: int
         raise ValueError(f"{path}: {exc}") from None
 
 
+@_eager
 def fetch_rows(
     x: torch.Tensor,
     bands: Bands,
@@ -178,6 +262,7 @@ class _AllGather(torch.autograd.Function):
         return torch.from_numpy(g[comm.Get_rank()]).to(grad.device), None
 
 
+@_eager
 def allgather_stats(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
     """Stack every rank's ``t`` (float32/float64) along a new first dim; differentiable.
 
@@ -206,6 +291,7 @@ class _OverlapAdd(torch.autograd.Function):
         return halo_exchange(grad.detach().contiguous(), ctx.width, ctx.axis, ctx.manager, check=False), None, None, None, None
 
 
+@_eager
 def overlap_add(y: torch.Tensor, rows: int, width: int, axis: int, manager: Any) -> torch.Tensor:
     """``y`` holds ``rows + 2*width`` rows (``width`` before and after the own ``rows``): add the outer ones to the neighbours'.
 
@@ -250,18 +336,21 @@ class Blocks:
         return [h * w for h in self.heights for w in self.widths]
 
 
+@_eager
 def agree_blocks(
     x: torch.Tensor,
     axes_of: Callable[[torch.Tensor], tuple[int, int]],
     manager: Any,
     path: str,
     extra: Callable[[], Any] | None = None,
+    *,
+    mode: tuple = (True, ""),
 ) -> Blocks:
     """Every rank's block of ``x`` on the manager's 2-D domain grid (collective over the domain group).
 
     ``axes_of`` runs the layer's local checks and returns the (latitude,
     longitude) axes; ``extra`` returns more arguments that must be equal on
-    every rank. Raises (on every rank alike) when a rank's checks fail, when
+    every rank, ``mode`` the layer's (as in :func:`agree`). Raises (on every rank alike) when a rank's checks fail, when
     the blocks differ in anything but their two grid dims, or when they do
     not tile the globe (every block of a grid row needs the same latitude
     rows, every block of a grid column the same longitudes).
@@ -273,13 +362,13 @@ def agree_blocks(
         shape = tuple(x.shape)
         rest = tuple(s for i, s in enumerate(shape) if i not in axes)
         grad = bool(torch.is_grad_enabled() and x.requires_grad)
-        return axes, rest, str(x.dtype), x.device.type, grad, extra() if extra else None
+        return axes, rest, str(x.dtype), x.device.type, grad, extra() if extra else None, mode, path
 
     def local() -> Local:
         ay, ax = axes_of(x)
         mine = describe((ay, ax))
         # the fixed-size agreement of every collective: one count per rank carries the block's (rows, cols)
-        return Local(mine, (*mine[:5], repr(mine[5])), (), encode_block(tuple(x.shape), ay, ax))
+        return Local(mine, (*mine[:5], repr(mine[5]), *mine[6:]), (), encode_block(tuple(x.shape), ay, ax))
 
     def explain(locals_: list[Local]) -> None:
         _misfit(path, comm, locals_, "blocks", "axes", "the two grid dims")
@@ -300,6 +389,7 @@ def agree_blocks(
     return Blocks(heights, widths, row, col, everyone[0][0])
 
 
+@_eager
 def fetch_block(
     x: torch.Tensor,
     blocks: Blocks,
@@ -355,6 +445,7 @@ class _OverlapAdd2d(torch.autograd.Function):
         return halo_exchange(g, ctx.width, ctx.axes, ctx.manager, boundary=("zero", "zero"), check=False), None, None, None, None
 
 
+@_eager
 def overlap_add_2d(y: torch.Tensor, own: tuple[int, int], width: tuple[int, int], axes: tuple[int, int], manager: Any) -> torch.Tensor:
     """The 2-D :func:`overlap_add`: ``y`` holds this block's ``own`` (rows, cols) plus ``width`` (hy, hx) on every side.
 

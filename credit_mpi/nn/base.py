@@ -7,10 +7,17 @@ state: the SAME Parameter objects and buffers under the same names, so
 loads both ways; ``.to()``/``.double()`` work as on the original. Only
 ``forward`` changes, and on a domain of size 1 (or without a manager) it is
 the original module's ``forward``.
+
+The manager is held through a :class:`ManagerRef` whose ``deepcopy`` is
+itself: ``copy.deepcopy(model)`` (an EMA copy) gets its own parameters and
+shares the manager and its communicators; pickling it (``torch.save(model)``)
+raises a ``TypeError`` that names ``state_dict()`` (communicators do not
+travel between processes).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from typing import Any
 
@@ -19,24 +26,87 @@ import torch
 from ..grid import grid_of
 from ..manager import DomainParallelManager
 from ..partition import normalize_dim
-from ._comm import ConversionError
+from ..validation import Local
+from ..validation import agree as agree_once
+from ._comm import ConversionError, forward_done, share_failure
+from .replicated import is_replicated
 
-__all__ = ["DomainParallelModule", "adopt"]
+__all__ = ["DomainParallelModule", "ManagerRef", "ForwardGuard", "adopt", "guard_forward"]
 
 _DICTS = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
+
+
+class ManagerRef:
+    """Holds a layer's manager: shared by ``copy.deepcopy`` (a copy of a model runs on the same ranks), never pickled."""
+
+    __slots__ = ("manager",)
+
+    def __init__(self, manager: DomainParallelManager | None) -> None:
+        self.manager = manager
+
+    def __deepcopy__(self, memo: dict) -> ManagerRef:
+        return self
+
+    def __copy__(self) -> ManagerRef:
+        return self
+
+    def __reduce__(self):
+        if self.manager is None:
+            return (ManagerRef, (None,))
+        raise TypeError(
+            "a converted credit_mpi model holds a DomainParallelManager (MPI communicators), which cannot be "
+            "pickled: save model.state_dict() (the keys are those of the unconverted model) and load it into a "
+            "model converted in the new process; copy.deepcopy(model) works (the copy shares the manager)"
+        )
 
 
 class DomainParallelModule:
     """Mixin of every domain-parallel layer (the manager, the sharded dim, the module's path)."""
 
-    dp_manager: DomainParallelManager | None
     dp_shard_dim: int
     dp_path: str
+
+    @property
+    def dp_manager(self) -> DomainParallelManager | None:
+        """The layer's manager (None: the original module's forward)."""
+        ref = self.__dict__.get("_dp_ref")
+        return None if ref is None else ref.manager
+
+    @dp_manager.setter
+    def dp_manager(self, manager: DomainParallelManager | None) -> None:
+        # a new holder, never the old one mutated: a deepcopy shares the holder with the original
+        self.__dict__["_dp_ref"] = ManagerRef(manager)
 
     def dp_active(self) -> bool:
         """True when the layer runs on bands (a manager with a domain of more than one rank)."""
         m = self.dp_manager
         return m is not None and m.domain_parallel_size > 1
+
+    def dp_local(self, x: Any) -> bool:
+        """True when the layer runs its original ``forward``: no bands, or an input replicated on every rank.
+
+        A :class:`~credit_mpi.nn.replicated.Replicated` input (a global
+        mean's output, whole on every rank) is computed locally, which is
+        exact; that it is replicated on every rank is agreed first (one
+        ``Allgather``, only then: a rank whose input is a band is in its
+        band agreement, and both raise).
+        """
+        if not self.dp_active():
+            return True
+        if not is_replicated(x):
+            return False
+        shape, dtype = tuple(x.shape), str(x.dtype)
+        agree_once(self.dp_manager.domain_group, "layer", lambda: Local(("replicated", shape), ("replicated", shape, dtype)))
+        return True
+
+    def dp_mode(self) -> tuple[bool, str]:
+        """What the layer's agreement carries besides its input: the training mode and the module's settings.
+
+        Both decide which collectives the layer makes (BatchNorm's statistics,
+        a pooling's halo or global mean), so a rank in eval mode, or whose
+        layer was changed, raises with the others instead of leaving them waiting.
+        """
+        return bool(self.training), super().extra_repr()  # type: ignore[misc]
 
     def dp_grid(self) -> tuple[int, int]:
         """``(rows, cols)`` of the manager's domain grid (``(n, 1)``: latitude bands)."""
@@ -97,10 +167,63 @@ class DomainParallelModule:
         return f"{base}, shard_dim={self.dp_shard_dim}" if base else f"shard_dim={self.dp_shard_dim}"
 
 
+class ForwardGuard:
+    """A converted model's ``forward`` (an instance attribute of its root): no rank waits for one that failed.
+
+    A rank-local exception anywhere inside the forward (a ``torch.cat`` of
+    bands that do not join, user code between layers, a layer's local
+    compute) is shared through the agreement the other ranks are in (the
+    next layer's, or the one that ends every forward): every rank raises the
+    same exception. The cost: one fixed-size ``Allgather`` per forward.
+    Backward is not covered (a rank-local error there still leaves the
+    others waiting: the watchdog's case).
+    """
+
+    def __init__(self, module: torch.nn.Module, ref: ManagerRef) -> None:
+        self.module, self.ref = module, ref
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, manager = self.module, self.ref.manager
+        forward = type(module).forward
+        if manager is None or manager.domain_parallel_size <= 1 or torch.compiler.is_compiling():
+            return forward(module, *args, **kwargs)
+        comm = manager.domain_group
+        try:
+            out = forward(module, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - raised again on every rank
+            share_failure(comm, exc)
+        forward_done(comm)
+        return out
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The module's own forward signature (for code that inspects ``model.forward``)."""
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    def __deepcopy__(self, memo: dict) -> ForwardGuard:
+        import copy
+
+        return ForwardGuard(copy.deepcopy(self.module, memo), self.ref)
+
+    def __reduce__(self):
+        return (ForwardGuard, (self.module, self.ref))
+
+
+def guard_forward(root: torch.nn.Module, manager: DomainParallelManager | None) -> torch.nn.Module:
+    """Install (or renew) the :class:`ForwardGuard` of a converted model's root."""
+    if isinstance(root.__dict__.get("forward"), ForwardGuard):
+        del root.__dict__["forward"]
+    if manager is not None:
+        root.__dict__["forward"] = ForwardGuard(root, ManagerRef(manager))
+    return root
+
+
 def adopt(cls: type, module: torch.nn.Module, manager: DomainParallelManager | None, shard_dim: int, path: str) -> Any:
     """A ``cls`` instance that shares ``module``'s parameters, buffers, submodules and settings."""
     new = cls.__new__(cls)
     state = dict(module.__dict__)
+    if isinstance(state.get("forward"), ForwardGuard):
+        del state["forward"]  # the guard of the old root (convert installs the new one's)
     for name in _DICTS:
         if name in state:
             state[name] = OrderedDict(state[name])

@@ -87,12 +87,12 @@ class _ConvMixin(DomainParallelModule):
     _nd = 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.dp_active():
+        if self.dp_local(x):
             return super().forward(x)
         if self.dp_on_grid():
             return self._grid_forward(x)
         manager, nd = self.dp_manager, self._nd
-        bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path)
+        bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path, mode=self.dp_mode())
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         lay = conv_layout(self, bands.sizes, sd)
@@ -117,7 +117,7 @@ class _ConvMixin(DomainParallelModule):
     def _grid_forward(self, x: torch.Tensor) -> torch.Tensor:
         """On a 2-D grid: fetch the (latitude, longitude) window of this block's output block, then convolve."""
         manager, nd = self.dp_manager, self._nd
-        blocks = agree_blocks(x, lambda t: self.dp_grid_axes(t, nd, type(self).__name__), manager, self.dp_path)
+        blocks = agree_blocks(x, lambda t: self.dp_grid_axes(t, nd, type(self).__name__), manager, self.dp_path, mode=self.dp_mode())
         ay, ax = blocks.axes
         sy, sx = ay - (x.ndim - nd), ax - (x.ndim - nd)
         lays = (conv_layout(self, blocks.heights, sy), conv_layout(self, blocks.widths, sx))
@@ -160,7 +160,7 @@ class _ConvTransposeMixin(DomainParallelModule):
     _nd = 2
 
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
-        if not self.dp_active():
+        if self.dp_local(x):
             return super().forward(x, output_size)
         if self.dp_on_grid():
             return self._grid_forward(x, output_size)
@@ -173,7 +173,7 @@ class _ConvTransposeMixin(DomainParallelModule):
                 raise ValueError(f"{self.dp_path}: padding_mode={self.padding_mode!r} (torch supports only 'zeros')")
             return self.dp_spatial_axis(t, nd, type(self).__name__)
 
-        bands = agree(x, axis_of, manager.domain_group, self.dp_path)
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path, mode=self.dp_mode())
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         lay = transposed_layout(self, bands.sizes, sd)
@@ -191,7 +191,7 @@ class _ConvTransposeMixin(DomainParallelModule):
         y = F.pad(y, pad)
         out = overlap_add(y, band.out_rows, w, axis, manager)
         if self.bias is not None:
-            out = out + self.bias.view([-1] + [1] * nd)
+            out = out + self.bias.view([-1] + [1] * nd).to(out.dtype)  # autocast: a bf16 output stays bf16
         return out
 
     def _grid_forward(self, x: torch.Tensor, output_size: list[int] | None) -> torch.Tensor:
@@ -205,7 +205,7 @@ class _ConvTransposeMixin(DomainParallelModule):
                 raise ValueError(f"{self.dp_path}: padding_mode={self.padding_mode!r} (torch supports only 'zeros')")
             return self.dp_grid_axes(t, nd, type(self).__name__)
 
-        blocks = agree_blocks(x, axes_of, manager, self.dp_path)
+        blocks = agree_blocks(x, axes_of, manager, self.dp_path, mode=self.dp_mode())
         ay, ax = blocks.axes
         sy, sx = ay - (x.ndim - nd), ax - (x.ndim - nd)
         lays = (transposed_layout(self, blocks.heights, sy), transposed_layout(self, blocks.widths, sx))
@@ -226,7 +226,7 @@ class _ConvTransposeMixin(DomainParallelModule):
         y = F.pad(y, pad)
         out = overlap_add_2d(y, tuple(own), tuple(width), (ay, ax), manager)
         if self.bias is not None:
-            out = out + self.bias.view([-1] + [1] * nd)
+            out = out + self.bias.view([-1] + [1] * nd).to(out.dtype)  # autocast: a bf16 output stays bf16
         return out
 
 

@@ -7,9 +7,11 @@ Policy (every module of the model, the root included, is visited once):
    as the function marks a type as local (the user vouches that it never
    mixes rows along the sharded dim).
 2. The table (exact types): convolutions, transposed convolutions,
-   normalisations, upsampling, pooling -> their ``DomainParallel*`` wrapper.
+   normalisations, upsampling, pooling -> their ``DomainParallel*`` wrapper;
+   ``nn.Dropout`` / ``nn.AlphaDropout`` -> a wrapper that is the identity in
+   eval and refuses training (:mod:`credit_mpi.nn.dropout`).
 3. Padding modules (``nn.CircularPad2d((1, 1, 0, 0))``: circular longitude)
-   that leave the sharded dim alone, and modules that act on each row on its own (activations, dropout,
+   that leave the sharded dim alone, and modules that act on each row on its own (activations,
    ``nn.Linear`` / ``nn.Identity`` acting on the last dim when that is not
    the sharded one, ...) stay as they are.
 4. Containers and unknown modules WITH children are kept and their children
@@ -43,9 +45,9 @@ from torch import nn
 from ..grid import grid_of
 from ..manager import DomainParallelManager, get_domain_parallel_manager
 from ..validation import check_int
-from . import conv, norm, resample
+from . import conv, dropout, norm, resample
 from ._comm import ConversionError
-from .base import DomainParallelModule, adopt
+from .base import DomainParallelModule, adopt, guard_forward
 
 __all__ = ["convert_to_domain_parallel", "keep_local", "ConversionError", "RULES", "POINTWISE"]
 
@@ -74,13 +76,15 @@ RULES: dict[type, type] = {
     nn.AdaptiveAvgPool1d: resample.DomainParallelAdaptiveAvgPool1d,
     nn.AdaptiveAvgPool2d: resample.DomainParallelAdaptiveAvgPool2d,
     nn.AdaptiveAvgPool3d: resample.DomainParallelAdaptiveAvgPool3d,
+    nn.Dropout: dropout.DomainParallelDropout,
+    nn.AlphaDropout: dropout.DomainParallelAlphaDropout,
 }
 
 # act on every element (or every row of the last dim) on its own: exact on bands as they are
 POINTWISE: tuple[type, ...] = (
     nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
     nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink,
-    nn.Threshold, nn.LogSigmoid, nn.Dropout, nn.AlphaDropout,
+    nn.Threshold, nn.LogSigmoid,
 )
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -159,12 +163,18 @@ def convert_to_domain_parallel(
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_domain_parallel needs a torch.nn.Module, got {type(model).__name__}")
     shard_dim = check_int("shard_dim", shard_dim)
+    custom = check_custom(custom_converters)
+    manager = get_domain_parallel_manager() if manager is None else manager
+    return guard_forward(_convert(model, "", manager, shard_dim, custom), manager)
+
+
+def check_custom(custom_converters: dict | None) -> dict:
+    """``custom_converters`` as a dict, checked: module types to callables (TypeError otherwise)."""
     custom = dict(custom_converters or {})
     for key, fn in custom.items():
         if not isinstance(key, type) or not callable(fn):
             raise TypeError(f"custom_converters maps module types to callables, got {key!r}: {fn!r}")
-    manager = get_domain_parallel_manager() if manager is None else manager
-    return _convert(model, "", manager, shard_dim, custom)
+    return custom
 
 
 def _custom_for(module: nn.Module, custom: dict) -> Callable | None:

@@ -16,7 +16,8 @@ latitude and longitude together there (longitude alone would need the
 statistics of one grid row: refused with ``ConversionError``).
 
 BatchNorm has ``torch.nn.SyncBatchNorm``'s semantics over every rank of the
-manager (domain x data parallel): the batch statistics are those of all
+manager (domain x data parallel; on bands its mode is agreed in eval too, as a
+rank in eval mode would skip the statistics the training ranks gather): the batch statistics are those of all
 samples of all bands, and the running statistics are updated identically on
 every rank (unbiased variance from the global count). This holds for a
 domain of size 1 too when there are data-parallel ranks (the one exception
@@ -29,9 +30,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..validation import allgather_or_raise
+from ..validation import Local
+from ..validation import agree as agree_once
 from ._comm import ConversionError, agree, agree_blocks, allgather_stats
 from .base import DomainParallelModule
+from .replicated import is_replicated
 
 __all__ = [
     "DomainParallelGroupNorm",
@@ -70,15 +73,27 @@ def global_mean_var(x: torch.Tensor, dims: list[int], comm) -> tuple[torch.Tenso
 
 
 def _normalize(x, mean, var, eps, shape):
+    """``(x - mean) / sqrt(var + eps)`` in the statistics' dtype (float32 for bf16/fp16 input).
+
+    The affine step runs in that dtype too and the layer casts its output
+    back to ``x.dtype`` last (:func:`_out`), as torch's native norms do under
+    autocast: a bf16 input gives a bf16 output, not a float32 one promoted
+    by the float32 weight.
+    """
     xa = x.to(mean.dtype)
-    return ((xa - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + eps)).to(x.dtype)
+    return (xa - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + eps)
+
+
+def _out(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The layer's output in the input's dtype (a no-op for float32/float64 input)."""
+    return y.to(x.dtype)
 
 
 class DomainParallelGroupNorm(DomainParallelModule, nn.GroupNorm):
     """``nn.GroupNorm`` over the whole field (see the module docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.dp_active():
+        if self.dp_local(x):
             return super().forward(x)
         manager = self.dp_manager
 
@@ -97,15 +112,15 @@ class DomainParallelGroupNorm(DomainParallelModule, nn.GroupNorm):
         if self.affine:
             shape = [1, c] + [1] * (x.ndim - 2)
             y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
-        return y
+        return _out(y, x)
 
 
 class _InstanceNormMixin(DomainParallelModule):
     _nd = 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.dp_active() or (not self.training and self.track_running_stats):
-            return super().forward(x)  # running statistics: a pointwise map
+        if self.dp_local(x) or (not self.training and self.track_running_stats):
+            return super().forward(x)  # running statistics: a pointwise map (refused at conversion on bands)
         manager, nd = self.dp_manager, self._nd
 
         def axis_of(t):
@@ -125,7 +140,7 @@ class _InstanceNormMixin(DomainParallelModule):
         if self.affine:
             shape = [1, c] + [1] * nd
             y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
-        return y
+        return _out(y, x)
 
 
 class DomainParallelInstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):
@@ -154,7 +169,7 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.dp_active():
+        if self.dp_local(x):
             return super().forward(x)
         if self.dp_on_grid():
             return self._grid_forward(x)
@@ -171,7 +186,7 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
                 raise ValueError(f"{self.dp_path} (LayerNorm): input shape {tuple(t.shape)} does not end in normalized_shape {tuple(self.normalized_shape)}")
             return axis
 
-        bands = agree(x, axis_of, manager.domain_group, self.dp_path)
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path, mode=self.dp_mode())
         _no_empty(self.dp_path, bands.sizes)
         sd = axis - (x.ndim - k)
         if bands.total != self.normalized_shape[sd]:
@@ -187,7 +202,7 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
             y = y * self.weight.narrow(sd, bands.start, bands.sizes[bands.rank])
         if self.bias is not None:
             y = y + self.bias.narrow(sd, bands.start, bands.sizes[bands.rank])
-        return y
+        return _out(y, x)
 
     def _grid_forward(self, x: torch.Tensor) -> torch.Tensor:
         """On a 2-D grid: statistics over the whole grid when latitude and longitude are both normalised."""
@@ -208,7 +223,7 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
                 raise ValueError(f"{self.dp_path} (LayerNorm): input shape {tuple(t.shape)} does not end in normalized_shape {tuple(self.normalized_shape)}")
             return ay, ax
 
-        blocks = agree_blocks(x, axes_of, manager, self.dp_path)
+        blocks = agree_blocks(x, axes_of, manager, self.dp_path, mode=self.dp_mode())
         _no_empty(self.dp_path, blocks.sizes)
         if (sum(blocks.heights), sum(blocks.widths)) != tuple(self.normalized_shape[-2:]):
             raise ValueError(
@@ -225,28 +240,42 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
             y = y * self.weight.narrow(k - 2, blocks.y0, h).narrow(k - 1, blocks.x0, w)
         if self.bias is not None:
             y = y + self.bias.narrow(k - 2, blocks.y0, h).narrow(k - 1, blocks.x0, w)
-        return y
+        return _out(y, x)
 
 
 class _BatchNormMixin(DomainParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         use_batch = self.training or not self.track_running_stats
         m = self.dp_manager
-        if m is None or m.world_size == 1 or not use_batch:  # SyncBatchNorm over data parallel ranks too
+        if m is None or m.world_size == 1:  # SyncBatchNorm over data parallel ranks too
             return super().forward(x)
-        manager = self.dp_manager
+        if not use_batch and m.domain_parallel_size == 1:
+            return super().forward(x)  # SyncBatchNorm's eval: local (one data-parallel rank may evaluate alone)
+        comm = _batch_comm(m, x)
+        if comm is None:
+            return super().forward(x)  # a replicated input and no data-parallel ranks: local is exact
 
-        def local() -> tuple:
+        def local() -> Local:
             self._check_input_dim(x)
-            return x.ndim, x.shape[1], str(x.dtype), x.device.type, bool(torch.is_grad_enabled() and x.requires_grad)
+            # the mode is agreed in eval too: an eval rank skips the statistics the training ranks gather
+            mine = (x.ndim, x.shape[1], str(x.dtype), x.device.type, bool(torch.is_grad_enabled() and x.requires_grad),
+                    bool(self.training), bool(self.track_running_stats))
+            return Local(mine, mine)
 
-        everyone = allgather_or_raise(manager.comm, local)
-        if any(e != everyone[0] for e in everyone):
-            raise ValueError(f"{self.dp_path} (BatchNorm): the ranks' inputs differ in ndim, channels, dtype, device or requires_grad: {everyone}")
+        def explain(locals_: list[Local]) -> None:
+            raise ValueError(
+                f"{self.dp_path} (BatchNorm): the ranks' inputs differ in ndim, channels, dtype, device, requires_grad "
+                f"or mode (ndim, channels, dtype, device, requires_grad, training, track_running_stats per rank): "
+                f"{[loc.plan for loc in locals_]}; call model.train() / model.eval() on every rank"
+            )
+
+        agree_once(comm, "layer", local, explain=explain)
+        if not use_batch:
+            return super().forward(x)  # the running statistics: a pointwise map
         if self.training and self.track_running_stats:
             self.num_batches_tracked.add_(1)
         dims = [0] + list(range(2, x.ndim))
-        mean, var, total = global_mean_var(x, dims, manager.comm)  # every rank of the manager: domain x data parallel
+        mean, var, total = global_mean_var(x, dims, comm)  # every rank of the manager: domain x data parallel
         if self.training and self.track_running_stats:
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
             with torch.no_grad():
@@ -257,7 +286,7 @@ class _BatchNormMixin(DomainParallelModule):
         y = _normalize(x, mean, var, self.eps, shape)
         if self.affine:
             y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
-        return y
+        return _out(y, x)
 
 
 class DomainParallelBatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
@@ -272,12 +301,24 @@ class DomainParallelBatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` with SyncBatchNorm semantics over the manager's ranks."""
 
 
+def _batch_comm(manager, x: torch.Tensor):
+    """Where BatchNorm's statistics (and its agreement) live: the domain group when it is every rank, else all ranks.
+
+    One communicator for a pure domain-parallel job, so that the forward's
+    failure agreement (on the domain group) meets a rank waiting here; a
+    replicated input counts once per data-parallel rank (None: no other rank).
+    """
+    if is_replicated(x):
+        return manager.data_parallel_group if manager.data_parallel_size > 1 else None
+    return manager.domain_group if manager.data_parallel_size == 1 else manager.comm
+
+
 def _agreed_sizes(layer: DomainParallelModule, x: torch.Tensor, axis_of) -> list[int]:
     """Agree on every rank's band (latitude bands) or block (a 2-D grid): each rank's rows / elements per slice."""
     manager = layer.dp_manager
     if layer.dp_on_grid():
-        return agree_blocks(x, axis_of, manager, layer.dp_path).sizes
-    return agree(x, axis_of, manager.domain_group, layer.dp_path).sizes
+        return agree_blocks(x, axis_of, manager, layer.dp_path, mode=layer.dp_mode()).sizes
+    return agree(x, axis_of, manager.domain_group, layer.dp_path, mode=layer.dp_mode()).sizes
 
 
 def _no_empty(path: str, sizes: list[int]) -> None:

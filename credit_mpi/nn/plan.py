@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from ..grid import check_grid, grid_of
-from ..partition import band_sizes, normalize_dim
-from . import conv, geometry, norm, resample
-from .base import DomainParallelModule
-from .convert import _convert
+from ..partition import band_sizes, check_halo_width, normalize_dim
+from . import conv, dropout, geometry, norm, resample
+from .base import DomainParallelModule, guard_forward
+from .convert import _convert, check_custom
+from .replicated import is_replicated, replicated
 
 __all__ = ["describe", "Plan", "PlanRow", "GridPlan"]
 
@@ -108,7 +109,8 @@ class GridPlan:
 
 
 def describe(model: nn.Module, input_shape: tuple[int, ...], domain_size: int | None = None, manager=None,
-             shard_dim: int = -2, *, domain_grid: tuple[int, int] | None = None) -> Plan | GridPlan:
+             shard_dim: int = -2, *, domain_grid: tuple[int, int] | None = None,
+             custom_converters: dict | None = None) -> Plan | GridPlan:
     """The plan of ``model`` (converted or not) for a global input of ``input_shape`` on ``domain_size`` bands.
 
     Args:
@@ -118,6 +120,8 @@ def describe(model: nn.Module, input_shape: tuple[int, ...], domain_size: int | 
         manager: A DomainParallelManager to take the domain size (and its ``domain_grid``) from.
         shard_dim: The sharded dim (default -2).
         domain_grid: ``(rows, cols)`` of a latitude x longitude domain grid (default: the manager's).
+        custom_converters: What :func:`~credit_mpi.nn.convert_to_domain_parallel` takes (the plan is
+            that of the model converted with them).
 
     Returns:
         A :class:`Plan` (``print(plan)`` shows the table; ``plan.exact``; ``plan.rows``); on a grid of
@@ -127,6 +131,7 @@ def describe(model: nn.Module, input_shape: tuple[int, ...], domain_size: int | 
         ConversionError: the model has a module without a rule (on a grid: without a block rule).
         ValueError: ``domain_grid`` is not a pair of positive ints, or ``shard_dim`` is not -2 on a grid.
     """
+    custom = check_custom(custom_converters)
     if domain_grid is None and manager is not None and manager.domain_parallel_size > 1:
         domain_grid = grid_of(manager, manager.domain_parallel_size)
     if domain_grid is not None:
@@ -140,12 +145,13 @@ def describe(model: nn.Module, input_shape: tuple[int, ...], domain_size: int | 
                 raise ValueError(f"on a {grid[0]}x{grid[1]} domain grid the blocks split the last two dims, so shard_dim "
                                  f"must be -2 (latitude), got {shard_dim}")
             standin = SimpleNamespace(domain_parallel_size=grid[0] * grid[1], domain_grid=grid)
-            _convert(copy.deepcopy(model, _memo(model, manager)).to("meta"), "", standin, shard_dim, {})  # refusals only
-            return GridPlan(grid, _plan(model, input_shape, grid[0], manager, -2), _plan(model, input_shape, grid[1], manager, -1))
+            _convert(copy.deepcopy(model, _memo(model, manager)).to("meta"), "", standin, shard_dim, custom)  # refusals only
+            return GridPlan(grid, _plan(model, input_shape, grid[0], manager, -2, custom, grid),
+                            _plan(model, input_shape, grid[1], manager, -1, custom, grid))
         domain_size = grid[0] if domain_size is None else domain_size
     if domain_size is None:
         domain_size = manager.domain_parallel_size if manager is not None else 1
-    return _plan(model, input_shape, domain_size, manager, shard_dim)
+    return _plan(model, input_shape, domain_size, manager, shard_dim, custom)
 
 
 def _memo(model: nn.Module, manager) -> dict:
@@ -157,15 +163,22 @@ def _memo(model: nn.Module, manager) -> dict:
     return memo
 
 
-def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, manager, shard_dim: int) -> Plan:
-    dry = _convert(copy.deepcopy(model, _memo(model, manager)), "", None, shard_dim, {})
+def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, manager, shard_dim: int, custom: dict,
+          grid: tuple[int, int] | None = None) -> Plan:
+    # no manager anywhere, the root's forward guard included: the dry run makes no MPI call
+    dry = guard_forward(_convert(copy.deepcopy(model, _memo(model, manager)), "", None, shard_dim, custom), None)
     dry = dry.to("meta")
     calls = []
-    hooks = [
-        m.register_forward_hook(lambda mod, args, out: calls.append((mod, tuple(args[0].shape), tuple(out.shape))))
-        for m in dry.modules()
-        if isinstance(m, DomainParallelModule)
-    ]
+    axis = normalize_dim(shard_dim, len(input_shape))
+
+    def record(mod, args, out):
+        x = args[0]
+        calls.append((mod, tuple(x.shape), tuple(out.shape), is_replicated(x)))
+        if isinstance(mod, resample._AdaptiveAvgMixin) and not is_replicated(x) and _global_mean(x.shape, out.shape, axis):
+            return replicated(out)  # as the run: what is computed from it alone is replicated too
+        return None
+
+    hooks = [m.register_forward_hook(record) for m in dry.modules() if isinstance(m, DomainParallelModule)]
     try:
         with torch.no_grad():
             dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
@@ -173,15 +186,47 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
     finally:
         for h in hooks:
             h.remove()
-    axis = normalize_dim(shard_dim, len(input_shape))
     layouts = {input_shape[axis]: band_sizes(input_shape[axis], domain_size, uneven=True)}
     plan = Plan(domain_size, tuple(input_shape))
-    for mod, shape_in, shape_out in calls:
-        plan.rows.append(_row(mod, shape_in, shape_out, layouts, domain_size, shard_dim))
+    for mod, shape_in, shape_out, whole in calls:
+        if whole:  # a replicated input (a global mean's, on every rank): the layer computes on it locally
+            h_in, h_out = shape_in[axis - len(input_shape)], shape_out[axis - len(input_shape)]
+            plan.rows.append(PlanRow(mod.dp_path, type(mod).__name__.replace("DomainParallel", ""), h_in, h_out,
+                                     (h_in,) * domain_size, (h_out,) * domain_size, 0, 0, 1, 0, True,
+                                     "replicated input: computed locally"))
+            continue
+        plan.rows.append(_row(mod, shape_in, shape_out, layouts, domain_size, shard_dim, grid))
     return plan
 
 
-def _row(mod, shape_in, shape_out, layouts, n, shard_dim) -> PlanRow:
+def _halo_problem(sizes: list[int], width: int, boundary: str | None, axis: int) -> str | None:
+    """What the run's halo check (:func:`credit_mpi.partition.check_halo_width`) refuses, or None."""
+    if boundary in (None, "replicate"):
+        return None  # the edge row repeated, or an overlap-add: no halo check in the run
+    try:
+        check_halo_width(sizes, width, boundary, axis)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _refused_on_grid(mod, grid: tuple[int, int] | None) -> str:
+    """Why the run refuses ``mod`` on a domain grid of more than one column ("" when it does not)."""
+    if grid is None or grid[1] <= 1:
+        return ""
+    if isinstance(mod, norm.DomainParallelLayerNorm) and len(mod.normalized_shape) < 2:
+        return (f"normalized_shape {tuple(mod.normalized_shape)} normalises the longitude only: no rule on a "
+                f"{grid[0]}x{grid[1]} grid (the run raises ConversionError)")
+    return ""
+
+
+def _global_mean(shape_in, shape_out, axis: int) -> bool:
+    """True for an adaptive average to one row along the sharded axis (replicated on every rank)."""
+    ax = axis - len(shape_in) if axis >= 0 else axis
+    return len(shape_in) >= -ax and shape_out[ax] == 1 and shape_in[ax] > 1
+
+
+def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None) -> PlanRow:
     ax = normalize_dim(shard_dim, len(shape_in))
     h_in, h_out = shape_in[ax], shape_out[ax]
     note = ""
@@ -192,11 +237,11 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim) -> PlanRow:
     nsp = len(shape_in) - 2
     sd = ax - 2
     kind = type(mod).__name__.replace("DomainParallel", "")
-    lay, stride, out_sizes = None, 1, sizes
+    lay, stride, out_sizes, boundary = None, 1, sizes, "zero"
     if isinstance(mod, conv._ConvMixin):
-        lay, stride = conv.conv_layout(mod, sizes, sd), mod.stride[sd]
+        lay, stride, boundary = conv.conv_layout(mod, sizes, sd), mod.stride[sd], conv._BOUNDARY[mod.padding_mode]
     elif isinstance(mod, conv._ConvTransposeMixin):
-        lay = conv.transposed_layout(mod, sizes, sd)
+        lay, boundary = conv.transposed_layout(mod, sizes, sd), None  # overlap-add: no halo check in the run
     elif isinstance(mod, resample._PoolMixin):
         k, s, p = (resample._per_dim(v, nsp) for v in (mod.kernel_size, mod.stride or mod.kernel_size, mod.padding))
         d = resample._per_dim(getattr(mod, "dilation", 1), nsp)
@@ -213,6 +258,9 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim) -> PlanRow:
             lay = geometry.resample_layout(sizes, h_out, resample._support(resample.adaptive_matrix(h_in, h_out)))
     elif isinstance(mod, (norm.DomainParallelGroupNorm, norm._InstanceNormMixin, norm._BatchNormMixin, norm.DomainParallelLayerNorm)):
         note += "global statistics: one allgather"
+    refused = _refused_on_grid(mod, grid) or (dropout.dropout_refusal(mod) if isinstance(mod, dropout._DropoutMixin) else "")
+    if refused:
+        return PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(sizes), 0, 0, 1, 1, False, refused)
     if lay is None:
         exact = all(s > 0 for s in sizes)
         row = PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(out_sizes), 0, 0, 1, 1, exact, note)
@@ -220,13 +268,16 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim) -> PlanRow:
         out_sizes = lay.out_sizes
         before = max(max(b.before for b in lay.bands), 0)
         after = max(max(b.after for b in lay.bands), 0)
-        exact = lay.problem is None
+        problem = lay.problem or _halo_problem(sizes, lay.width, boundary, ax)
+        exact = problem is None
         if not exact:
-            note += lay.problem
+            note += problem
         elif stride > 1 and any(o % stride for o in geometry.offsets_of(sizes)):
             note += f"offsets {geometry.offsets_of(sizes)} not multiples of {stride}: exact, but a transposed layer will not restore them"
         row = PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(out_sizes), before, after, stride,
                       lay.min_rows, exact, note)
+    if note.startswith("global mean"):
+        return row  # replicated, not a band layout
     if h_out in layouts and layouts[h_out] != list(out_sizes) and h_out != 1:
         extra = f"output bands {list(out_sizes)} differ from an earlier {h_out}-row tensor's {layouts[h_out]} (joining them fails)"
         # A skip connection that joins the two would fail on some ranks only (torch.cat of different rows)

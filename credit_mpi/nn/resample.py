@@ -15,7 +15,9 @@ corrected to the global window count (``count_include_pad``, ``ceil_mode``,
 
 ``AdaptiveAvgPool`` to one row along the sharded dim is a global mean (a
 differentiable all-reduce of sums and counts); the result is REPLICATED on
-every rank: divide a loss computed from it by the domain size so that
+every rank (a :class:`~credit_mpi.nn.replicated.Replicated` tensor: a later
+layer computes on it locally, exactly, instead of taking the replicas for
+bands): divide a loss computed from it by the domain size so that
 :func:`credit_mpi.reduce_gradients` (which sums over the domain) counts it once.
 """
 
@@ -31,6 +33,7 @@ from . import geometry
 from ._comm import agree, allgather_stats, check_halo, fetch_rows
 from .base import DomainParallelModule
 from .conv import layout_error
+from .replicated import replicated
 
 __all__ = [
     "DomainParallelUpsample",
@@ -128,7 +131,8 @@ class _InterpolateMixin(DomainParallelModule):
                 raise ValueError(f"{self.dp_path}: give exactly one of size and scale_factor")
             return self.dp_spatial_axis(t, nd, "interpolate")
 
-        bands = agree(x, axis_of, manager.domain_group, self.dp_path, lambda: (size, scale_factor, mode, align_corners))
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path, lambda: (size, scale_factor, mode, align_corners),
+                      mode=self.dp_mode())
         sd = bands.axis - 2
         sizes, scales = _per_dim(size, nd), _per_dim(scale_factor, nd)
         w = resample_matrix(mode, bands.total, sizes[sd], None if scale_factor is None else float(scales[sd]),
@@ -151,7 +155,7 @@ class DomainParallelUpsample(_InterpolateMixin, nn.Upsample):
     """``nn.Upsample`` on bands, exact including the edge rows."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.dp_active():
+        if self.dp_local(x):
             return super().forward(x)
         return self._interp(x, self.size, self.scale_factor, self.mode, self.align_corners, self.recompute_scale_factor)
 
@@ -171,7 +175,7 @@ class DomainParallelInterpolate(_InterpolateMixin, nn.Module):
         self.dp_manager, self.dp_shard_dim, self.dp_path = manager, shard_dim, "DomainParallelInterpolate"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.dp_active():
+        if self.dp_local(x):
             return F.interpolate(x, self.size, self.scale_factor, self.mode, self.align_corners, self.recompute_scale_factor)
         return self._interp(x, self.size, self.scale_factor, self.mode, self.align_corners, self.recompute_scale_factor)
 
@@ -181,7 +185,7 @@ class _PoolMixin(DomainParallelModule):
     _max = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.dp_active():
+        if self.dp_local(x):
             return super().forward(x)
         nd, manager = self._nd, self.dp_manager
 
@@ -190,7 +194,7 @@ class _PoolMixin(DomainParallelModule):
                 raise ValueError(f"{self.dp_path}: return_indices=True has no rule on bands (the indices would be local)")
             return self.dp_spatial_axis(t, nd, type(self).__name__)
 
-        bands = agree(x, axis_of, manager.domain_group, self.dp_path)
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path, mode=self.dp_mode())
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         k, s, p = (_per_dim(v, nd) for v in (self.kernel_size, self.stride or self.kernel_size, self.padding))
@@ -263,10 +267,10 @@ class _AdaptiveAvgMixin(DomainParallelModule):
     _nd = 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.dp_active():
+        if self.dp_local(x):
             return super().forward(x)
         nd, manager = self._nd, self.dp_manager
-        bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path)
+        bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path, mode=self.dp_mode())
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         out = _per_dim(self.output_size, nd)
@@ -278,7 +282,7 @@ class _AdaptiveAvgMixin(DomainParallelModule):
             local = fn(x, keep).sum(axis, keepdim=True)
             acc = torch.float64 if x.dtype == torch.float64 else torch.float32
             total = allgather_stats(local.to(acc), manager.domain_group).sum(0)
-            return (total / bands.total).to(x.dtype)
+            return replicated((total / bands.total).to(x.dtype))
         y = _apply_rows(self, x, bands, adaptive_matrix(bands.total, out[sd]))
         keep[sd] = y.shape[axis]
         return fn(y, keep)

@@ -39,6 +39,7 @@ import torch
 from mpi4py import MPI
 
 from ..grad_sync import reduce_gradients
+from ..grid import grid_coords, grid_of
 from ..layout import Layout
 from ..manager import DomainParallelManager, get_domain_parallel_manager
 from ..partition import band_sizes, normalize_dim
@@ -78,7 +79,9 @@ def latitude_weights(
     latitudes (their global mean is 1), computed in float64 from the global
     latitudes on every rank; this rank gets the rows that
     ``shard_tensor(field, dim, manager, uneven=uneven)`` gives it, bit for
-    bit the matching slice of the single-process weights.
+    bit the matching slice of the single-process weights. On a latitude x
+    longitude domain grid (``domain_grid=(rows, cols)``) they are the rows of
+    the rank's grid row (every block of a grid row has the same latitudes).
 
     Args:
         latitudes: The global latitudes in degrees (a 1-D sequence, numpy
@@ -113,7 +116,7 @@ def latitude_weights(
         TypeError: ``latitudes`` is neither a count nor an array of numbers.
     """
     manager = _resolve(manager)
-    n, rank = (1, 0) if manager is None else (manager.domain_parallel_size, manager.domain_rank)
+    n, rank = _latitude_band(manager)
 
     def plan() -> tuple:
         if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim >= 0:
@@ -142,6 +145,14 @@ def latitude_weights(
     layout = Layout.bands(sizes)
     band = np.ascontiguousarray(weights[layout.start(rank) : layout.stop(rank)])
     return torch.from_numpy(band).to(dtype=dtype, device=device).reshape((-1,) + (1,) * (-dim - 1))
+
+
+def _latitude_band(manager: DomainParallelManager | None) -> tuple[int, int]:
+    """``(bands, band)`` of the latitudes: the domain ranks, or on a domain grid its rows and this rank's grid row."""
+    if manager is None or manager.domain_parallel_size <= 1:
+        return 1, 0
+    grid = grid_of(manager, manager.domain_parallel_size)
+    return grid[0], grid_coords(manager.domain_rank, grid)[0]
 
 
 def _global_latitudes(latitudes: Any) -> np.ndarray:
@@ -190,6 +201,7 @@ def latitude_weighted_mse(
     total_rows: int,
     *,
     dim: int = -2,
+    total_cols: int | None = None,
 ) -> torch.Tensor:
     """This band's share of the global latitude-weighted mean squared error.
 
@@ -211,6 +223,9 @@ def latitude_weighted_mse(
             and device.
         total_rows: The global number of rows along ``dim`` (e.g. 721).
         dim: The sharded dimension of ``pred``.
+        total_cols: On a latitude x longitude domain grid, where ``pred`` is a
+            block: the global size of its last dim (the longitudes, e.g.
+            1440); None: the last dim is whole.
 
     Returns:
         A scalar tensor: the band's share (0 for a band with no rows).
@@ -223,6 +238,9 @@ def latitude_weighted_mse(
     axis, rows, w = _band_inputs("latitude_weighted_mse", pred, target, weights, dim)
     total_rows = check_int("latitude_weighted_mse: total_rows", total_rows, minimum=max(rows, 1))
     per_row = math.prod(s for i, s in enumerate(pred.shape) if i != axis)
+    if total_cols is not None and axis != pred.ndim - 1:  # a block: a global row holds total_cols longitudes
+        cols = check_int("latitude_weighted_mse: total_cols", total_cols, minimum=max(pred.shape[-1], 1))
+        per_row = per_row // max(pred.shape[-1], 1) * cols
     if per_row == 0:
         raise ValueError(f"latitude_weighted_mse: the field of shape {tuple(pred.shape)} has no elements to average")
     return (w.to(pred.dtype) * (pred - target) ** 2).sum() / (per_row * total_rows)
@@ -242,6 +260,9 @@ class LatitudeWeightedMSELoss(torch.nn.Module):
         dim: The sharded (latitude) dimension, negative.
         uneven: Band layout, as ``shard_tensor(..., uneven=uneven)``.
         check: Agree on the latitudes across ranks once, at construction.
+        longitudes: The global longitude count; needed on a latitude x
+            longitude domain grid of more than one column (each rank holds a
+            block of the longitudes), where the weights are its grid row's.
     """
 
     weights: torch.Tensor
@@ -254,16 +275,26 @@ class LatitudeWeightedMSELoss(torch.nn.Module):
         dim: int = -2,
         uneven: bool = True,
         check: bool = False,
+        longitudes: int | None = None,
     ) -> None:
         super().__init__()
         weights = latitude_weights(latitudes, manager, dim=dim, uneven=uneven, check=check)
         self.register_buffer("weights", weights, persistent=False)
         self.total_rows = _global_latitudes(latitudes).size
         self.dim = dim
+        resolved = _resolve(manager)
+        grid = (1, 1) if resolved is None or resolved.domain_parallel_size <= 1 else grid_of(resolved, resolved.domain_parallel_size)
+        if grid[1] > 1 and longitudes is None:
+            raise ValueError(
+                f"LatitudeWeightedMSELoss: on a {grid[0]}x{grid[1]} latitude x longitude domain grid each rank holds "
+                f"a block of the longitudes; pass longitudes= (the global longitude count) so that the blocks' "
+                f"shares add up to the global mean"
+            )
+        self.total_cols = None if grid[1] == 1 else check_int("LatitudeWeightedMSELoss: longitudes", longitudes, minimum=1)
 
     def forward(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """This band's share of the global loss."""
-        return latitude_weighted_mse(pred, target, self.weights, self.total_rows, dim=self.dim)
+        return latitude_weighted_mse(pred, target, self.weights, self.total_rows, dim=self.dim, total_cols=self.total_cols)
 
 
 def global_loss(
@@ -559,8 +590,10 @@ def _band_inputs(fn: str, pred: Any, target: Any, weights: Any, dim: int) -> tup
     if tuple(weights.shape) not in ((rows,), want):
         raise ValueError(
             f"{fn}: weights of shape {tuple(weights.shape)} do not fit this band: it has {rows} row(s) along "
-            f"dim {dim} of a {tuple(pred.shape)} field, so the weights must have shape {(rows,)} or {want} "
-            "(latitude_weights with the same manager, dim and band layout)"
+            f"dim {dim} of a {tuple(pred.shape)} field, so the weights must have shape {(rows,)} or {want}; "
+            f"latitude_weights gives the rows of this rank's band (on a domain grid: of its grid row) for the "
+            f"layout of shard_tensor with the same manager and uneven, so check that pred is this rank's band "
+            f"(or block) along dim {dim}"
         )
     return axis, rows, weights.reshape(want).to(device=pred.device)
 

@@ -1,0 +1,56 @@
+"""Dropout on bands: refused in training, the identity in eval.
+
+``nn.Dropout`` draws its mask from the rank's generator. On bands each rank
+would draw the mask of its own band, and with the same seed on every rank
+(what data-parallel training asks for) equal band positions draw the same
+mask: the pattern repeats across latitude, and no layout gives one
+process's result. So a converted ``nn.Dropout`` / ``nn.AlphaDropout`` with
+``p > 0`` raises :class:`ConversionError` in training mode (on every rank:
+the converted forward shares it), and is the identity in eval mode (exact).
+
+The way out, when band-local masks are acceptable:
+``custom_converters={nn.Dropout: credit_mpi.nn.keep_local}`` keeps the
+module as it is; then seed each domain rank differently (for instance
+``torch.manual_seed(seed + manager.domain_rank)`` before the step), or the
+masks repeat across bands.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._comm import ConversionError
+from .base import DomainParallelModule
+
+__all__ = ["DomainParallelDropout", "DomainParallelAlphaDropout", "dropout_refusal"]
+
+
+def dropout_refusal(module: nn.Module) -> str:
+    """Why ``module`` cannot run now ("" when it can: eval mode, ``p == 0``, or no bands)."""
+    if not module.training or module.p == 0:
+        return ""
+    return (
+        f"{module.dp_path} ({type(module).__name__.replace('DomainParallel', '')}, p={module.p}): dropout in training "
+        f"draws each band's mask on its own rank (with one seed on every rank the pattern repeats across latitude): "
+        f"no exact rule. Convert with custom_converters={{nn.{type(module).__name__.replace('DomainParallel', '')}: "
+        f"credit_mpi.nn.keep_local}} to accept band-local masks (then seed each domain rank differently), or use p=0"
+    )
+
+
+class _DropoutMixin(DomainParallelModule):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dp_local(x):
+            return super().forward(x)
+        why = dropout_refusal(self)
+        if why:
+            raise ConversionError(why)
+        return super().forward(x)  # eval or p == 0: the identity
+
+
+class DomainParallelDropout(_DropoutMixin, nn.Dropout):
+    """``nn.Dropout`` on bands: refused in training (see the module docstring), the identity in eval."""
+
+
+class DomainParallelAlphaDropout(_DropoutMixin, nn.AlphaDropout):
+    """``nn.AlphaDropout`` on bands: refused in training, the identity in eval."""
