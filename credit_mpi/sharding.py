@@ -53,7 +53,7 @@ from . import blocks
 from .layout import Layout
 from .manager import Domain, DomainParallelManager, domain_of, live_domain_comm
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
-from .transport import arrays, limits, rowops, staging
+from .transport import arrays, limits, moves, rowops, staging
 from .validation import Local, agree, agree_cached, check_bands_fit, check_root, check_transport, repeat_remembered
 
 __all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
@@ -273,9 +273,9 @@ def gather_kernel(x: Any, p: _Gather) -> Any:
     if p.out is not None and arrays.shares_memory(x, out):
         x = rowops.clone(x)  # an in-place gather: MPI forbids aliased send and receive buffers
     if p.transport == "torch":
-        from .transport import torch_moves  # imports torch
+        from .transport.torch_moves import TorchMoves  # imports torch
 
-        torch_moves.allgather_bands(x, out, p.axis, p.sizes, p.manager.torch_group("domain"))
+        moves.gather_blocks(TorchMoves(p.manager.torch_group("domain")), x, out, Layout.bands(p.sizes), (p.axis,))
     else:
         outer = math.prod(shape[: p.axis])
         row_bytes = math.prod(shape[p.axis + 1 :]) * p.info.itemsize

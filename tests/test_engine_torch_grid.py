@@ -35,7 +35,7 @@ def clean_torch():
 
 
 def _grids(n: int) -> list[tuple[int, int]]:
-    return [(r, n // r) for r in range(1, n + 1) if n % r == 0 and n // r > 1]
+    return [(r, n // r) for r in range(1, n + 1) if n % r == 0]  # (n, 1): a rank is its own east and west
 
 
 def _bits(x) -> bytes:
@@ -84,3 +84,23 @@ def test_torch_transport_on_a_grid_backward(make_manager):
         assert _bits(grads["torch"]) == _bits(grads["mpi"]), grid
         manager.free()
         reset_torch_distributed()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("uneven", [False, True])
+@pytest.mark.parametrize("shape", [(1, 5), (2, 3, 5, 4), (2, 5, 8192)])  # one slice, small slices, large slices
+def test_the_protocol_gather_on_both_transports(make_manager, uneven, shape):
+    """:func:`~credit_mpi.transport.moves.gather_blocks` over MpiMoves and TorchMoves: the gather's result, bit for bit."""
+    from credit_mpi.layout import Layout
+    from credit_mpi.transport import moves, torch_moves
+
+    n = MPI.COMM_WORLD.Get_size()
+    rows = shape[-2] * n + (n - 1 if uneven else 0)
+    full = np.random.default_rng(3).standard_normal(shape[:-2] + (rows, shape[-1]))
+    manager = credit_mpi.init_torch_distributed(make_manager(n), "gloo", timeout=TIMEOUT)
+    band = shard_tensor(full, -2, manager, uneven=uneven)
+    sizes = [len(part) for part in np.array_split(np.arange(rows), n)]
+    for transfer in (moves.MpiMoves(manager.domain_group), torch_moves.TorchMoves(manager.torch_group("domain"))):
+        out = np.empty_like(full)
+        moves.gather_blocks(transfer, band, out, Layout.bands(sizes), (full.ndim - 2,))
+        assert out.tobytes() == full.tobytes(), type(transfer).__name__

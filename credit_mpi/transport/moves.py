@@ -34,7 +34,7 @@ from mpi4py import MPI
 
 from ..layout import offsets
 from . import arrays, rowops, staging
-from .limits import TAG_DOWN, TAG_UP
+from .limits import SLICE_BYTES, TAG_DOWN, TAG_UP
 
 __all__ = ["SEND", "RECV", "MpiMoves", "swap_edges", "gather_blocks"]
 
@@ -90,6 +90,24 @@ class MpiMoves:
             self.comm.Allgatherv([s, MPI.BYTE], [r, (list(counts), list(displs)), MPI.BYTE])
 
 
+    def allgather_slices(self, send: Any, recv: Any, outer: int) -> bool:
+        """Slice ``p`` of every rank's ``send`` (viewed as ``outer`` equal slices of bytes) into slice ``p`` of ``recv``, rank after rank.
+
+        All slices in flight at once (``Iallgather``; blocking ``Allgather``
+        calls for device memory, which CUDA-aware Open MPI takes in blocking
+        collectives only). Returns True (MPI can always land them in place).
+        """
+        with staging.send_buffer(send, self.comm) as s, staging.recv_buffer(recv, self.comm) as r:
+            mine, whole = len(s) // outer, len(r) // outer
+            slices = [([s[p * mine : (p + 1) * mine], MPI.BYTE], [r[p * whole : (p + 1) * whole], MPI.BYTE]) for p in range(outer)]
+            if arrays.in_device_memory(r):
+                for args in slices:
+                    self.comm.Allgather(*args)
+            else:
+                MPI.Request.Waitall([self.comm.Iallgather(*args) for args in slices])
+        return True
+
+
 def _host_buffer(x: Any, kind: str, scratch: dict, i: int, unpack: list) -> Any:
     """What MPI reads (send) or writes (recv) for host ``x``, in place when contiguous; None for device arrays.
 
@@ -142,13 +160,21 @@ def swap_edges(moves: Any, up: Any, down: Any, prev: int | None, nxt: int | None
 def gather_blocks(moves: Any, x: Any, out: Any, layout: Any, axes: tuple[int, ...]) -> Any:
     """Fill ``out`` with every rank's block of ``x`` (its part of ``layout`` along ``axes``); returns ``out``.
 
-    The gather written against the protocol: one ``allgatherv`` of every
-    rank's contiguous block bytes into a rank-major buffer, then each block
-    copied into its place (one extra copy of the field). Bands are a layout
-    of one split axis, blocks of two. ``out`` has the global shape.
+    The gather written against the protocol. Bands of equal rows land
+    straight in place, one outer slice (the dimensions before the axis) at a
+    time, all in flight (``allgather_slices``: in one slice of ``out`` the
+    bands of all ranks are contiguous, in rank order), when there is one
+    slice or the slices are large (:data:`~credit_mpi.transport.limits.SLICE_BYTES`).
+    Otherwise one ``allgatherv`` of every rank's contiguous block bytes into
+    a rank-major buffer, then each block copied into its place (one extra
+    copy of the field). Bands are a layout of one split axis, blocks of two.
+    ``out`` has the global shape.
     """
     x = arrays.contiguous(x)
-    itemsize = arrays.describe(x).itemsize
+    info = arrays.describe(x)
+    if len(axes) == 1 and _straight(moves, x, out, layout.sizes[0], axes[0], info.itemsize):
+        return out
+    itemsize = info.itemsize
     shapes = []
     for rank in range(math.prod(layout.grid)):
         shape = list(x.shape)
@@ -167,3 +193,12 @@ def gather_blocks(moves: Any, x: Any, out: Any, layout: Any, axes: tuple[int, ..
             target = rowops.band(target, axis, first, size)
         rowops.copy_rows(target, axes[-1], layout.block(rank)[-1][0], arrays.narrow(packed, 0, start, count).reshape(shape))
     return out
+
+
+def _straight(moves: Any, x: Any, out: Any, sizes: tuple[int, ...], axis: int, itemsize: int) -> bool:
+    """Gather equal bands straight into ``out``, slice by slice (see :func:`gather_blocks`); False: not this way."""
+    shape = tuple(out.shape)
+    outer = math.prod(shape[:axis])
+    if len(set(sizes)) != 1 or not (outer == 1 or math.prod(shape[axis:]) * itemsize >= SLICE_BYTES):
+        return False
+    return moves.allgather_slices(x, out, outer)

@@ -1,89 +1,25 @@
 """Data movement over the torch.distributed groups that mirror the MPI communicators.
 
-The ``transport="torch"`` counterparts of the MPI data paths: the 1-D
-gather's ``Allgather(v)`` (:func:`allgather_bands`) and the transport
-protocol of :mod:`credit_mpi.transport.moves` (:class:`TorchMoves`), which
-the halo exchange's one edge swap and the 2-D gather run on. The groups come from
+The transport protocol of :mod:`credit_mpi.transport.moves` over torch
+(:class:`TorchMoves`): the halo exchange's one edge swap and the gather
+(bands and blocks, :func:`credit_mpi.transport.moves.gather_blocks`) run
+on it with ``transport="torch"``. The groups come from
 :func:`credit_mpi.init_torch_distributed`; the callers have agreed on every
 size already. Imports torch (loaded only when ``transport="torch"`` is used).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..partition import band_offsets
 from . import arrays
-from .limits import SLICE_BYTES
 from .moves import SEND
 
-__all__ = ["allgather_bands", "TorchMoves"]
-
-
-def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], group: Any) -> Any:
-    """Fill ``out`` with every rank's band of ``x`` along ``axis`` over the torch domain group.
-
-    The torch counterpart of :func:`credit_mpi.gather_tensor`'s ``Allgather(v)``;
-    the caller has agreed on ``sizes`` (rows per domain rank) and allocated
-    ``out``. Data moves as bytes, so every dtype is gathered bit for bit.
-    torch collectives need equal sizes on every rank and a contiguous
-    destination. With equal bands, each outer slice of ``out`` (the
-    dimensions before ``axis``) holds the bands of all ranks contiguously,
-    so each slice is gathered straight into place, all slices in flight at
-    once (as the MPI path does for slices of at least
-    :data:`~credit_mpi.transport.limits.SLICE_BYTES`). Uneven bands, and many small
-    slices, go through a staging buffer with every band padded to the
-    widest (per slice for large slices, one collective for small ones) and
-    are then copied into place: one extra copy of the field.
-    NumPy arrays and CPU tensors are staged on the current CUDA device when
-    the group is NCCL.
-
-    Returns:
-        ``out``.
-    """
-    n = len(sizes)
-    shape = _shape(out)
-    outer = math.prod(shape[:axis])
-    row = math.prod(shape[axis + 1 :]) * arrays.describe(out).itemsize
-    device = _group_device(group)
-
-    send = arrays.as_torch_bytes(arrays.contiguous(x)).to(device)
-    target = arrays.as_torch_bytes(out)
-    total, widest = sum(sizes), max(sizes)
-    per_slice = outer > 1 and total * row >= SLICE_BYTES  # large slices: one collective each
-    if len(set(sizes)) == 1 and target.device == device and (outer == 1 or per_slice):
-        # Each outer slice of out holds the bands of all ranks contiguously and
-        # in rank order: gather every slice straight into place.
-        _gather_slices(target.view(outer, total * row), send.view(outer, widest * row), group)
-        arrays.after_torch_wrote(out)
-        return out
-
-    # Staging: (slices, n, width) bytes, every band padded to the widest.
-    slices = outer if per_slice else 1
-    width = outer * widest * row // slices
-    mine = send.numel() // slices
-    if mine != width:
-        padded = torch.zeros((slices, width), dtype=torch.uint8, device=device)
-        padded[:, :mine] = send.view(slices, mine)
-        send = padded
-    staging = torch.empty((slices, n * width), dtype=torch.uint8, device=device)
-    _gather_slices(staging, send.view(slices, width), group)
-    staging = staging.view(slices, n, width)
-
-    on_device = target if target.device == device else torch.empty_like(target, device=device)
-    placed = on_device.view(outer, total, row)
-    for r, (first, rows) in enumerate(zip(band_offsets(list(sizes)), sizes, strict=True)):
-        band = staging[:, r, : outer * rows * row // slices]  # (slices, outer/slices * rows * row)
-        placed[:, first : first + rows].copy_(band.reshape(outer, rows, row))
-    if on_device is not target:
-        target.copy_(on_device)
-    arrays.after_torch_wrote(out)
-    return out
+__all__ = ["TorchMoves"]
 
 
 class TorchMoves:
@@ -131,6 +67,22 @@ class TorchMoves:
             if source is not target:
                 target.copy_(source)
             arrays.after_torch_wrote(x)
+
+    def allgather_slices(self, send: Any, recv: Any, outer: int) -> bool:
+        """Slice ``p`` of every rank's ``send`` into slice ``p`` of ``recv``, all in flight; False when ``recv`` is not on the group's device.
+
+        torch collectives need equal sizes on every rank and a contiguous
+        destination on the group's device (numpy arrays and CPU tensors with
+        NCCL go through :meth:`allgatherv`'s staging instead).
+        """
+        device = _group_device(self.group)
+        target = arrays.as_torch_bytes(recv)
+        if target.device != device:
+            return False
+        data = arrays.as_torch_bytes(arrays.contiguous(send)).to(device)
+        _gather_slices(target.view(outer, -1), data.view(outer, -1), self.group)
+        arrays.after_torch_wrote(recv)
+        return True
 
     def allgatherv(self, send: Any, recv: Any, counts: Sequence[int], displs: Sequence[int]) -> None:
         """Every rank's ``send`` bytes at ``displs[r]`` of ``recv``: one all-gather, every part padded to the widest."""
