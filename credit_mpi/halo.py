@@ -5,13 +5,14 @@ convolution (or any stencil) it needs ``halo_width`` rows of its neighbours
 on both sides. :func:`halo_exchange` returns the local band with those rows
 added before and after along ``dim``:
 
-* between ranks, the rows come from the neighbouring bands: two
-  ``Sendrecv`` calls (send up / receive from below, then send down / receive
-  from above) with ``MPI.PROC_NULL`` at the outer edges, so no rank count can
-  deadlock. Each band's first and last ``halo_width`` rows travel packed
-  contiguously (a derived datatype could send them in place, but MPICH
-  moves strided types several times slower) and are copied into place in
-  the output: no concatenation;
+* between ranks, the rows come from the neighbouring bands: the one edge
+  swap (:func:`credit_mpi.transport.moves.swap_edges`), one round of at most
+  four non-blocking messages (up to the previous rank, down to the next, and
+  theirs back), none past the outer edges, so no rank count can deadlock;
+  over MPI or, with ``transport="torch"``, the mirrored torch group. Each
+  band's first and last ``halo_width`` rows travel packed contiguously (a
+  derived datatype could send them in place, but MPICH moves strided types
+  several times slower) and land in place in the output: no concatenation;
 * at the two outer edges of the domain, ``boundary`` decides:
 
   ``"zero"``
@@ -97,7 +98,7 @@ def halo_exchange(
             per row, whether autograd records the exchange, and every band's
             rows (so a halo wider than a band is always caught).
         transport: ``"mpi"`` (default) moves the halo rows with MPI
-            ``Sendrecv``; ``"torch"`` with torch.distributed point-to-point
+            point-to-point messages; ``"torch"`` with torch.distributed point-to-point
             over ``manager.torch_domain_group`` (NCCL on GPUs; see
             :func:`credit_mpi.init_torch_distributed`). Bit-identical result.
             The backward pass of the differentiable exchange moves the halo
