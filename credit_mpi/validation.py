@@ -269,8 +269,8 @@ def _raise_mixed_forms(where: str, operations: list[str]) -> None:
 class _Agreed:
     """One remembered agreement of :func:`agree_cached`.
 
-    It holds its communicator weakly: a remembered plan never keeps a
-    communicator alive (and :func:`forget_agreements` drops a freed one's).
+    It holds its communicator weakly (the plan it remembers may hold it:
+    :func:`forget_agreements`, which ``manager.free()`` calls, drops both).
     """
 
     __slots__ = ("_comm", "operation", "mine", "header", "table", "table_bytes", "result", "received")
