@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-__all__ = ["Layout", "split", "offsets"]
+__all__ = ["Layout", "split", "offsets", "neighbors"]
 
 _SHIFT = 32  # a block's (rows, cols) travel as one agreed count: rows << 32 | cols
 
@@ -54,6 +54,18 @@ def offsets(sizes: list[int] | tuple[int, ...]) -> list[int]:
         out.append(start)
         start += size
     return out
+
+
+def neighbors(i: int, n: int, periodic: bool = False) -> tuple[int | None, int | None]:
+    """``(prev, next)`` of part ``i`` of ``n`` along one dim; None past an edge unless ``periodic``.
+
+    (With ``periodic``, a single part is its own neighbour.)
+    """
+    if not 0 <= i < n:
+        raise ValueError(f"rank {i} is out of range for {n} ranks (valid: 0 to {n - 1})")
+    prev = i - 1 if i > 0 else (n - 1 if periodic else None)
+    nxt = i + 1 if i < n - 1 else (0 if periodic else None)
+    return prev, nxt
 
 
 @dataclass(frozen=True)
@@ -115,12 +127,7 @@ class Layout:
 
     def neighbors(self, i: int, d: int = 0, periodic: bool = False) -> tuple[int | None, int | None]:
         """``(prev, next)`` parts along dim ``d`` next to part ``i``; None past an edge unless ``periodic``."""
-        n = self.grid[d]
-        if not 0 <= i < n:
-            raise ValueError(f"rank {i} is out of range for {n} ranks (valid: 0 to {n - 1})")
-        prev = i - 1 if i > 0 else (n - 1 if periodic else None)
-        nxt = i + 1 if i < n - 1 else (0 if periodic else None)
-        return prev, nxt
+        return neighbors(i, len(self.sizes[d]), periodic)
 
     @staticmethod
     def encode(extent: tuple[int, ...]) -> int:

@@ -21,7 +21,7 @@ import operator
 
 from mpi4py import MPI
 
-from .layout import Layout, offsets, split
+from .layout import Layout, neighbors, offsets, split
 
 __all__ = [
     "normalize_dim",
@@ -127,7 +127,7 @@ def halo_neighbors(rank: int, n: int, periodic: bool) -> tuple[int | None, int |
     ``None`` at an outer edge, except with ``periodic`` where the first and
     the last rank are neighbours (a single rank is its own neighbour).
     """
-    return Layout.bands([0] * n).neighbors(rank, 0, periodic)
+    return neighbors(rank, n, periodic)
 
 
 def check_halo_width(sizes: list[int], width: int, boundary: str, dim: int) -> None:

@@ -62,19 +62,34 @@ class MpiMoves:
         mine = self._lock.acquire(blocking=False)
         scratch = self._scratch if mine else {}
         stack = None  # staging contexts of device arrays (host arrays need none)
+        comm, byte = self.comm, MPI.BYTE
         try:
-            recvs, sends, unpack = [], [], []
+            requests, sends, unpack = [], [], []
             for i, (kind, x, peer, tag) in enumerate(ops):
-                buf = _host_buffer(x, kind, scratch, i, unpack)
-                if buf is None:
-                    if stack is None:
-                        stack = contextlib.ExitStack()
-                    move = staging.send_buffer if kind == SEND else staging.recv_buffer
-                    buf = stack.enter_context(move(arrays.contiguous(x) if kind == SEND else x, self.comm))
-                (recvs if kind == RECV else sends).append(([buf, MPI.BYTE], peer, tag))
-            comm = self.comm
-            requests = [comm.Irecv(*r) for r in recvs]
-            requests += [comm.Isend(*s) for s in sends]
+                if type(x) is np.ndarray:  # the fast path: host memory, in place or through a kept buffer
+                    if x.flags.c_contiguous:
+                        buf = x
+                    else:
+                        buf = scratch.get(i)
+                        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+                            buf = scratch[i] = np.empty(x.shape, x.dtype)
+                        if kind == SEND:
+                            buf[...] = x
+                        else:
+                            unpack.append((x, buf))
+                else:
+                    buf = _host_buffer(x, kind)
+                    if buf is None:
+                        if stack is None:
+                            stack = contextlib.ExitStack()
+                        move = staging.send_buffer if kind == SEND else staging.recv_buffer
+                        buf = stack.enter_context(move(arrays.contiguous(x) if kind == SEND else x, comm))
+                if kind == RECV:
+                    requests.append(comm.Irecv([buf, byte], peer, tag))
+                else:
+                    sends.append((buf, peer, tag))
+            for buf, peer, tag in sends:
+                requests.append(comm.Isend([buf, byte], peer, tag))
             MPI.Request.Waitall(requests)
             for dst, src in unpack:
                 dst[...] = src
@@ -88,7 +103,6 @@ class MpiMoves:
         """``Allgatherv`` of byte buffers (host or device, as staging routes them)."""
         with staging.send_buffer(send, self.comm) as s, staging.recv_buffer(recv, self.comm) as r:
             self.comm.Allgatherv([s, MPI.BYTE], [r, (list(counts), list(displs)), MPI.BYTE])
-
 
     def allgather_slices(self, send: Any, recv: Any, outer: int) -> bool:
         """Slice ``p`` of every rank's ``send`` (viewed as ``outer`` equal slices of bytes) into slice ``p`` of ``recv``, rank after rank.
@@ -108,23 +122,13 @@ class MpiMoves:
         return True
 
 
-def _host_buffer(x: Any, kind: str, scratch: dict, i: int, unpack: list) -> Any:
-    """What MPI reads (send) or writes (recv) for host ``x``, in place when contiguous; None for device arrays.
+def _host_buffer(x: Any, kind: str) -> Any:
+    """The bytes of a host array that is not a numpy array (a torch CPU tensor), in place; None for device arrays.
 
-    A strided numpy view goes through a buffer of ``scratch`` (kept per op
-    position ``i``): packed before a send, unpacked after a receive.
+    (numpy arrays take :meth:`MpiMoves.exchange`'s fast path: in place when
+    contiguous, else through a buffer it keeps, packed before a send and
+    unpacked after a receive.)
     """
-    if isinstance(x, np.ndarray):
-        if x.flags.c_contiguous:
-            return x
-        buf = scratch.get(i)
-        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-            buf = scratch[i] = np.empty(x.shape, x.dtype)
-        if kind == SEND:
-            buf[...] = x
-        else:
-            unpack.append((x, buf))
-        return buf
     return arrays.host_bytes(arrays.contiguous(x) if kind == SEND else x)
 
 
