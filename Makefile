@@ -16,7 +16,7 @@ RANKS   ?= 4
 TORCH       ?= torch==2.13.0
 TORCH_INDEX ?=
 DEMO_EXTRAS ?= mpich
-EXTRAS      ?= mpich,test,io,plot
+EXTRAS      ?= mpich,test,io,plot,credit
 PY          := $(VENV)/bin/python
 
 .PHONY: install demo test docs lint wheel clean
@@ -28,10 +28,12 @@ $(VENV)/.demo-installed: pyproject.toml
 	$(PY) -m pip install -e ".[$(DEMO_EXTRAS)]"
 	touch $@
 
-# Everything else: torch (see TORCH / TORCH_INDEX above), the test, io and plot extras.
+# Everything else: torch (see TORCH / TORCH_INDEX above), the test, io, plot and credit extras, and NCAR
+# CREDIT's models without their requirements (tests/test_credit_models.py; they would swap the torch build).
 $(VENV)/.installed: $(VENV)/.demo-installed
 	$(PY) -m pip install "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --no-deps "miles-credit==2026.2.0"
 	touch $@
 
 install: $(VENV)/.installed

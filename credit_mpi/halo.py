@@ -132,6 +132,29 @@ def halo_exchange(
     return halo_kernel(x, plan)
 
 
+def _exchange_agreed(x: Any, halo_width: int, dim: int, manager: Any, boundary: str, sizes: tuple[int, ...]) -> Any:
+    """:func:`halo_exchange` (one dim, MPI) with no agreement of its own: the caller's covered it (private).
+
+    For the converted layers of :mod:`credit_mpi.nn`, whose one agreement per
+    call covers everything this exchange's would (the band's dtype, device,
+    every dim, requires_grad with the grad mode, the layer and so the width
+    and boundary, and every band's rows: ``sizes``). The plan is remembered
+    per call shape, as :func:`halo_exchange`'s.
+    """
+    key = (id(live_domain_comm(manager)), _call_key(x, halo_width, dim, boundary, "mpi"), sizes)
+    plan = _AGREED_PLANS.get(key) if key[1] is not None else None
+    if plan is None:
+        plan = _plan(x, halo_width, dim, blocks.line_domain(manager, dim), boundary, False, agreed=sizes)
+        if key[1] is not None:
+            _AGREED_PLANS[key] = plan
+            while len(_AGREED_PLANS) > 256:
+                _AGREED_PLANS.pop(next(iter(_AGREED_PLANS)))
+    return _autograd().halo_autograd(x, plan) if plan.autograd else halo_kernel(x, plan)
+
+
+_AGREED_PLANS: dict = {}
+
+
 def _autograd() -> Any:
     """:mod:`credit_mpi.autograd`, imported (with torch) on the first differentiable call.
 
@@ -173,7 +196,7 @@ class _Plan:
         return halo_adjoint(grad, self)
 
 
-def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi", received=None) -> _Plan:
+def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi", received=None, agreed=None) -> _Plan:
     comm, n = domain.comm, domain.size
 
     def local() -> Local:
@@ -220,12 +243,12 @@ def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi", 
             moves=moves.MpiMoves(comm) if group is None else _torch_moves().TorchMoves(group),
         )
 
-    if n > 1:
+    if n > 1 and agreed is None:
         # The same call shape as last time skips the local checks and the planning, never the agreement.
         key = _call_key(x, halo_width, dim, boundary, transport)
         return agree_cached(comm, "halo_exchange", key, local, finish, check=check, explain=explain, received=received)
-    plan = local().plan  # the whole field is here: nothing to agree on
-    return finish(plan, [plan[0].shape[plan[1]]])
+    plan = local().plan  # the whole field is here, or the caller agreed on every band (``agreed``: their rows)
+    return finish(plan, list(agreed) if agreed is not None else [plan[0].shape[plan[1]]])
 
 
 def _call_key(x: Any, halo_width: Any, dim: Any, boundary: Any, transport: Any) -> tuple | None:

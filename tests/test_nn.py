@@ -277,8 +277,8 @@ def test_domain_of_one_is_the_original_bit_for_bit(make_manager):
 def test_refusals_raise_on_every_rank(make_manager):
     manager = make_manager()
     comm = manager.domain_group
-    for bad in (nn.MultiheadAttention(4, 2), nn.Flatten(), nn.TransformerEncoderLayer(4, 2), nn.Dropout2d(),
-                nn.MaxPool2d(2, return_indices=True), nn.Sequential(nn.Conv2d(1, 1, 1), nn.Unflatten(1, (1, 1)))):
+    for bad in (nn.MultiheadAttention(4, 2), nn.TransformerEncoderLayer(4, 2), nn.Dropout2d(),
+                nn.MaxPool2d(2, return_indices=True)):
         msg = same_error_everywhere(comm, lambda b=bad: convert_to_domain_parallel(b, manager), ConversionError)
         assert "custom_converters" in msg
 
@@ -286,8 +286,13 @@ def test_refusals_raise_on_every_rank(make_manager):
         def forward(self, x):
             return x.flip(-2)
 
-    msg = same_error_everywhere(comm, lambda: convert_to_domain_parallel(nn.Sequential(nn.ReLU(), Mystery()), manager), ConversionError)
-    assert "1 (Mystery)" in msg
+    # a module without a rule is judged by what its forward does (credit_mpi.nn.functions), when it runs
+    x = torch.randn(1, 1, 2, 3, dtype=torch.float64)
+    for model, where, op in ((nn.Sequential(nn.ReLU(), Mystery()), "1 (Mystery)", "flip()"),
+                             (nn.Sequential(nn.Conv2d(1, 1, 1), nn.Flatten(), nn.Linear(6, 2)), "2 (Linear)", "linear()")):
+        converted = convert_to_domain_parallel(model.double(), manager)
+        msg = same_error_everywhere(comm, lambda c=converted: c(x), ConversionError)
+        assert where in msg and op in msg and "custom_converters" in msg, msg
     assert isinstance(ConversionError("x"), credit_mpi.DomainParallelError)
     # marked local, it converts; a custom converter is used
     assert convert_to_domain_parallel(Mystery(), manager, custom_converters={Mystery: keep_local}).__class__ is Mystery

@@ -32,7 +32,7 @@ from .. import validation
 from ..autograd import check_backward_thread
 from ..blocks import decode_block, encode_block
 from ..grid import grid_coords, grid_of
-from ..halo import halo_exchange
+from ..halo import _exchange_agreed, halo_exchange
 from ..layout import Layout
 from ..partition import check_halo_width
 from ..validation import DomainParallelError, Local, agree_cached, comm_label
@@ -223,7 +223,8 @@ def fetch_rows(
     """
     axis, a, total = bands.axis, bands.start, bands.total
     exchange = "zero" if boundary == "replicate" else boundary
-    padded = halo_exchange(x, width, axis, manager, boundary=exchange, check=False) if width else x
+    # the layer's agreement (``bands``) covered what the exchange's would: one agreement per layer call
+    padded = _exchange_agreed(x, width, axis, manager, exchange, tuple(bands.sizes)) if width else x
     first = lo - (a - width)
     # the whole padded band as it is when that is the window (narrow's backward would copy the gradient into zeros)
     rows = padded if first == 0 and hi - lo == padded.shape[axis] else padded.narrow(axis, first, hi - lo)

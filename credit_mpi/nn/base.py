@@ -17,8 +17,11 @@ travel between processes).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,6 +63,19 @@ class ManagerRef:
         )
 
 
+_BATCH = threading.local()
+
+
+@contextlib.contextmanager
+def batch_bands():
+    """Within: the layers run their original forward (their input holds the bands in its batch dim)."""
+    _BATCH.depth = getattr(_BATCH, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _BATCH.depth -= 1
+
+
 class DomainParallelModule:
     """Mixin of every domain-parallel layer (the manager, the sharded dim, the module's path)."""
 
@@ -83,7 +99,12 @@ class DomainParallelModule:
         return m is not None and m.domain_parallel_size > 1
 
     def dp_local(self, x: Any) -> bool:
-        """True when the layer runs its original ``forward``: no bands, or an input replicated on every rank.
+        """True when the layer runs its original ``forward``: no bands, an input replicated on every rank, or bands in the batch.
+
+        Bands in the batch dim (windows moved there by a custom forward, as
+        CrossFormer's short-distance attention does) are whole samples: the
+        function-level tracker says so through :func:`batch_bands` (the same
+        on every rank: it follows the same forward).
 
         A :class:`~credit_mpi.nn.replicated.Replicated` input (a global
         mean's output, whole on every rank) is computed locally, which is
@@ -91,7 +112,7 @@ class DomainParallelModule:
         ``Allgather``, only then: a rank whose input is a band is in its
         band agreement, and both raise).
         """
-        if not self.dp_active():
+        if not self.dp_active() or getattr(_BATCH, "depth", 0):
             return True
         if not is_replicated(x):
             return False
@@ -167,6 +188,16 @@ class DomainParallelModule:
         return f"{base}, shard_dim={self.dp_shard_dim}" if base else f"shard_dim={self.dp_shard_dim}"
 
 
+def _unjudged(root: torch.nn.Module, shard_dim: int, manager: Any, inputs: Any) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+#: ``(root, shard_dim, manager, inputs) -> context`` in which a converted forward runs: set by
+#: :mod:`credit_mpi.nn.functions` (imported with the converter), whose tracker judges every torch
+#: function applied to a band (installed from above: that module builds on this one).
+judged: Callable[[torch.nn.Module, int, Any, Any], contextlib.AbstractContextManager] = _unjudged
+
+
 class ForwardGuard:
     """A converted model's ``forward`` (an instance attribute of its root): no rank waits for one that failed.
 
@@ -177,10 +208,15 @@ class ForwardGuard:
     same exception. The cost: one fixed-size ``Allgather`` per forward.
     Backward is not covered (a rank-local error there still leaves the
     others waiting: the watchdog's case).
+
+    The forward runs under a :class:`~credit_mpi.nn.functions.Tracker`: every
+    torch function applied to a band outside the layers is judged by what
+    it does to the sharded dim, and one without an exact rule raises
+    ``ConversionError`` (shared like any other exception).
     """
 
-    def __init__(self, module: torch.nn.Module, ref: ManagerRef) -> None:
-        self.module, self.ref = module, ref
+    def __init__(self, module: torch.nn.Module, ref: ManagerRef, shard_dim: int = -2) -> None:
+        self.module, self.ref, self.shard_dim = module, ref, shard_dim
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, manager = self.module, self.ref.manager
@@ -189,7 +225,8 @@ class ForwardGuard:
             return forward(module, *args, **kwargs)
         comm = manager.domain_group
         try:
-            out = forward(module, *args, **kwargs)
+            with judged(module, self.shard_dim, manager, (args, kwargs)):
+                out = forward(module, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - raised again on every rank
             share_failure(comm, exc)
         forward_done(comm)
@@ -203,18 +240,18 @@ class ForwardGuard:
     def __deepcopy__(self, memo: dict) -> ForwardGuard:
         import copy
 
-        return ForwardGuard(copy.deepcopy(self.module, memo), self.ref)
+        return ForwardGuard(copy.deepcopy(self.module, memo), self.ref, self.shard_dim)
 
     def __reduce__(self):
-        return (ForwardGuard, (self.module, self.ref))
+        return (ForwardGuard, (self.module, self.ref, self.shard_dim))
 
 
-def guard_forward(root: torch.nn.Module, manager: DomainParallelManager | None) -> torch.nn.Module:
+def guard_forward(root: torch.nn.Module, manager: DomainParallelManager | None, shard_dim: int = -2) -> torch.nn.Module:
     """Install (or renew) the :class:`ForwardGuard` of a converted model's root."""
     if isinstance(root.__dict__.get("forward"), ForwardGuard):
         del root.__dict__["forward"]
     if manager is not None:
-        root.__dict__["forward"] = ForwardGuard(root, ManagerRef(manager))
+        root.__dict__["forward"] = ForwardGuard(root, ManagerRef(manager), shard_dim)
     return root
 
 

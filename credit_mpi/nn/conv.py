@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..manager import domain_of
 from . import geometry
 from ._comm import agree, agree_blocks, check_halo, fetch_block, fetch_rows, overlap_add, overlap_add_2d
+from ._overlap import overlapped_conv, split
 from .base import DomainParallelModule
 
 __all__ = [
@@ -40,6 +42,10 @@ __all__ = [
     "DomainParallelPeriodicConv2d",
     "conv_paddings",
 ]
+
+#: Overlap a band convolution's halo exchange with its interior rows (:mod:`credit_mpi.nn._overlap`).
+#: Set it alike on every rank (it is part of each layer's agreement: a rank that differs raises on every rank).
+OVERLAP = False
 
 _BOUNDARY = {"zeros": "zero", "circular": "periodic", "reflect": "reflect", "replicate": "replicate"}
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -92,7 +98,9 @@ class _ConvMixin(DomainParallelModule):
         if self.dp_on_grid():
             return self._grid_forward(x)
         manager, nd = self.dp_manager, self._nd
-        bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path, mode=self.dp_mode())
+        overlap = bool(OVERLAP)  # agreed with the input: it decides the exchange's MPI calls
+        bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path,
+                      extra=lambda: ("overlap", overlap), mode=self.dp_mode())
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         lay = conv_layout(self, bands.sizes, sd)
@@ -102,17 +110,38 @@ class _ConvMixin(DomainParallelModule):
         if boundary != "replicate":
             check_halo(self.dp_path, bands.sizes, lay.width, boundary, axis)
         band = lay.bands[bands.rank]
-        rows = fetch_rows(x, bands, band.in_lo, band.in_hi, lay.width, manager, boundary)
+        conv = self._band_conv(sd)
+        if overlap and lay.width and boundary in ("zero", "periodic") and x.device.type == "cpu":
+            span = self.dilation[sd] * (self.kernel_size[sd] - 1) + 1
+            every = [split(b.in_lo - (b.start - lay.width), lay.width, b.stop - b.start, b.out_stop - b.out_start,
+                           self.stride[sd], span) for b in lay.bands]
+            if all(every):  # decided from the agreed layout: every rank overlaps, or none does
+                neighbours = domain_of(manager).neighbors(boundary == "periodic")
+                return overlapped_conv(x, conv, axis, lay.width, band.in_lo - (bands.start - lay.width),
+                                       band.out_stop - band.out_start, self.stride[sd], span,
+                                       manager.domain_group, neighbours, every[bands.rank])
+        return conv(fetch_rows(x, bands, band.in_lo, band.in_hi, lay.width, manager, boundary))
+
+    def _band_conv(self, sd: int):
+        """The convolution of fetched rows (the sharded dim's halo in, no padding along it): the other dims padded like the module."""
+        nd = self._nd
         pads = conv_paddings(self)
         conv_padding = [0] * nd
+        pad = None
         if self.padding_mode == "zeros":
             conv_padding = [0 if i == sd else pads[i][0] for i in range(nd)]
             if any(pads[i][0] != pads[i][1] for i in range(nd) if i != sd):  # "same" with an even kernel
-                rows = F.pad(rows, _pad_arg(pads, sd, nd, skip_symmetric=True))
+                pad = (_pad_arg(pads, sd, nd, skip_symmetric=True), "constant")
                 conv_padding = [0 if i == sd or pads[i][0] != pads[i][1] else pads[i][0] for i in range(nd)]
         elif any(p != (0, 0) for i, p in enumerate(pads) if i != sd):
-            rows = F.pad(rows, _pad_arg(pads, sd, nd), mode=self.padding_mode)
-        return _CONV[nd](rows, self.weight, self.bias, self.stride, conv_padding, self.dilation, self.groups)
+            pad = (_pad_arg(pads, sd, nd), self.padding_mode)
+
+        def conv(rows: torch.Tensor) -> torch.Tensor:
+            if pad is not None:
+                rows = F.pad(rows, pad[0], mode=pad[1])
+            return _CONV[nd](rows, self.weight, self.bias, self.stride, conv_padding, self.dilation, self.groups)
+
+        return conv
 
     def _grid_forward(self, x: torch.Tensor) -> torch.Tensor:
         """On a 2-D grid: fetch the (latitude, longitude) window of this block's output block, then convolve."""

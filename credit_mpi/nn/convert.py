@@ -11,18 +11,21 @@ Policy (every module of the model, the root included, is visited once):
    ``nn.Dropout`` / ``nn.AlphaDropout`` -> a wrapper that is the identity in
    eval and refuses training (:mod:`credit_mpi.nn.dropout`).
 3. Padding modules (``nn.CircularPad2d((1, 1, 0, 0))``: circular longitude)
-   that leave the sharded dim alone, and modules that act on each row on its own (activations,
+   that leave the sharded dim alone, constant ones (``nn.ZeroPad2d``) that pad it
+   (the field's edges, on the first and last band), and modules that act on each row on its own (activations,
    ``nn.Linear`` / ``nn.Identity`` acting on the last dim when that is not
    the sharded one, ...) stay as they are.
-4. Containers and unknown modules WITH children are kept and their children
-   converted (their own ``forward`` is trusted: a reshape to the global shape
-   or a ``torch.roll`` along the sharded dim inside it cannot be seen; wrap
-   such code in a custom converter).
-5. Everything else raises :class:`ConversionError` on every rank, naming the
-   module's path and ``custom_converters``: attention (``nn.MultiheadAttention``,
-   ``nn.Transformer*``), ``nn.Flatten``/``nn.Unflatten``, ``nn.Linear`` when
-   ``shard_dim`` is the last dim, global pooling other than the adaptive
-   average, and unknown leaf modules.
+4. Every other module (containers, custom modules, ``nn.Softmax``,
+   ``nn.PixelShuffle``, ``nn.Flatten``, a subclass of an activation) is kept
+   and its children converted; its own ``forward`` is judged function by
+   function while the converted model runs and in ``describe()``'s dry run
+   (:mod:`credit_mpi.nn.functions`): what leaves the sharded dim alone
+   passes, what mixes rows along it raises ``ConversionError`` naming the
+   module's path and the op.
+5. Refused here, on every rank, naming the module's path and
+   ``custom_converters``: attention (``nn.MultiheadAttention``,
+   ``nn.Transformer*``), ``nn.Linear`` when ``shard_dim`` is the last dim,
+   channel dropout, adaptive max pooling.
 
 On a 2-D latitude x longitude domain grid of more than one column
 (``domain_grid=(rows, cols)``, ``cols > 1``) the last two dims of every layer
@@ -45,7 +48,7 @@ from torch import nn
 from ..grid import grid_of
 from ..manager import DomainParallelManager, get_domain_parallel_manager
 from ..validation import check_int
-from . import conv, dropout, norm, resample
+from . import conv, dropout, functions, norm, resample  # noqa: F401 - functions installs the forward's judge
 from ._comm import ConversionError
 from .base import DomainParallelModule, adopt, guard_forward
 
@@ -87,8 +90,6 @@ POINTWISE: tuple[type, ...] = (
     nn.Threshold, nn.LogSigmoid,
 )
 
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-
 _REFUSED_WHY = {
     nn.MultiheadAttention: "attention mixes every position with every other one, across bands",
     nn.Transformer: "attention mixes every position with every other one, across bands",
@@ -96,8 +97,6 @@ _REFUSED_WHY = {
     nn.TransformerDecoder: "attention mixes every position with every other one, across bands",
     nn.TransformerEncoderLayer: "attention mixes every position with every other one, across bands",
     nn.TransformerDecoderLayer: "attention mixes every position with every other one, across bands",
-    nn.Flatten: "it reshapes the sharded dim together with others (a band is not a slice of the flat vector)",
-    nn.Unflatten: "it reshapes into the sharded dim",
     nn.Dropout2d: "it drops whole channels, and every band would draw its own mask",
     nn.Dropout3d: "it drops whole channels, and every band would draw its own mask",
     nn.AdaptiveMaxPool1d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
@@ -110,6 +109,11 @@ _PADS = tuple(
     getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant", "Circular", "Reflection", "Replication") for n in (1, 2, 3)
     if hasattr(nn, f"{kind}Pad{n}d")
 )
+
+
+# constant padding of the sharded dim: the field's edges, on the first and last band (credit_mpi.nn.functions)
+_CONSTANT_PADS = tuple(getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant") for n in (1, 2, 3)
+                       if hasattr(nn, f"{kind}Pad{n}d"))
 
 
 def _pads_sharded_dim(module: nn.Module, shard_dim: int) -> bool:
@@ -165,7 +169,7 @@ def convert_to_domain_parallel(
     shard_dim = check_int("shard_dim", shard_dim)
     custom = check_custom(custom_converters)
     manager = get_domain_parallel_manager() if manager is None else manager
-    return guard_forward(_convert(model, "", manager, shard_dim, custom), manager)
+    return guard_forward(_convert(model, "", manager, shard_dim, custom), manager, shard_dim)
 
 
 def check_custom(custom_converters: dict | None) -> dict:
@@ -191,6 +195,7 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
         out = fn(module, manager, shard_dim)
         if not isinstance(out, nn.Module):
             raise TypeError(f"the custom converter for {type(module).__name__} at {label} returned {type(out).__name__}, not an nn.Module")
+        out._dp_trusted = True  # the user's rule: its forward is not judged function by function
         return out
     kind = type(module)
     if isinstance(module, DomainParallelModule):  # converted already: the same wrapper with this manager
@@ -205,7 +210,7 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
     if kind in POINTWISE:
         return module
     if kind in _PADS:
-        if _pads_sharded_dim(module, shard_dim):
+        if _pads_sharded_dim(module, shard_dim) and (grid or kind not in _CONSTANT_PADS):
             _refuse(module, label, "it pads the sharded dim (only the global edges may be padded: use the conv's own padding)")
         if grid and _pads_sharded_dim(module, -1):
             _refuse(module, label, f"it pads the longitude (the last dim), which the {grid[0]}x{grid[1]} domain grid "
@@ -220,15 +225,11 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
         return module
     if kind in _REFUSED_WHY:
         _refuse(module, label, _REFUSED_WHY[kind])
-    children = list(module.named_children())
-    if isinstance(module, _CONTAINERS) or children:
-        for name, child in children:
-            new = _convert(child, f"{path}.{name}" if path else name, manager, shard_dim, custom)
-            if new is not child:
-                module._modules[name] = new
-        return module
-    _refuse(module, label, "it is a module the converter has no rule for (it may mix rows along the sharded dim)")
-    raise AssertionError("unreachable")
+    for name, child in list(module.named_children()):
+        new = _convert(child, f"{path}.{name}" if path else name, manager, shard_dim, custom)
+        if new is not child:
+            module._modules[name] = new
+    return module  # its own forward is judged function by function while it runs (credit_mpi.nn.functions)
 
 
 # layers in RULES whose wrappers know latitude bands only (a 2-D grid with more than one column refuses them)

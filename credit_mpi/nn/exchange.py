@@ -9,6 +9,7 @@ import torch
 from ..halo import check_boundary_name, check_width, halo_exchange
 from ..manager import DomainParallelManager
 from ..validation import check_int, check_transport
+from .base import ManagerRef
 
 __all__ = ["HaloExchange"]
 
@@ -45,7 +46,14 @@ class HaloExchange(torch.nn.Module):
         self.halo_width = check_width(halo_width)
         self.boundary = check_boundary_name(boundary)
         self.transport = check_transport(transport)
-        self.dim, self.manager = dim, manager
+        self.dim = dim
+        # through a ManagerRef, as every converted layer: deepcopy shares it, pickling names state_dict()
+        self._manager_ref = ManagerRef(manager)
+
+    @property
+    def manager(self) -> DomainParallelManager | None:
+        """The manager given at construction (None: the global one at each call)."""
+        return self._manager_ref.manager
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` with ``halo_width`` rows of the neighbouring bands (or of ``boundary``) on both sides of ``dim``.

@@ -4,10 +4,13 @@ GroupNorm / InstanceNorm / LayerNorm (when the sharded dim is among the
 normalised ones) and BatchNorm compute each rank's count, mean and centred
 sum of squares (``M2``) of its band, share them in ONE allgather (float64
 for float64 input, float32 otherwise), and combine them exactly (Chan et
-al.'s pairwise formula: stable, true counts, any band sizes). The allgather
-is differentiable: its backward sums the statistics' gradients over the
-ranks, so the input and parameter gradients are those of one process (after
-:func:`credit_mpi.reduce_gradients`).
+al.'s pairwise formula: stable, true counts, any band sizes). Group,
+Instance and LayerNorm run as one autograd Function (:func:`band_norm`) that
+keeps for backward what torch's own kernel keeps on one process (the input,
+the weight, the per-group mean and 1/std: no normalised copy), and whose
+backward gathers the two per-group sums it needs across the bands in one
+allgather; the input and parameter gradients are those of one process
+(after :func:`credit_mpi.reduce_gradients`). Once differentiable.
 
 On a 2-D latitude x longitude domain grid (``domain_grid=(rows, cols)``,
 ``cols > 1``) the blocks are agreed in both dims and the statistics span
@@ -29,10 +32,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
+from ..autograd import check_backward_thread
 from ..validation import Local
 from ..validation import agree as agree_once
-from ._comm import ConversionError, agree, agree_blocks, allgather_stats
+from ._comm import ConversionError, _eager, agree, agree_blocks, allgather_stats
 from .base import DomainParallelModule
 from .replicated import is_replicated
 
@@ -89,6 +94,75 @@ def _out(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+class _BandNorm(torch.autograd.Function):
+    """Normalise over ``dims`` with the statistics of every band, then the affine step: what backward needs, nothing more.
+
+    Saved for backward: the input, the weight and the per-group mean and
+    ``1/sqrt(var + eps)`` (what torch's own ``native_group_norm`` keeps on
+    one process); the normalised value is recomputed in backward rather
+    than kept (composing the step from autograd ops would keep it, the
+    centred input and the affine product: ~3x the input per layer).
+    The backward's cross-band sums (of the gradient and of the gradient
+    times the normalised value, per group) are one ``Allgather`` of every
+    rank's partial sums added in rank order: the forward's pattern, the
+    same bits on every rank. The weight and bias gradients are this band's
+    share (summed over the ranks by :func:`credit_mpi.reduce_gradients`, as
+    every parameter's). Once differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dims, eps, comm):
+        mean, var, total = global_mean_var(x, dims, comm)
+        keep = [1 if d in dims else s for d, s in enumerate(x.shape)]
+        mean = mean.reshape(keep)
+        rstd = torch.rsqrt(var.reshape(keep) + eps)
+        y = _affine((x.to(mean.dtype) - mean) * rstd, weight, bias)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.dims, ctx.comm, ctx.count = dims, comm, float(total.reshape(-1)[0])
+        ctx.bias = None if bias is None else (bias.shape, bias.dtype)
+        return _out(y, x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        check_backward_thread()
+        x, weight, mean, rstd = ctx.saved_tensors
+        xhat = (x.to(mean.dtype) - mean) * rstd
+        g = grad.to(mean.dtype)
+        gx = gw = gb = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            gw = (g * xhat).sum_to_size(weight.shape).to(weight.dtype)
+        if ctx.bias is not None and ctx.needs_input_grad[2]:
+            gb = g.sum_to_size(ctx.bias[0]).to(ctx.bias[1])
+        if ctx.needs_input_grad[0]:  # x.requires_grad is agreed by the layer: every rank gathers or none
+            gh = g if weight is None else g * weight
+            mine = torch.stack([gh.sum(ctx.dims, keepdim=True), (gh * xhat).sum(ctx.dims, keepdim=True)])
+            sums = allgather_stats(mine, ctx.comm).sum(0) / ctx.count
+            gx = (rstd * (gh - sums[0] - xhat * sums[1])).to(x.dtype)
+        return gx, gw, gb, None, None, None
+
+
+@_eager
+def band_norm(x: torch.Tensor, weight, bias, dims: list[int], eps: float, comm) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` with the statistics over ``dims`` of every rank of ``comm``.
+
+    ``weight`` / ``bias`` (or None) broadcast against ``x`` (this band's
+    rows of them); the result has ``x``'s dtype, the arithmetic is in the
+    statistics' (float32 for bf16/fp16 input). Collective over ``comm``,
+    in the backward too (when ``x`` requires grad). See :class:`_BandNorm`
+    for what it keeps for backward.
+    """
+    return _BandNorm.apply(x, weight, bias, sorted(d % x.ndim for d in dims), float(eps), comm)
+
+
+def _affine(y: torch.Tensor, weight, bias) -> torch.Tensor:
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
+
+
 class DomainParallelGroupNorm(DomainParallelModule, nn.GroupNorm):
     """``nn.GroupNorm`` over the whole field (see the module docstring)."""
 
@@ -105,14 +179,11 @@ class DomainParallelGroupNorm(DomainParallelModule, nn.GroupNorm):
             return self.dp_spatial_axis(t, t.ndim - 2, "GroupNorm")
 
         _no_empty(self.dp_path, _agreed_sizes(self, x, axis_of))
-        n, c = x.shape[:2]
-        xs = x.reshape(n, self.num_groups, -1)
-        mean, var, _ = global_mean_var(xs, [2], manager.domain_group)
-        y = _normalize(xs, mean, var, self.eps, (n, self.num_groups, 1)).reshape(x.shape)
-        if self.affine:
-            shape = [1, c] + [1] * (x.ndim - 2)
-            y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
-        return _out(y, x)
+        n, c, g = x.shape[0], x.shape[1], self.num_groups
+        xs = x.reshape(n, g, c // g, *x.shape[2:])
+        shape = [1, g, c // g] + [1] * (x.ndim - 2)
+        w, b = (self.weight.reshape(shape), self.bias.reshape(shape)) if self.affine else (None, None)
+        return band_norm(xs, w, b, list(range(2, xs.ndim)), self.eps, manager.domain_group).reshape(x.shape)
 
 
 class _InstanceNormMixin(DomainParallelModule):
@@ -133,14 +204,9 @@ class _InstanceNormMixin(DomainParallelModule):
             return self.dp_spatial_axis(t, nd, f"InstanceNorm{nd}d")
 
         _no_empty(self.dp_path, _agreed_sizes(self, x, axis_of))
-        n, c = x.shape[:2]
-        dims = list(range(2, x.ndim))
-        mean, var, _ = global_mean_var(x, dims, manager.domain_group)
-        y = _normalize(x, mean, var, self.eps, [n, c] + [1] * nd)
-        if self.affine:
-            shape = [1, c] + [1] * nd
-            y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
-        return _out(y, x)
+        shape = [1, x.shape[1]] + [1] * nd
+        w, b = (self.weight.reshape(shape), self.bias.reshape(shape)) if self.affine else (None, None)
+        return band_norm(x, w, b, list(range(2, x.ndim)), self.eps, manager.domain_group)
 
 
 class DomainParallelInstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):
@@ -194,15 +260,9 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
                 f"{self.dp_path} (LayerNorm): the bands hold {bands.total} rows along dim {axis} in all, "
                 f"normalized_shape {tuple(self.normalized_shape)} expects {self.normalized_shape[sd]}"
             )
-        dims = list(range(x.ndim - k, x.ndim))
-        lead = list(x.shape[: x.ndim - k])
-        mean, var, _ = global_mean_var(x, dims, manager.domain_group)
-        y = _normalize(x, mean, var, self.eps, lead + [1] * k)
-        if self.weight is not None:
-            y = y * self.weight.narrow(sd, bands.start, bands.sizes[bands.rank])
-        if self.bias is not None:
-            y = y + self.bias.narrow(sd, bands.start, bands.sizes[bands.rank])
-        return _out(y, x)
+        rows = (bands.start, bands.sizes[bands.rank])
+        w, b = (None if p is None else p.narrow(sd, *rows) for p in (self.weight, self.bias))
+        return band_norm(x, w, b, list(range(x.ndim - k, x.ndim)), self.eps, manager.domain_group)
 
     def _grid_forward(self, x: torch.Tensor) -> torch.Tensor:
         """On a 2-D grid: statistics over the whole grid when latitude and longitude are both normalised."""
@@ -231,16 +291,9 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
                 f"(latitude x longitude) in all, normalized_shape {tuple(self.normalized_shape)} expects "
                 f"{tuple(self.normalized_shape[-2:])}"
             )
-        dims = list(range(x.ndim - k, x.ndim))
-        lead = list(x.shape[: x.ndim - k])
-        mean, var, _ = global_mean_var(x, dims, manager.domain_group)
-        y = _normalize(x, mean, var, self.eps, lead + [1] * k)
-        h, w = x.shape[-2], x.shape[-1]
-        if self.weight is not None:
-            y = y * self.weight.narrow(k - 2, blocks.y0, h).narrow(k - 1, blocks.x0, w)
-        if self.bias is not None:
-            y = y + self.bias.narrow(k - 2, blocks.y0, h).narrow(k - 1, blocks.x0, w)
-        return _out(y, x)
+        h, wd = x.shape[-2], x.shape[-1]
+        w, b = (None if p is None else p.narrow(k - 2, blocks.y0, h).narrow(k - 1, blocks.x0, wd) for p in (self.weight, self.bias))
+        return band_norm(x, w, b, list(range(x.ndim - k, x.ndim)), self.eps, manager.domain_group)
 
 
 class _BatchNormMixin(DomainParallelModule):

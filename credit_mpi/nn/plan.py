@@ -21,8 +21,10 @@ from torch import nn
 from ..grid import check_grid, grid_of
 from ..partition import band_sizes, check_halo_width, normalize_dim
 from . import conv, dropout, geometry, norm, resample
+from ._comm import ConversionError
 from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
+from .functions import Tracker
 from .replicated import is_replicated, replicated
 
 __all__ = ["describe", "Plan", "PlanRow", "GridPlan"]
@@ -168,34 +170,42 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
     # no manager anywhere, the root's forward guard included: the dry run makes no MPI call
     dry = guard_forward(_convert(copy.deepcopy(model, _memo(model, manager)), "", None, shard_dim, custom), None)
     dry = dry.to("meta")
-    calls = []
     axis = normalize_dim(shard_dim, len(input_shape))
+    layouts = {input_shape[axis]: band_sizes(input_shape[axis], domain_size, uneven=True)}
+    plan = Plan(domain_size, tuple(input_shape))
 
     def record(mod, args, out):
         x = args[0]
-        calls.append((mod, tuple(x.shape), tuple(out.shape), is_replicated(x)))
-        if isinstance(mod, resample._AdaptiveAvgMixin) and not is_replicated(x) and _global_mean(x.shape, out.shape, axis):
-            return replicated(out)  # as the run: what is computed from it alone is replicated too
-        return None
-
-    hooks = [m.register_forward_hook(record) for m in dry.modules() if isinstance(m, DomainParallelModule)]
-    try:
-        with torch.no_grad():
-            dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
-            dry(torch.empty(input_shape, device="meta", dtype=dtype))
-    finally:
-        for h in hooks:
-            h.remove()
-    layouts = {input_shape[axis]: band_sizes(input_shape[axis], domain_size, uneven=True)}
-    plan = Plan(domain_size, tuple(input_shape))
-    for mod, shape_in, shape_out, whole in calls:
+        whole = is_replicated(x)
         if whole:  # a replicated input (a global mean's, on every rank): the layer computes on it locally
-            h_in, h_out = shape_in[axis - len(input_shape)], shape_out[axis - len(input_shape)]
+            h_in, h_out = x.shape[axis - len(input_shape)], out.shape[axis - len(input_shape)]
             plan.rows.append(PlanRow(mod.dp_path, type(mod).__name__.replace("DomainParallel", ""), h_in, h_out,
                                      (h_in,) * domain_size, (h_out,) * domain_size, 0, 0, 1, 0, True,
                                      "replicated input: computed locally"))
-            continue
-        plan.rows.append(_row(mod, shape_in, shape_out, layouts, domain_size, shard_dim, grid))
+            return None
+        plan.rows.append(_row(mod, tuple(x.shape), tuple(out.shape), layouts, domain_size, shard_dim, grid))
+        if isinstance(mod, resample._AdaptiveAvgMixin) and _global_mean(x.shape, out.shape, axis):
+            return replicated(out)  # as the run: what is computed from it alone is replicated too
+        return None
+
+    def sizes_of(rows: int) -> list[int]:
+        return list(layouts.get(rows) or band_sizes(rows, domain_size, uneven=True))
+
+    def adopt(rows: int, sizes: list[int]) -> bool:
+        return list(layouts.setdefault(rows, list(sizes))) == list(sizes)
+
+    try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.functions)
+        with torch.no_grad(), Tracker(dry, shard_dim, None, sizes_of, record, judge=domain_size > 1,
+                                         adopt_layout=adopt) as tracker:
+            dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
+            x = torch.empty(input_shape, device="meta", dtype=dtype)
+            tracker.mark_inputs(x)
+            dry(x)
+    except ConversionError as exc:  # a function without a rule: the run raises this on every rank
+        if not hasattr(exc, "refused"):
+            raise
+        path, op, why = exc.refused
+        plan.rows.append(PlanRow(path, op, 0, 0, (), (), 0, 0, 1, 0, False, f"refused: {why}"))
     return plan
 
 
@@ -246,7 +256,7 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None) -> PlanRow:
         k, s, p = (resample._per_dim(v, nsp) for v in (mod.kernel_size, mod.stride or mod.kernel_size, mod.padding))
         d = resample._per_dim(getattr(mod, "dilation", 1), nsp)
         lay, stride = geometry.conv_layout(sizes, k[sd], s[sd], d[sd], p[sd], p[sd], mod.ceil_mode), s[sd]
-    elif isinstance(mod, resample.DomainParallelUpsample):
+    elif isinstance(mod, resample._InterpolateMixin):
         sf = resample._per_dim(mod.scale_factor, nsp)[sd]
         w = resample.resample_matrix(mod.mode, h_in, h_out if sf is None else None, None if sf is None else float(sf),
                                      mod.align_corners, mod.recompute_scale_factor)

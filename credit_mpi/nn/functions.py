@@ -1,0 +1,917 @@
+"""Rules at the function level: every torch function applied to a band is judged by what it does to the sharded dim.
+
+A module converter sees module types; real weather models mix rows inside
+their own ``forward`` (``flatten(2)`` then ``softmax(q^T k)``, a latitude mean
+concatenated to the band's rows, ``F.interpolate(size=skip.shape[-2:])``).
+While a converted model runs (and in :func:`~credit_mpi.nn.describe`'s dry
+run on the meta device) a :class:`Tracker` (a
+``torch.overrides.TorchFunctionMode``) follows the placement of every tensor
+that holds bands and judges each torch function applied to one:
+
+* what leaves the sharded dim alone passes: pointwise ops (a broadcast
+  partner must have one row along it), reductions, softmax, norms, ``linear``,
+  ``matmul`` and ``cat`` over other dims, permutes, reshapes that keep the
+  band's rows whole;
+* what has an exact rule runs it: ``F.interpolate`` along the sharded dim by
+  an integer factor (the :class:`~credit_mpi.nn.DomainParallelInterpolate`
+  layer), ``pixel_shuffle`` (output rows ``[r a, r b)`` from input rows
+  ``[a, b)``), ``pixel_unshuffle`` and a reshape into windows when every
+  band is a whole number of them; ``F.scaled_dot_product_attention`` over
+  the tokens of every band (keys and values gathered:
+  :func:`credit_mpi.gather_tokens.allgather_along`);
+* everything else that touches the sharded dim raises ``ConversionError``
+  naming the module's path and the op. At run time the converted model's
+  :class:`~credit_mpi.nn.base.ForwardGuard` makes it every rank's exception;
+  ``describe()`` reports it before any data moves.
+
+Why a mode and not a tensor subclass (ShardTensor, DTensor): the layers keep
+plain tensors (no subclass reaches user code, ``torch.compile`` or the
+optimiser), and a mode also sees the functions a forward calls on tensors it
+made itself. The placement is kept per tensor object for the length of one
+forward, so nothing outlives it.
+
+A placement is :class:`Sharded` ``(dim, outer, inner)``: the band's row
+index is the middle factor of dim ``dim`` (size ``outer * rows * inner``), so
+a flatten that merged the rows with the longitude (tokens: ``inner > 1``) or
+with the batch (windows moved into the batch: ``outer > 1``) is followed, and
+a reshape back recovers the band.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from ..partition import normalize_dim
+from . import base
+from ._comm import ConversionError
+from .base import DomainParallelModule
+from .replicated import is_replicated
+
+__all__ = ["Sharded", "Tracker", "refusal", "active_tracker"]
+
+_STATE = threading.local()
+
+
+def active_tracker() -> Tracker | None:
+    """The tracker of the converted forward running in this thread (None outside one)."""
+    return getattr(_STATE, "tracker", None)
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """Where a tensor's bands are: the middle factor of dim ``dim`` (size ``outer * rows * inner``)."""
+
+    dim: int
+    outer: int = 1
+    inner: int = 1
+
+    def moved(self, dim: int) -> Sharded:
+        return Sharded(dim, self.outer, self.inner)
+
+    def describe(self) -> str:
+        if self.outer == 1 and self.inner == 1:
+            return f"dim {self.dim}"
+        return f"dim {self.dim} (merged: {self.outer} x rows x {self.inner})"
+
+
+def refusal(path: str, op: str, why: str) -> ConversionError:
+    """The ``ConversionError`` of ``op`` at ``path`` (``.refused``: the three parts, for describe()'s plan)."""
+    exc = ConversionError(
+        f"{path} calls {op} on a tensor that holds latitude bands: {why}. Nothing ran on bands wrongly; "
+        f"change the forward (a module the converter replaces, an op that leaves the sharded dim alone), or "
+        f"pass custom_converters={{ThatModule: fn}} (credit_mpi.nn.keep_local if it never mixes rows along "
+        f"the sharded dim)")
+    exc.refused = (path, op, why)
+    return exc
+
+
+class _Why(Exception):
+    """Internal: a rule's reason to refuse (turned into a :func:`refusal` with the path and the op)."""
+
+
+def _op_name(func: Callable) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "attribute")
+    return name
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+def _dims(value: Any, ndim: int) -> list[int] | None:
+    """``dim`` arguments as non-negative ints (None: every dim)."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [normalize_dim(int(v), ndim) for v in value]
+    return [normalize_dim(int(value), ndim)]
+
+
+class Tracker(TorchFunctionMode):
+    """The placements of one converted forward, and the judge of every torch function on a band.
+
+    Args:
+        root: The converted model (module paths in messages are its ``named_modules``).
+        shard_dim: The sharded dim of the layers' inputs.
+        manager: The domain's manager (None in the dry run: exact rules run their layer locally).
+        band_sizes: In the dry run, ``rows -> every band's rows`` (checks of whole windows); at run
+            time None (each rank checks its own band; the ForwardGuard shares a refusal).
+        on_layer: Called ``(module, args, out)`` after every domain-parallel layer (the dry run's plan);
+            a tensor it returns replaces the layer's output.
+        judge: False on a domain of one band (the original forward is exact): layers are still reported.
+        adopt_layout: In the dry run, ``(rows, sizes) -> ok``: a block of merged rows taken as a band
+            of that height has that layout (False: an earlier tensor of that height has another one).
+    """
+
+    def __init__(self, root: torch.nn.Module, shard_dim: int, manager: Any = None,
+                 band_sizes: Callable[[int], list[int]] | None = None,
+                 on_layer: Callable[[Any, tuple, Any], Any] | None = None, judge: bool = True,
+                 adopt_layout: Callable[[int, list[int]], bool] | None = None) -> None:
+        super().__init__()
+        self.shard_dim, self.manager, self.band_sizes, self.on_layer = shard_dim, manager, band_sizes, on_layer
+        self.adopt_layout = adopt_layout
+        self.paths = {id(m): (name or "<root>") for name, m in root.named_modules()}
+        # the root's forward is called directly (no module hooks): a layer as the root is trusted here
+        self.trusted = int(self._trusts(root) or not judge)
+        self.stack: list[tuple[str, bool, tuple | None]] = [(self._path(root), bool(self.trusted), None)]
+        self.place: dict[int, tuple[weakref.ref, Sharded]] = {}
+        self._locals: list = []
+        self._hooks: list = []
+
+    # -- placements ------------------------------------------------------------------------------
+
+    def get(self, t: Any) -> Sharded | None:
+        if not isinstance(t, torch.Tensor) or is_replicated(t):
+            return None
+        entry = self.place.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def set(self, t: torch.Tensor, p: Sharded | None) -> None:
+        if p is None or is_replicated(t):
+            self.place.pop(id(t), None)
+        else:
+            self.place[id(t)] = (weakref.ref(t), p)
+
+    def band(self, t: torch.Tensor) -> Sharded | None:
+        """The placement of a band along ``shard_dim`` (a layer's input or output), None when ``t`` has too few dims."""
+        try:
+            return Sharded(normalize_dim(self.shard_dim, t.ndim))
+        except (ValueError, IndexError):
+            return None
+
+    def mark_inputs(self, tree: Any) -> None:
+        """Every floating tensor of the model's input is a band along ``shard_dim`` (a replicated one stays one)."""
+        for t in _tensors(tree):
+            if t.is_floating_point() and not is_replicated(t):
+                self.set(t, self.band(t))
+
+    def as_band(self, t: torch.Tensor, p: Sharded) -> Sharded | None:
+        """``p`` as a plain band along its dim when it is one, else None.
+
+        Rows merged with whole inner ones (``outer == 1``: windows merged back, tokens) are a
+        contiguous block of the dim: a band of ``inner`` times the rows' layout. At run time a
+        partner's shape checks it on every rank; in the dry run that layout is compared with (or
+        becomes) the layout of that height.
+        """
+        if p.outer != 1:
+            return None
+        if p.inner == 1 or self.band_sizes is None:
+            return Sharded(p.dim)
+        height = t.shape[p.dim]
+        mine = [p.inner * s for s in self.band_sizes(height // p.inner)]
+        if self.band_sizes(height) == mine or (self.adopt_layout is not None and self.adopt_layout(height, mine)):
+            return Sharded(p.dim)
+        return None
+
+    def rows_ok(self, rows: int, factor: int, least: int = 1) -> bool:
+        """True when every band (this rank's at run time) is a whole number (at least ``least``) of ``factor`` rows."""
+        sizes = [rows] if self.band_sizes is None else self.band_sizes(rows)
+        return all(s % factor == 0 and s >= least * factor for s in sizes)
+
+    def ratio_ok(self, rows: int, target: int) -> bool:
+        """True when every band's target rows are one whole factor times its rows (this rank's at run time)."""
+        if self.band_sizes is None:
+            return target % rows == 0
+        ins, outs = self.band_sizes(rows), self.band_sizes(target)
+        return target % rows == 0 and all(o == (target // rows) * i for i, o in zip(ins, outs, strict=True))
+
+    # -- module boundaries (global module hooks, only while tracking) -----------------------------
+
+    def __enter__(self) -> Tracker:
+        from torch.nn.modules import module as module_mod
+
+        self._outer = active_tracker()
+        _STATE.tracker = self
+        self._hooks = [module_mod.register_module_forward_pre_hook(self._pre),
+                       module_mod.register_module_forward_hook(self._post, always_call=True)]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            for h in self._hooks:
+                h.remove()
+            _STATE.tracker = self._outer
+            self.place.clear()
+
+    def _trusts(self, module: torch.nn.Module) -> bool:
+        return isinstance(module, DomainParallelModule) or getattr(module, "_dp_trusted", False)
+
+    def _path(self, module: torch.nn.Module) -> str:
+        path = self.paths.get(id(module)) or getattr(module, "dp_path", None) or "?"
+        return f"{path} ({type(module).__name__})"
+
+    def _pre(self, module: torch.nn.Module, args: tuple) -> None:
+        if active_tracker() is not self:  # the hooks are global: another thread's modules, or a nested tracker's
+            return
+        trusted = self._trusts(module)
+        local, placement = self._check_layer_input(module, args) if trusted and not self.trusted else (False, None)
+        if local:
+            local_ctx = base.batch_bands()
+            local_ctx.__enter__()
+            self._locals.append(local_ctx)
+        self.stack.append((self._path(module), trusted, (placement,) if local else None))
+        self.trusted += trusted
+
+    def _post(self, module: torch.nn.Module, args: tuple, out: Any) -> Any:
+        if active_tracker() is not self:
+            return None
+        _, trusted, local = self.stack.pop() if len(self.stack) > 1 else (None, False, None)
+        self.trusted -= trusted
+        if local is not None:
+            self._locals.pop().__exit__(None, None, None)
+        if out is None:
+            return None
+        if self.on_layer is not None and isinstance(module, DomainParallelModule) and local is None:
+            new = self.on_layer(module, args, out)
+            out = out if new is None else new
+        if trusted and not self.trusted:  # a layer's output: a band along the sharded dim (or replicated)
+            for t in _tensors(out):
+                self.set(t, local[0] if local is not None else self.band(t))
+        return out
+
+    def _check_layer_input(self, module: torch.nn.Module, args: tuple) -> tuple[bool, Sharded | None]:
+        """A layer (or a user's trusted module) takes bands along ``shard_dim``: not tokens, not a permuted band.
+
+        Returns ``(local, placement)``: ``local`` when the layer runs its original forward on this input
+        (bands in the batch dim, whole samples; or a tensor without bands, the same on every rank: a
+        position table made from parameters), and the placement of its outputs then.
+        """
+        for t in _tensors(args)[:1]:
+            p, want = self.get(t), self.band(t)
+            if not isinstance(module, DomainParallelModule):
+                break
+            if p is None and not is_replicated(t):
+                return True, None
+            if p is not None and p.dim == 0 and t.ndim >= 3:
+                if "BatchNorm" in type(module).__name__:
+                    raise refusal(self._path(module), "its forward", "batch statistics over samples that are "
+                                  "spread over the bands (windows moved into the batch dim)")
+                return True, p
+            if p is not None and p != want and self.as_band(t, p) != want:
+                raise refusal(self._path(module), "its forward",
+                              f"its input holds the bands along {p.describe()} (after a permute or a reshape), "
+                              f"but the layer runs on bands along the sharded dim ({want.describe() if want else self.shard_dim})")
+        return False, None
+
+    # -- the judge --------------------------------------------------------------------------------
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.trusted:
+            return func(*args, **kwargs)
+        held = [(t, p) for t in _tensors((args, kwargs)) if (p := self.get(t)) is not None]
+        if not held:
+            return func(*args, **kwargs)
+        op = _op_name(func)
+        rule = _RULES.get(op) or _RULES.get(op.rstrip("_") if not op.startswith("__") else op)
+        try:
+            if rule is None:
+                out = func(*args, **kwargs)
+                if _tensors(out):
+                    raise _Why("no rule says what it does to the sharded dim")
+                return out
+            return rule(self, func, args, kwargs, held)
+        except _Why as why:
+            raise refusal(self.stack[-1][0], f"{op}()", str(why)) from None
+
+    def run(self, func, args, kwargs, placement: Callable[[torch.Tensor], Sharded | None] | Sharded | None):
+        """Run ``func`` and tag its tensor outputs."""
+        out = func(*args, **kwargs)
+        for t in _tensors(out):
+            self.set(t, placement(t) if callable(placement) else placement)
+        return out
+
+
+@contextlib.contextmanager
+def judge_forward(root: torch.nn.Module, shard_dim: int, manager: Any, inputs: Any):
+    """The context of a converted forward at run time: every floating input is a band; one tracker per thread."""
+    if active_tracker() is not None:  # a converted model inside a converted forward: judged by the outer one
+        yield None
+        return
+    with Tracker(root, shard_dim, manager) as tracker:
+        tracker.mark_inputs(inputs)
+        yield tracker
+
+
+base.judged = judge_forward
+
+
+# -- the rules ------------------------------------------------------------------------------------
+
+_RULES: dict[str, Callable] = {}
+
+
+def _rule(*names: str):
+    def register(fn):
+        for n in names:
+            _RULES[n] = fn
+        return fn
+    return register
+
+
+_POINTWISE = """
+abs absolute add acos arccos acosh asin asinh atan atan2 atanh bitwise_and bitwise_not bitwise_or bitwise_xor ceil clamp
+clamp_max clamp_min clip copysign cos cosh deg2rad div divide erf erfc erfinv exp exp2 expm1 float_power floor
+floor_divide fmod frac hypot isfinite isinf isnan ldexp lerp lgamma log log10 log1p log2 logaddexp logical_and
+logical_not logical_or logical_xor logit maximum minimum fmax fmin mul multiply nan_to_num neg negative pow rad2deg
+reciprocal remainder round rsqrt sigmoid sign sin sinh sqrt square sub subtract tan tanh true_divide trunc where
+masked_fill addcmul addcdiv relu relu6 gelu silu mish elu selu celu leaky_relu hardtanh hardswish hardsigmoid softplus
+softsign tanhshrink threshold logsigmoid prelu hardshrink softshrink eq ne lt le gt ge greater less greater_equal
+less_equal not_equal fill zero clone contiguous detach to type float double half bfloat16 int long bool cpu cuda
+requires_grad retain_grad copy zeros_like ones_like empty_like full_like data real imag conj positive sgn
+__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__ __itruediv__
+__div__ __rdiv__ __idiv__ __pow__ __rpow__ __ipow__ __neg__ __abs__ __and__ __rand__ __iand__ __or__ __ror__ __ior__
+__xor__ __rxor__ __ixor__ __invert__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __floordiv__ __rfloordiv__
+__ifloordiv__ __mod__ __rmod__ __imod__
+""".split()
+
+# their extra tensor arguments give a dtype or a device, not values
+_LIKE = {"to", "type", "type_as", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
+
+
+@_rule(*_POINTWISE)
+def _pointwise(tr: Tracker, func, args, kwargs, held):
+    """Elementwise (with broadcasting): one placement; a partner that is not a band has one row along it."""
+    op = _op_name(func)
+    tensors = _tensors((args, kwargs))
+    if op in _LIKE:
+        tensors = tensors[:1]
+    ndim = max(t.ndim for t in tensors)
+    dims = {(p.dim + ndim - t.ndim, p.outer, p.inner) for t, p in held}
+    if len(dims) > 1:  # a band and a block of merged rows (windows merged back): the same band when they line up
+        bands = {(b.dim + ndim - t.ndim, 1, 1) if (b := tr.as_band(t, p)) else (None,) for t, p in held}
+        if len(bands) > 1 or (None,) in bands:
+            raise _Why(f"it combines tensors whose bands are along different dims ({sorted(dims)})")
+        dims = bands
+    d, outer, inner = dims.pop()
+    for t in tensors:
+        k = d - (ndim - t.ndim)
+        if tr.get(t) is None and k >= 0 and t.shape[k] != 1:
+            what = "a replicated tensor (a global mean)" if is_replicated(t) else "a tensor that is not a band (a parameter or buffer, or one made in the forward)"
+            raise _Why(f"it combines a band with {what} of {t.shape[k]} rows along the sharded dim "
+                       f"(make it from the band, or give it one row along that dim)")
+    return tr.run(func, args, kwargs, lambda out: Sharded(d - (ndim - out.ndim), outer, inner) if out.ndim >= ndim - d else None)
+
+
+@_rule("type_as")
+def _type_as(tr, func, args, kwargs, held):
+    p = tr.get(args[0])
+    return tr.run(func, args, kwargs, p)
+
+
+@_rule("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor")
+def _new(tr, func, args, kwargs, held):
+    """A new tensor: a band (its rows) when it has the band's shape, else not one."""
+    src, p = args[0], tr.get(args[0])
+    return tr.run(func, args, kwargs, lambda out: p if p is not None and out.shape == src.shape else None)
+
+
+@_rule("dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d")
+def _dropout(tr, func, args, kwargs, held):
+    p, training = _arg(args, kwargs, 1, "p", 0.5), _arg(args, kwargs, 2, "training", True)
+    if training and p > 0:
+        raise _Why(f"dropout in training (p={p}) draws its own mask on every band (not one process's draw)")
+    return tr.run(func, args, kwargs, held[0][1])
+
+
+@_rule("batch_norm")
+def _batch_norm(tr, func, args, kwargs, held):
+    training = _arg(args, kwargs, 5, "training", False)
+    if training or _arg(args, kwargs, 1, "running_mean") is None:
+        raise _Why("batch statistics over the band alone (use nn.BatchNorm*, which the converter replaces)")
+    return tr.run(func, args, kwargs, held[0][1])
+
+
+@_rule("layer_norm", "rms_norm")
+def _layer_norm(tr, func, args, kwargs, held):
+    x, p = args[0], tr.get(args[0])
+    shape = _arg(args, kwargs, 1, "normalized_shape")
+    n = 1 if isinstance(shape, int) else len(shape)
+    if p is not None and p.dim >= x.ndim - n:
+        raise _Why(f"it normalises over the last {n} dim(s), the sharded one among them (use nn.LayerNorm)")
+    return tr.run(func, args, kwargs, p)
+
+
+@_rule("group_norm", "instance_norm", "local_response_norm")
+def _spatial_norm(tr, func, args, kwargs, held):
+    p = tr.get(args[0])
+    if p is not None and p.dim >= 1:
+        raise _Why("statistics over the band alone (use nn.GroupNorm / nn.InstanceNorm*, which the converter replaces)")
+    return tr.run(func, args, kwargs, p)
+
+
+_REDUCE = """sum mean nansum nanmean prod amax amin max min argmax argmin all any std var std_mean var_mean norm
+logsumexp median nanmedian mode count_nonzero aminmax""".split()
+_ALONG = """softmax log_softmax softmin cumsum cumprod cummax cummin logcumsumexp sort argsort topk kthvalue normalize
+glu diff""".split()
+
+
+@_rule(*_REDUCE)
+def _reduce(tr, func, args, kwargs, held):
+    """A reduction over dims other than the sharded one passes; over it (or every dim) refused."""
+    op = _op_name(func)
+    x = args[0]
+    if op in ("max", "min") and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        return _pointwise(tr, func, args, kwargs, held)
+    p = tr.get(x)
+    if p is None:  # a band as another argument
+        raise _Why("a band as a reduction's extra argument")
+    index = 2 if op == "norm" else 1
+    dims = _dims(_arg(args, kwargs, index, "dim"), x.ndim)
+    if dims is None or p.dim in dims:
+        raise _Why(f"it reduces over the sharded dim ({'every dim' if dims is None else 'dim ' + str(p.dim)}): "
+                   f"one band's rows are not the field's")
+    dropped = p.dim - sum(1 for k in dims if k < p.dim)
+    return tr.run(func, args, kwargs, lambda out: p if out.ndim == x.ndim else p.moved(dropped))
+
+
+@_rule(*_ALONG)
+def _along(tr, func, args, kwargs, held):
+    """An op along one dim (softmax, cumsum, sort): passes when that dim is not the sharded one."""
+    op = _op_name(func)
+    x, p = args[0], tr.get(args[0])
+    default = {"glu": -1, "diff": -1, "normalize": 1}.get(op)
+    dim = _arg(args, kwargs, 2 if op == "normalize" else (2 if op == "diff" else 1), "dim", default)
+    if op in ("topk", "kthvalue"):
+        dim = _arg(args, kwargs, 2, "dim", -1)
+    if op in ("sort", "argsort") and dim is None:
+        dim = -1
+    if p is None or dim is None or normalize_dim(int(dim), x.ndim) == p.dim:
+        raise _Why(f"it works along the sharded dim (dim={dim}): the rows of the other bands are missing")
+    return tr.run(func, args, kwargs, p)
+
+
+_RESHAPES = "reshape view view_as reshape_as flatten unflatten squeeze unsqueeze ravel".split()
+
+
+def _reshaped(tr: Tracker, shape_in: tuple, p: Sharded, shape_out: tuple) -> Sharded:
+    """The placement after a reshape, or _Why when the band's rows do not stay whole.
+
+    In flat-index terms the band's rows are the digits of strides ``[after, after * rows)``. A split
+    into windows (an output dim of stride ``after * window``, ``1 < window < rows``, holding the
+    window count) is looked for first: a band of one window is refused (its count dim of size one
+    could not be told from a dim of whole rows), so the dry run asks every band for two windows.
+    Otherwise an output dim that holds those digits whole carries the band (merged with its neighbours).
+    """
+    rows = shape_in[p.dim] // (p.outer * p.inner)
+    before = math.prod(shape_in[: p.dim]) * p.outer  # blocks outside the rows
+    after = p.inner * math.prod(shape_in[p.dim + 1 :])  # elements inside one row
+    for j, size in enumerate(shape_out):  # rows split into windows: whole windows on every band
+        stride = math.prod(shape_out[j + 1 :])
+        if stride % after or not 1 < stride // after < rows:
+            continue
+        window = stride // after
+        if rows % window == 0 and (size * stride) % (after * rows) == 0 and size * window % rows == 0:
+            if not tr.rows_ok(rows, window, 2):
+                raise _Why(f"it splits the sharded dim into windows of {window} rows, and not every band is a "
+                           f"whole number (at least two) of windows (choose band sizes that are multiples of {window})")
+            return Sharded(j, size * window // rows, 1)
+    for j, size in enumerate(shape_out):
+        pj, sj = math.prod(shape_out[:j]), math.prod(shape_out[j + 1 :])
+        if before % pj == 0 and after % sj == 0 and size == (before // pj) * rows * (after // sj) and (size != 1 or rows == 1):
+            return Sharded(j, before // pj, after // sj)
+    raise _Why(f"a reshape of {tuple(shape_in)} (bands along {p.describe()}) to {tuple(shape_out)} does not keep "
+               f"the band's rows whole (a band of one window, or a size stored for the whole field?)")
+
+
+@_rule(*_RESHAPES)
+def _reshape(tr, func, args, kwargs, held):
+    x, p = args[0], tr.get(args[0])
+    if p is None:
+        raise _Why("a band as the shape of another tensor")
+    try:
+        out = func(*args, **kwargs)
+    except RuntimeError as exc:
+        raise _Why(f"the reshape does not fit this band ({exc}); a size stored for the whole field? compute it "
+                   f"from x.shape in the forward") from None
+    tr.set(out, _reshaped(tr, tuple(x.shape), p, tuple(out.shape)))
+    return out
+
+
+_PERMUTES = "transpose swapaxes swapdims permute movedim moveaxis t adjoint T mT H mH".split()
+
+
+@_rule(*_PERMUTES)
+def _permute(tr, func, args, kwargs, held):
+    """A permutation of dims: found by applying it to a meta tensor of distinct sizes."""
+    x, p = args[0], tr.get(args[0])
+    probe = torch.empty(tuple(range(2, x.ndim + 2)), device="meta")
+    moved = func(probe, *args[1:], **kwargs)
+    return tr.run(func, args, kwargs, p.moved(list(moved.shape).index(p.dim + 2)))
+
+
+@_rule("expand", "expand_as", "broadcast_to", "repeat", "tile")
+def _expand(tr, func, args, kwargs, held):
+    x, p = args[0], tr.get(args[0])
+    if p is None:  # expanded to a band's shape: one row along the sharded dim is the band's every row
+        q, target = held[0][1], held[0][0]
+        k = q.dim - (target.ndim - x.ndim)
+        if k >= 0 and x.shape[k] != 1:
+            raise _Why("it expands a tensor that is not a band to a band's shape")
+        return tr.run(func, args, kwargs, q)
+    out = func(*args, **kwargs)
+    d = p.dim + out.ndim - x.ndim
+    if out.shape[d] != x.shape[p.dim]:
+        raise _Why("it repeats the sharded dim")
+    tr.set(out, p.moved(d))
+    return out
+
+
+@_rule("narrow", "select", "index_select", "gather", "chunk", "split", "tensor_split", "unbind",
+       "split_with_sizes", "index_add", "scatter", "scatter_add", "index_copy", "index_fill")
+def _indexed(tr, func, args, kwargs, held):
+    """An op on one dim: passes when that dim is not the sharded one (``select``/``unbind`` remove it)."""
+    op = _op_name(func)
+    x, p = args[0], tr.get(args[0])
+    index = {"chunk": 2, "split": 2, "tensor_split": 2, "split_with_sizes": 2}.get(op, 1)
+    dim = _arg(args, kwargs, index, "dim", 0 if op in ("chunk", "split", "tensor_split", "unbind", "split_with_sizes") else None)
+    if op == "unfold" and "dimension" in kwargs:
+        dim = kwargs["dimension"]
+    if p is None or dim is None or normalize_dim(int(dim), x.ndim) == p.dim:
+        raise _Why(f"it selects along the sharded dim (dim={dim}): a band's index is not the field's")
+    d = normalize_dim(int(dim), x.ndim)
+    shift = 1 if op in ("select", "unbind") and d < p.dim else 0
+    return tr.run(func, args, kwargs, p.moved(p.dim - shift))
+
+
+@_rule("cat", "concat", "concatenate", "stack", "hstack", "vstack")
+def _join(tr, func, args, kwargs, held):
+    """A join over another dim: every part a band along the same dim (a replicated part would count once per rank)."""
+    op = _op_name(func)
+    parts = list(_arg(args, kwargs, 0, "tensors"))
+    if op in ("hstack", "vstack"):
+        raise _Why(f"{op} has no rule on bands (use torch.cat with dim)")
+    ndim = parts[0].ndim
+    dim = normalize_dim(int(_arg(args, kwargs, 1, "dim", 0)), ndim + (op == "stack"))
+    places = [tr.get(t) for t in parts]
+    got = {q for q in places if q is not None}
+    if len(got) > 1:  # a band and a block of merged rows: the same band when they line up
+        got = {tr.as_band(t, q) for t, q in zip(parts, places, strict=True) if q is not None}
+        if len(got) > 1 or None in got:
+            raise _Why(f"it joins tensors whose bands are along different dims ({sorted(map(str, got))})")
+    q = got.pop()
+    if op != "stack" and dim == q.dim:
+        raise _Why("it joins along the sharded dim: on bands the rows would not follow the field's order "
+                   "(a replicated row joined to every band would be counted once per rank)")
+    for t, pl in zip(parts, places, strict=True):
+        if pl is None and t.ndim > q.dim and t.shape[q.dim] != 1:
+            what = "a replicated tensor (a global mean)" if is_replicated(t) else "a tensor that is not a band"
+            raise _Why(f"it joins a band with {what} that has {t.shape[q.dim]} rows along the sharded dim")
+    d = q.dim + (1 if op == "stack" and dim <= q.dim else 0)
+    return tr.run(func, args, kwargs, q.moved(d))
+
+
+def _index_dims(x: torch.Tensor, index: Any) -> list[tuple[int, Any]]:
+    """``(input dim, index item)`` of a ``__getitem__`` index (None and Ellipsis expanded)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    used = sum(1 for i in items if i is not None and i is not Ellipsis and not isinstance(i, bool))
+    out, d = [], 0
+    for item in items:
+        if item is Ellipsis:
+            d += x.ndim - used
+        elif item is None:
+            out.append((None, None))
+        else:
+            out.append((d, item))
+            d += 1
+    return out
+
+
+def _whole(item: Any) -> bool:
+    return isinstance(item, slice) and item == slice(None)
+
+
+@_rule("__getitem__", "__setitem__")
+def _getitem(tr, func, args, kwargs, held):
+    """Indexing that keeps every row of the sharded dim (``x[:, :, :]``, ``x[:, 0]`` of another dim) passes."""
+    x, index = args[0], args[1]
+    p = tr.get(x)
+    if p is None:
+        raise _Why("a band written into a tensor that is not one" if _op_name(func) == "__setitem__" else "a band as an index")
+    items = _index_dims(x, index)
+    if any(isinstance(i, (torch.Tensor, list, tuple, bool)) for _, i in items):
+        raise _Why("advanced (tensor or mask) indexing of a band has no rule")
+    out_dim, d_out, last = None, 0, -1
+    for d, item in items:
+        if d is None:
+            d_out += 1
+            continue
+        last = d
+        if d == p.dim:
+            if not _whole(item):
+                raise _Why(f"it indexes the sharded dim with {item!r}: a band's row numbers are not the field's")
+            out_dim = d_out
+        if not isinstance(item, int):
+            d_out += 1
+    if out_dim is None:  # the sharded dim comes after the last index item
+        out_dim = d_out + (p.dim - last - 1)
+    if _op_name(func) == "__setitem__":
+        value = args[2]
+        if isinstance(value, torch.Tensor) and tr.get(value) is None and value.numel() > 1:
+            vd = out_dim - (x.ndim - value.ndim)
+            if vd >= 0 and value.shape[vd] != 1:
+                raise _Why("it writes a tensor that is not a band into a band's rows")
+        return func(*args, **kwargs)
+    return tr.run(func, args, kwargs, p.moved(out_dim))
+
+
+@_rule("flip", "roll", "fliplr", "flipud", "rot90")
+def _flip(tr, func, args, kwargs, held):
+    op = _op_name(func)
+    x, p = args[0], tr.get(args[0])
+    dims = _dims(_arg(args, kwargs, 2 if op == "roll" else 1, "dims"), x.ndim)
+    if op in ("fliplr", "flipud", "rot90") or dims is None or p.dim in dims:
+        why = "a cyclic shift across bands has no rule yet" if op == "roll" else "it reverses the sharded dim"
+        raise _Why(f"it moves rows along the sharded dim ({why})")
+    return tr.run(func, args, kwargs, p)
+
+
+@_rule("pad")
+def _pad(tr, func, args, kwargs, held):
+    """Padding of other dims passes; constant padding of the sharded dim pads the global edges only (first and last band)."""
+    x, p = args[0], tr.get(args[0])
+    pad = list(_arg(args, kwargs, 1, "pad"))
+    pair = x.ndim - 1 - p.dim
+    if not (2 * pair + 1 < len(pad) and (pad[2 * pair] or pad[2 * pair + 1])):
+        return tr.run(func, args, kwargs, p)
+    before, after = pad[2 * pair], pad[2 * pair + 1]
+    mode = _arg(args, kwargs, 2, "mode", "constant")
+    if mode != "constant" or before < 0 or after < 0 or p.outer * p.inner != 1:
+        raise _Why(f"F.pad(mode={mode!r}) of the sharded dim by {[before, after]} has no rule (only constant padding "
+                   f"of the field's edges: the rows next to a band are the neighbours')")
+    rows = x.shape[p.dim]
+    if tr.manager is not None:  # the run: the first band pads the field's first edge, the last band its last
+        from ..grid import grid_of
+
+        size, rank = tr.manager.domain_parallel_size, tr.manager.domain_rank
+        if grid_of(tr.manager, size)[1] > 1:
+            raise _Why("F.pad of the sharded dim has no rule on a latitude x longitude domain grid yet")
+        pad[2 * pair], pad[2 * pair + 1] = (before if rank == 0 else 0), (after if rank == size - 1 else 0)
+        rest = [a for i, a in enumerate(args) if i > 1]
+        return tr.run(func, (x, tuple(pad), *rest), {k: v for k, v in kwargs.items() if k != "pad"}, p)
+    sizes = tr.band_sizes(rows) if tr.band_sizes is not None else [rows]
+    padded = [s + (before if i == 0 else 0) + (after if i == len(sizes) - 1 else 0) for i, s in enumerate(sizes)]
+    if tr.adopt_layout is not None and not tr.adopt_layout(rows + before + after, padded):
+        raise _Why(f"the padded bands {padded} differ from an earlier tensor of {rows + before + after} rows")
+    return tr.run(func, args, kwargs, p)
+
+
+@_rule("pixel_shuffle", "pixel_unshuffle")
+def _pixel(tr, func, args, kwargs, held):
+    """Output rows ``[r a, r b)`` come from input rows ``[a, b)`` (shuffle); unshuffle needs whole groups of r rows."""
+    x, p = args[0], tr.get(args[0])
+    r = int(_arg(args, kwargs, 1, "upscale_factor" if _op_name(func) == "pixel_shuffle" else "downscale_factor"))
+    if p.dim == x.ndim - 3 or (p.dim >= x.ndim - 2 and p.outer * p.inner != 1):
+        raise _Why("it moves channels into rows or rows into channels along the sharded dim")
+    if _op_name(func) == "pixel_unshuffle" and p.dim >= x.ndim - 2 and not tr.rows_ok(x.shape[p.dim], r):
+        raise _Why(f"pixel_unshuffle({r}) needs every band to be a whole number of {r} rows")
+    return tr.run(func, args, kwargs, p)
+
+
+_CONVS = "conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d".split()
+_POOLS = "avg_pool1d avg_pool2d avg_pool3d max_pool1d max_pool2d max_pool3d lp_pool1d lp_pool2d lp_pool3d".split()
+
+
+def _tuple(value: Any, n: int) -> list:
+    return list(value) if isinstance(value, (tuple, list)) else [value] * n
+
+
+@_rule(*_CONVS, *_POOLS)
+def _window(tr, func, args, kwargs, held):
+    """A convolution or pooling functional passes when its window along the sharded dim is one row, stride one."""
+    op = _op_name(func)
+    x, p = args[0], tr.get(args[0])
+    if p is None:
+        raise _Why("a band as the weight")
+    nsp = int(op[-2])
+    sd = p.dim - (x.ndim - nsp)
+    if p.dim < x.ndim - nsp - 1:
+        return tr.run(func, args, kwargs, p)  # bands (windows) in the batch dim: each sample is whole
+    if sd < 0:
+        raise _Why("it mixes the channels, which hold the bands")
+    if op in _CONVS:
+        kernel = args[1].shape[2 + sd]
+        stride = _tuple(_arg(args, kwargs, 3, "stride", 1), nsp)[sd]
+        padding = _arg(args, kwargs, 4, "padding", 0)
+        padding = 0 if isinstance(padding, str) else _tuple(padding, nsp)[sd]
+    else:
+        kernel = _tuple(_arg(args, kwargs, 1, "kernel_size"), nsp)[sd]
+        stride = _tuple(_arg(args, kwargs, 2, "stride") or kernel, nsp)[sd]
+        padding = _tuple(_arg(args, kwargs, 3, "padding", 0), nsp)[sd]
+    if kernel != 1 or stride != 1 or padding != 0 or p.outer * p.inner != 1:
+        raise _Why(f"its window along the sharded dim (kernel {kernel}, stride {stride}, padding {padding}) reads "
+                   f"the neighbours' rows (use the nn module, which the converter replaces)")
+    return tr.run(func, args, kwargs, p)
+
+
+@_rule("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
+       "adaptive_max_pool2d", "adaptive_max_pool3d")
+def _adaptive(tr, func, args, kwargs, held):
+    op = _op_name(func)
+    x, p = args[0], tr.get(args[0])
+    nsp = int(op[-2])
+    sd = p.dim - (x.ndim - nsp)
+    size = _tuple(_arg(args, kwargs, 1, "output_size"), nsp)
+    if sd >= 0 and size[sd] is not None and size[sd] != x.shape[p.dim]:
+        raise _Why("it pools along the sharded dim (use nn.AdaptiveAvgPool*, which the converter replaces)")
+    return tr.run(func, args, kwargs, p)
+
+
+@_rule("linear", "bilinear")
+def _linear(tr, func, args, kwargs, held):
+    x, p = args[0], tr.get(args[0])
+    if p is None or p.dim == x.ndim - 1 or _op_name(func) == "bilinear":
+        raise _Why("it contracts the sharded dim (the last one) with a weight")
+    return tr.run(func, args, kwargs, p)
+
+
+@_rule("matmul", "__matmul__", "__rmatmul__", "bmm", "mm")
+def _matmul(tr, func, args, kwargs, held):
+    """``a @ b``: a band in a batch dim or in a's rows / b's columns passes; contracted, or in both operands' rows, not."""
+    a, b = (args[1], args[0]) if _op_name(func) == "__rmatmul__" else (args[0], args[1])
+    if a.ndim < 2 or b.ndim < 2:
+        raise _Why("a matrix-vector product with a band has no rule")
+    ndim = max(a.ndim, b.ndim)
+    outs = set()
+    for t, role in ((a, "a"), (b, "b")):
+        q = tr.get(t)
+        if q is None:
+            continue
+        if (role == "a" and q.dim == t.ndim - 1) or (role == "b" and q.dim == t.ndim - 2):
+            raise _Why("it contracts the sharded dim (a sum over rows of every band: attention or a dense layer "
+                       "across bands has no rule yet)")
+        outs.add((q.dim + ndim - t.ndim, q.outer, q.inner))
+    for t in (a, b):  # a batch partner that is not a band
+        if tr.get(t) is None:
+            for d, _, _ in outs:
+                k = d - (ndim - t.ndim)
+                if d < ndim - 2 and k >= 0 and t.shape[k] != 1:
+                    raise _Why("it pairs a band with a tensor that is not one along the sharded (batch) dim")
+    if len(outs) > 1:
+        raise _Why("both operands hold bands in different dims of the product (q k^T over tokens of every band: "
+                   "attention across bands has no rule yet)")
+    d, outer, inner = outs.pop()
+    return tr.run(func, args, kwargs, Sharded(d, outer, inner))
+
+
+@_rule("einsum")
+def _einsum(tr, func, args, kwargs, held):
+    equation = args[0]
+    operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    if "..." in equation or "->" not in equation:
+        raise _Why("an einsum with '...' or without '->' has no rule on bands")
+    ins, out = equation.replace(" ", "").split("->")
+    letters = set()
+    for spec, t in zip(ins.split(","), operands, strict=True):
+        q = tr.get(t)
+        if q is not None:
+            letters.add((spec[q.dim], q.outer, q.inner))
+    if len(letters) != 1 or next(iter(letters))[0] not in out:
+        raise _Why("it sums over the sharded dim (or pairs bands along different letters)")
+    letter, outer, inner = letters.pop()
+    for spec, t in zip(ins.split(","), operands, strict=True):
+        if tr.get(t) is None and letter in spec and t.shape[spec.index(letter)] != 1:
+            raise _Why("it pairs a band with a tensor that is not one along the sharded dim")
+    return tr.run(func, args, kwargs, Sharded(out.index(letter), outer, inner))
+
+
+@_rule("scaled_dot_product_attention")
+def _sdpa(tr, func, args, kwargs, held):
+    """Attention: windows in the batch dim pass; queries on token bands attend to every band's keys.
+
+    The exact rule for tokens of every band (q, k, v with their tokens, dim -2, on bands; no mask,
+    not causal, no dropout): K and V gathered from every rank (:func:`credit_mpi.gather_tokens.allgather_along`,
+    backward the reduce-scatter of their gradients), this rank's queries attended to all of them.
+    """
+    q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
+    places = [tr.get(t) for t in (q, k, v)]
+    if all(p is not None and p.dim < t.ndim - 2 for t, p in zip((q, k, v), places, strict=True)) and len(set(places)) == 1:
+        return tr.run(func, args, kwargs, places[0])  # windows (or samples) in the batch dim: each is whole
+    tokens = [tr.as_band(t, p) if p is not None and p.dim == t.ndim - 2 else None for t, p in zip((q, k, v), places, strict=True)]
+    if None in tokens:
+        raise _Why("attention with bands in some of q, k, v only, or along their features, has no rule")
+    mask, dropout, causal = _arg(args, kwargs, 3, "attn_mask"), _arg(args, kwargs, 4, "dropout_p", 0.0), _arg(args, kwargs, 5, "is_causal", False)
+    if mask is not None or dropout or causal:
+        raise _Why("attention across bands with a mask, dropout or is_causal has no rule yet (masks in global coordinates)")
+    if tr.manager is not None:
+        from ..gather_tokens import allgather_along
+
+        comm, path = tr.manager.domain_group, tr.stack[-1][0]
+        k, v = allgather_along(k, -2, comm, path), allgather_along(v, -2, comm, path)
+    rest = {n: kwargs[n] for n in ("scale", "enable_gqa") if n in kwargs}
+    out = func(q, k, v, **rest)
+    tr.set(out, tokens[0])
+    return out
+
+
+@_rule("embedding")
+def _embedding(tr, func, args, kwargs, held):
+    p = tr.get(args[0])
+    if p is None:
+        raise _Why("a band as the embedding table")
+    return tr.run(func, args, kwargs, p)
+
+
+@_rule("interpolate")
+def _interpolate(tr, func, args, kwargs, held):
+    """Along the sharded dim by an integer factor: the exact layer (:class:`DomainParallelInterpolate`)."""
+    from .resample import DomainParallelInterpolate
+
+    x, p = args[0], tr.get(args[0])
+    nsp = x.ndim - 2
+    sd = p.dim - 2
+    size, scale = _arg(args, kwargs, 1, "size"), _arg(args, kwargs, 2, "scale_factor")
+    mode = _arg(args, kwargs, 3, "mode", "nearest")
+    align = _arg(args, kwargs, 4, "align_corners")
+    if _arg(args, kwargs, 6, "antialias", False):
+        raise _Why("antialias has no rule on bands")
+    if sd < 0 or p.outer * p.inner != 1:
+        raise _Why("it resamples a dim that holds merged bands")
+    rows = x.shape[p.dim]
+    if size is not None:
+        target = _tuple(size, nsp)[sd]
+        if target == rows:
+            return tr.run(func, args, kwargs, p)
+        if not tr.ratio_ok(rows, target):
+            raise _Why(f"size={tuple(_tuple(size, nsp))} asks a band for its rows times a factor that is not one "
+                       f"whole number on every band (give scale_factor, or make every band's target a whole multiple "
+                       f"of its rows)")
+        factor = target // rows
+    elif scale is not None:
+        factor = _tuple(scale, nsp)[sd]
+        if float(factor) == 1.0:
+            return tr.run(func, args, kwargs, p)
+    else:
+        raise _Why("give size or scale_factor")
+    layer = DomainParallelInterpolate(scale_factor=tuple(float(factor) if i == sd else 1.0 for i in range(nsp)),
+                                      mode=mode, align_corners=align, manager=_NoManager, shard_dim=p.dim - x.ndim)
+    layer.dp_manager = tr.manager
+    layer.dp_path = f"{tr.stack[-1][0]}: interpolate"
+    y = layer(x)  # the tracker's module hooks: a layer of the plan, its output a band
+    rest_size = None if size is None else [y.shape[p.dim] if i == sd else s for i, s in enumerate(_tuple(size, nsp))]
+    rest_scale = None if scale is None else [1.0 if i == sd else s for i, s in enumerate(_tuple(scale, nsp))]
+    if rest_size is not None and list(rest_size) == list(y.shape[2:]):
+        return y
+    if rest_scale is not None and all(float(s) == 1.0 for s in rest_scale):
+        return y
+    kw = {"mode": mode}
+    if align is not None:
+        kw["align_corners"] = align
+    return tr.run(func, (y,), {"size": rest_size, "scale_factor": rest_scale, **kw}, p)
+
+
+class _NoManagerType:
+    domain_parallel_size = 1
+
+
+_NoManager = _NoManagerType()
+
+
+@_rule("multi_head_attention_forward", "unfold", "fold", "grid_sample", "cross_entropy", "mse_loss", "l1_loss")
+def _refused(tr, func, args, kwargs, held):
+    raise _Why("it mixes positions across the sharded dim and has no rule on bands")
+
+
+@_rule("fill_", "zero_", "requires_grad_", "retain_grad")
+def _inplace(tr, func, args, kwargs, held):
+    return tr.run(func, args, kwargs, tr.get(args[0]))

@@ -1,0 +1,139 @@
+"""A converted model's step (issue 26): one agreement per layer call, and HaloExchange copies like the other layers."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+from mpi4py import MPI
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from credit_mpi.nn import HaloExchange  # noqa: E402
+
+from .halo_reference import band, prefix_managers  # noqa: E402
+
+
+@pytest.mark.mpi(min_size=1)
+def test_halo_exchange_module_deepcopies_and_names_state_dict_when_pickled(make_manager):
+    """An EMA copy of a model with a HaloExchange shares its manager; pickling it says to save the state_dict()."""
+    with prefix_managers(make_manager) as managers:
+        for _, manager in managers:
+            model = nn.Sequential(HaloExchange(1, manager=manager), nn.Conv2d(2, 2, (3, 1))).double()
+            ema = copy.deepcopy(model)
+            assert ema[0].manager is manager and ema[1].weight is not model[1].weight
+            a, b = band(8, manager)
+            x = torch.randn(1, 2, 8, 3, dtype=torch.float64).narrow(2, a, b - a).contiguous()
+            torch.testing.assert_close(ema(x), model(x), rtol=0, atol=0)
+            for save in (lambda m=model: torch.save(m, io.BytesIO()), lambda m=model: pickle.dumps(m)):
+                with pytest.raises(TypeError, match=r"state_dict\(\)"):
+                    save()
+    pickle.loads(pickle.dumps(HaloExchange(1)))  # no manager (the global one at each call): pickles
+
+
+def _agreements(run) -> int:
+    """The agreements ``run()`` makes on this rank (each one is an ``Allgather``: the watchdog counts them)."""
+    from credit_mpi import watchdog
+
+    before = watchdog.STATE.seq
+    run()
+    return watchdog.STATE.seq - before
+
+
+def _domains(make_manager):
+    """``(d, manager, x)`` for every domain of 2.. ranks: ``x`` this rank's band of a (1, 2, 4d, 5) float64 field."""
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            if d > 1:
+                a, b = band(4 * d, manager)
+                yield d, manager, torch.randn(1, 2, 4 * d, 5, dtype=torch.float64).narrow(2, a, b - a).contiguous()
+
+
+def _convs(k: int, manager):
+    """``k`` converted 3x3 convolutions in a row (float64)."""
+    from credit_mpi.nn import convert_to_domain_parallel
+
+    return convert_to_domain_parallel(nn.Sequential(*[nn.Conv2d(2, 2, 3, padding=1) for _ in range(k)]).double(), manager)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_converted_conv_agrees_once_per_call(make_manager):
+    """The layer's agreement covers the halo's (issue 26, item 1): three convs cost two agreements more than one."""
+    for _, manager, x in _domains(make_manager):
+        x.requires_grad_()
+        counts = []
+        for k in (1, 3):
+            model = _convs(k, manager)
+            model(x).sum().backward()  # plans remembered
+            counts.append(_agreements(lambda m=model, x=x: m(x).sum().backward()))
+        assert counts[1] - counts[0] == 2, counts
+
+
+@pytest.mark.mpi(min_size=2)
+def test_grad_mode_or_requires_grad_on_one_rank_raises_on_every_rank(make_manager):
+    """What the skipped halo agreement checked (autograd records the exchange, or not) the layer's still does."""
+    from .nn_reference import same_error_everywhere
+
+    for d, manager, x in _domains(make_manager):
+        model = _convs(1, manager)
+        last = manager.domain_rank == d - 1
+        model(x.requires_grad_(True))  # remembered with grad
+        odd = x.detach().requires_grad_(not last)
+        message = same_error_everywhere(manager.domain_group, lambda m=model, t=odd: m(t), ValueError)
+        assert "requires_grad" in message
+        with torch.set_grad_enabled(not last):
+            message = same_error_everywhere(manager.domain_group, lambda m=model, t=x: m(t), ValueError)
+        assert "requires_grad" in message
+
+
+# -- overlap (issue 26, item 1): the halo travels while the interior rows are convolved --------------
+
+
+@pytest.fixture
+def overlap(monkeypatch):
+    """``credit_mpi.nn.conv.OVERLAP`` on (every rank), and a count of the overlapped calls."""
+    from credit_mpi.nn import conv
+
+    calls = []
+    real = conv.overlapped_conv
+    monkeypatch.setattr(conv, "OVERLAP", True)
+    monkeypatch.setattr(conv, "overlapped_conv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["k3p1", "k3s2p1", "k5d2p4", "same4", "circular", "k3s3p0", "k8s4p2", "groups", "replicate"])
+def test_overlapped_convs_equal_one_process(name, overlap, make_manager):
+    """Every band layout of tests/test_nn.py's conv test (the plain path where a band has no interior row, or replicate)."""
+    from . import test_nn
+
+    test_nn.test_conv_layers(name, make_manager)
+    if MPI.COMM_WORLD.Get_size() > 1 and name in ("k3p1", "k3s2p1", "same4", "circular", "groups"):
+        assert overlap  # bands of 8 rows: an interior for these kernels
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["unet", "fuxi", "crossembed_s2"])
+def test_overlapped_models_equal_one_process(name, overlap, make_manager):
+    from . import test_nn
+
+    test_nn.test_models(name, make_manager)
+    if name == "unet":
+        test_nn.test_five_training_steps_equal_one_process(make_manager)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overlap_set_on_one_rank_only_raises_on_every_rank(make_manager, monkeypatch):
+    from credit_mpi.nn import conv
+
+    from .nn_reference import same_error_everywhere
+
+    for d, manager, x in _domains(make_manager):
+        model = _convs(1, manager)
+        monkeypatch.setattr(conv, "OVERLAP", manager.domain_rank == d - 1)
+        message = same_error_everywhere(manager.domain_group, lambda m=model, x=x: m(x), ValueError)
+        assert "overlap" in message
+        monkeypatch.setattr(conv, "OVERLAP", False)

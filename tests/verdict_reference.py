@@ -1,0 +1,48 @@
+"""The check of every function-rule test: describe()'s verdict is what the run does (exact, or refused on every rank)."""
+
+from __future__ import annotations
+
+from credit_mpi import DomainParallelError
+from credit_mpi.nn import ConversionError, describe
+
+from .nn_reference import assert_same, run_both
+
+
+def _outcome(comm, fn):
+    """``(result, None)`` or ``(None, error)``: an error of the same type on every rank (asserted)."""
+    try:
+        return fn(), None
+    except (ConversionError, DomainParallelError) as exc:
+        names = comm.allgather(type(exc).__name__)
+        assert len(set(names)) == 1, names
+        return None, exc
+
+
+def verdict_is_the_run(name: str, build, shape: tuple, manager, seed: int = 3, same_op: bool = True):
+    """Plan ``build()`` for ``shape`` on the manager's bands and run it; returns the plan.
+
+    Exact against one process (forward, input gradient, parameter gradients) when the plan
+    says it runs exactly; the same ConversionError on every rank, naming the refused op's
+    module and op, when it does not (``same_op=False``: the run may refuse a later op of the
+    same forward: a reshape whose window count the model fixes splits a band into other
+    windows than the whole field, which the dry run sees and the run cannot).
+    """
+    d, comm = manager.domain_parallel_size, manager.domain_group
+    plan = describe(build().double(), shape, d)
+    result, error = _outcome(comm, lambda: run_both(build, shape, manager, seed=seed))
+    flags = comm.allgather((plan.exact, error is None))
+    assert all(f == flags[0] for f in flags), flags
+    if plan.exact:
+        assert error is None, f"{name} {shape} on {d}: plan exact, run raised {error}\n{plan}"
+        assert_same(result)
+        return plan
+    row = next(r for r in plan.rows if not r.exact)
+    refused = row.note.startswith("refused")
+    # a layout the layers cannot join (a cat of bands of different rows), or with same_op=False a model's
+    # own rank-local exception (einops on a band that is not whole windows): every rank raises it through
+    # the forward guard, a DomainParallelError; a function without a rule: its ConversionError
+    expected = ConversionError if (refused and same_op) else (ConversionError, DomainParallelError)
+    assert isinstance(error, expected), f"{name} {shape} on {d}: plan says NO, run gave {error!r}\n{plan}"
+    if same_op and refused:
+        assert row.path.split(" (")[0] in str(error) and row.kind in str(error), (row, error)
+    return plan
