@@ -31,9 +31,10 @@ import numpy as np
 from mpi4py import MPI
 
 from .grid import block_sizes, grid_coords, grid_of
+from .layout import Layout
 from .manager import Domain, domain_of
-from .partition import band_offsets, normalize_dim
-from .transport import arrays, rowops, staging
+from .partition import normalize_dim
+from .transport import arrays, moves, rowops, staging
 from .validation import Local, agree, check_root, check_transport
 
 __all__ = [
@@ -47,9 +48,6 @@ __all__ = [
     "gather_tensor_2d",
     "scatter_tensor_2d",
 ]
-
-_SHIFT = 32  # a block's (rows, cols) travel as one agreed count: rows << 32 | cols
-
 
 def is_grid_call(manager: Any, *args: Any) -> bool:
     """True when a public call takes the 2-D path (any of ``args`` is a pair). Local: no check, no MPI call."""
@@ -112,8 +110,9 @@ def grid_comm(domain: Domain) -> MPI.Comm:
 
 def _block_slice(x: Any, ay: int, ax: int, heights: list[int], widths: list[int], coords: tuple[int, int]) -> Any:
     row, col = coords
-    band = arrays.narrow(x, ay, sum(heights[:row]), heights[row])
-    return arrays.narrow(band, ax, sum(widths[:col]), widths[col])
+    layout = Layout((tuple(heights), tuple(widths)))
+    band = arrays.narrow(x, ay, layout.start(row, 0), heights[row])
+    return arrays.narrow(band, ax, layout.start(col, 1), widths[col])
 
 
 def shard_tensor_2d(x: Any, dim: Any, manager: Any, uneven: bool, collective: bool) -> Any:
@@ -192,6 +191,7 @@ class Gather2d(NamedTuple):
     widths: list  # columns of each grid column
     rank: int
     out: Any
+    moves: Any = None  # transport="torch": the protocol's torch transport (None: MPI's Alltoallw)
 
     @property
     def shape(self) -> tuple:
@@ -202,8 +202,8 @@ class Gather2d(NamedTuple):
     @property
     def start(self) -> tuple[int, int]:
         """This rank's first (row, column) in the global field."""
-        row, col = grid_coords(self.rank, self.grid)
-        return sum(self.heights[:row]), sum(self.widths[:col])
+        (y0, _), (x0, _) = Layout((tuple(self.heights), tuple(self.widths))).block(self.rank)
+        return y0, x0
 
     def apply(self, x: Any) -> Any:
         """The gather (:func:`gather2d_kernel`)."""
@@ -232,14 +232,12 @@ def block_table(counts: list[int], grid: tuple[int, int], what: str, ay: int, ax
 
 def decode_block(count: int) -> tuple[int, int]:
     """The ``(rows, cols)`` of a block that :func:`encode_block` made one count of."""
-    return count >> _SHIFT, count & ((1 << _SHIFT) - 1)
+    return Layout.decode(count, 2)
 
 
 def encode_block(shape: tuple, ay: int, ax: int) -> int:
     """A block's rows and columns as the one count :func:`credit_mpi.validation.agree` shares."""
-    if shape[ax] >= 1 << _SHIFT:
-        raise ValueError(f"a block of {shape[ax]} columns is too wide (at most {(1 << _SHIFT) - 1})")
-    return shape[ay] << _SHIFT | shape[ax]
+    return Layout.encode((shape[ay], shape[ax]))
 
 
 def _rest(shape: tuple, ay: int, ax: int) -> tuple:
@@ -253,8 +251,9 @@ def gather_tensor_2d(x: Any, dim: Any, manager: Any, check: bool, out: Any, tran
     comm = grid_comm(domain)
 
     def local() -> Local:
-        if transport != "mpi":
-            raise ValueError(f"transport={transport!r} is not supported for a 2-D gather (dim={dim!r}); use transport='mpi'")
+        check_transport(transport)
+        if transport == "torch" and domain.size > 1:
+            domain.manager.torch_group("domain")  # a clear error when the bridge is missing
         info = arrays.describe(x)
         ay, ax = normalize_dims(dim, len(info.shape))
         out_shape = None
@@ -265,7 +264,7 @@ def gather_tensor_2d(x: Any, dim: Any, manager: Any, check: bool, out: Any, tran
                                  f"{len(info.shape)} dims on {info.device_type}, got {o.kind} {o.dtype} {o.shape} on {o.device}")
             arrays.check_writable(out, "gather_tensor's out")
             out_shape = o.shape
-        calls = ("2d", ay, ax, len(info.shape), _rest(info.shape, ay, ax), info.itemsize, out_shape)
+        calls = ("2d", ay, ax, len(info.shape), _rest(info.shape, ay, ax), info.itemsize, transport, out_shape)
         return Local((info, ay, ax), calls, (info.kind, info.dtype, info.device_type), encode_block(info.shape, ay, ax))
 
     def explain(locals_: list[Local]) -> None:
@@ -276,7 +275,12 @@ def gather_tensor_2d(x: Any, dim: Any, manager: Any, check: bool, out: Any, tran
 
     (info, ay, ax), counts = agree(domain.comm, "gather_tensor/2d", local, check=check, explain=explain)
     heights, widths = block_table(counts, grid, "gather_tensor", ay, ax)
-    plan = Gather2d(comm, info, ay, ax, grid, heights, widths, domain.rank, out)
+    transfer = None
+    if transport == "torch" and domain.size > 1:
+        from .transport.torch_moves import TorchMoves  # imports torch
+
+        transfer = TorchMoves(domain.manager.torch_group("domain"))
+    plan = Gather2d(comm, info, ay, ax, grid, heights, widths, domain.rank, out, transfer)
     if out is not None and tuple(out.shape) != plan.shape:  # out's shape is agreed: every rank raises alike
         raise ValueError(f"gather_tensor: out has shape {tuple(out.shape)}, the gathered field {plan.shape}")
     if arrays.requires_grad(x):
@@ -295,7 +299,8 @@ def _block_types(p_shape: tuple, ay: int, ax: int, grid: tuple[int, int], height
                  itemsize: int) -> list[MPI.Datatype | None]:
     """Per domain rank: the subarray type of its block in the global array (None for an empty block)."""
     types: list[MPI.Datatype | None] = []
-    ys, xs = band_offsets(heights), band_offsets(widths)
+    layout = Layout((tuple(heights), tuple(widths)))
+    ys, xs = layout.starts(0), layout.starts(1)
     for r in range(grid[0] * grid[1]):
         i, j = grid_coords(r, grid)
         sub, start = list(p_shape), [0] * len(p_shape)
@@ -312,6 +317,11 @@ def gather2d_kernel(x: Any, p: Gather2d) -> Any:
         return out
     if p.out is not None and arrays.shares_memory(x, out):
         x = rowops.clone(x)
+    if p.moves is not None:
+        moves.gather_blocks(p.moves, x, out, Layout((tuple(p.heights), tuple(p.widths))), (p.ay, p.ax))
+        if p.out is not None:
+            arrays.mark_written(out)
+        return out
     n = p.comm.Get_size()
     types = _block_types(shape, p.ay, p.ax, p.grid, p.heights, p.widths, p.info.itemsize)
     nbytes = math.prod(p.info.shape) * p.info.itemsize

@@ -126,7 +126,7 @@ def reduce_gradients(
             flat = flat.float()
         datatype = arrays.mpi_datatype(flat)
         for comm, size in ((manager.domain_group, domain), (manager.data_parallel_group, dp)):
-            if size > 1:  # device gradients: direct or host-staged, as buffers decides for comm
+            if size > 1:  # device gradients: direct or host-staged, as staging decides for comm
                 with staging.recv_buffer(flat, comm, inout=True) as buf:
                     comm.Allreduce(MPI.IN_PLACE, [buf, datatype], op=MPI.SUM)
         if dp > 1:

@@ -4,8 +4,8 @@ A domain group of ``rows * cols`` ranks can be laid out as a row-major grid
 (``DomainParallelManager(..., domain_grid=(rows, cols))``): domain rank ``r``
 sits at grid coordinates ``(r // cols, r % cols)``, grid row ``i`` holds
 latitude band ``i`` and grid column ``j`` longitude band ``j``, each cut like
-:func:`numpy.array_split` (:func:`credit_mpi.partition.band_sizes` in each
-dim). Latitude is not periodic (its edges are the poles, handled by the halo
+:func:`numpy.array_split` (a :class:`credit_mpi.layout.Layout` of two split
+dims). Latitude is not periodic (its edges are the poles, handled by the halo
 ``boundary``), longitude is (the globe): the manager's Cartesian
 communicator has ``periods=(False, True)``.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from .partition import band_offsets, band_sizes
+from .layout import Layout
 
 __all__ = [
     "DIRECTIONS",
@@ -87,7 +87,7 @@ def grid_coords(rank: int, grid: tuple[int, int]) -> tuple[int, int]:
     rows, cols = grid
     if not 0 <= rank < rows * cols:
         raise ValueError(f"rank {rank} is out of range for a {rows}x{cols} grid (valid: 0 to {rows * cols - 1})")
-    return divmod(rank, cols)
+    return Layout.of((0, 0), grid, True).coords(rank)
 
 
 def grid_rank(row: int, col: int, grid: tuple[int, int]) -> int | None:
@@ -116,7 +116,8 @@ def block_sizes(shape: tuple[int, int], grid: tuple[int, int], uneven: bool, dim
     ``shape`` is the global ``(latitudes, longitudes)``. Raises the
     ``band_sizes`` ValueError when a dim does not split evenly and ``uneven`` is false.
     """
-    return (band_sizes(shape[0], grid[0], uneven, dim=dims[0]), band_sizes(shape[1], grid[1], uneven, dim=dims[1]))
+    heights, widths = Layout.of(tuple(shape), tuple(grid), uneven, tuple(dims)).sizes
+    return list(heights), list(widths)
 
 
 def opposite_pieces(col: int, widths: list[int]) -> list[tuple[int, int, int, int]]:
@@ -135,7 +136,7 @@ def opposite_pieces(col: int, widths: list[int]) -> list[tuple[int, int, int, in
     total = sum(widths)
     if total % 2:
         raise ValueError(f"the opposite longitudes need an even number of longitudes, got {total}")
-    offsets = band_offsets(widths)
+    offsets = Layout.bands(widths).starts()
     x0, w = offsets[col], widths[col]
     pieces = []
     # the opposite range [x0 + L/2, x0 + L/2 + w) mod L, split where it wraps

@@ -5,13 +5,14 @@ convolution (or any stencil) it needs ``halo_width`` rows of its neighbours
 on both sides. :func:`halo_exchange` returns the local band with those rows
 added before and after along ``dim``:
 
-* between ranks, the rows come from the neighbouring bands: two
-  ``Sendrecv`` calls (send up / receive from below, then send down / receive
-  from above) with ``MPI.PROC_NULL`` at the outer edges, so no rank count can
-  deadlock. Each band's first and last ``halo_width`` rows travel packed
-  contiguously (a derived datatype could send them in place, but MPICH
-  moves strided types several times slower) and are copied into place in
-  the output: no concatenation;
+* between ranks, the rows come from the neighbouring bands: the one edge
+  swap (:func:`credit_mpi.transport.moves.swap_edges`), one round of at most
+  four non-blocking messages (up to the previous rank, down to the next, and
+  theirs back), none past the outer edges, so no rank count can deadlock;
+  over MPI or, with ``transport="torch"``, the mirrored torch group. Each
+  band's first and last ``halo_width`` rows travel packed contiguously (a
+  derived datatype could send them in place, but MPICH moves strided types
+  several times slower) and land in place in the output: no concatenation;
 * at the two outer edges of the domain, ``boundary`` decides:
 
   ``"zero"``
@@ -40,11 +41,9 @@ the ranks that own those rows and adds them.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +58,7 @@ from .partition import (
     halo_edge_rows,
     normalize_dim,
 )
-from .transport import arrays, limits, rowops, staging
+from .transport import arrays, moves, rowops
 from .validation import Local, agree_cached, check_bands_fit, check_int, check_transport, repeat_remembered
 
 __all__ = ["HALO_BOUNDARIES", "halo_exchange"]
@@ -99,7 +98,7 @@ def halo_exchange(
             per row, whether autograd records the exchange, and every band's
             rows (so a halo wider than a band is always caught).
         transport: ``"mpi"`` (default) moves the halo rows with MPI
-            ``Sendrecv``; ``"torch"`` with torch.distributed point-to-point
+            point-to-point messages; ``"torch"`` with torch.distributed point-to-point
             over ``manager.torch_domain_group`` (NCCL on GPUs; see
             :func:`credit_mpi.init_torch_distributed`). Bit-identical result.
             The backward pass of the differentiable exchange moves the halo
@@ -185,9 +184,8 @@ class _Plan:
     padded: tuple  # the output: the band with 2 * width more rows along axis
     autograd: bool  # torch autograd records the exchange (agreed: its backward is collective too)
     torch_group: Any = None  # transport="torch": the mirrored torch domain group
-    # packed edge rows of host exchanges, reused call after call (a plan is remembered per call shape)
-    scratch: dict = field(default_factory=dict, compare=False, repr=False)
-    lock: Any = field(default_factory=threading.Lock, compare=False, repr=False)
+    # the transport (MpiMoves keeps packed edge rows call after call: a plan is remembered per call shape)
+    moves: Any = field(default=None, compare=False, repr=False)
 
     def apply(self, x: Any) -> Any:
         """The exchange (:func:`halo_kernel`)."""
@@ -225,6 +223,7 @@ def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi", 
         check_halo_width(sizes, width, boundary, axis)  # every rank's rows are agreed: every rank raises alike
         prev, nxt = domain.neighbors(boundary == "periodic")
         shape = info.shape
+        group = _torch_group(domain) if transport == "torch" and n > 1 else None
         return _Plan(
             comm=comm,
             axis=axis,
@@ -240,7 +239,8 @@ def _plan(x, halo_width, dim, domain: Domain, boundary, check, transport="mpi", 
             shape=shape,
             padded=shape[:axis] + (shape[axis] + 2 * width,) + shape[axis + 1 :],
             autograd=arrays.requires_grad(x),
-            torch_group=_torch_group(domain) if transport == "torch" and n > 1 else None,
+            torch_group=group,
+            moves=moves.MpiMoves(comm) if group is None else _torch_moves().TorchMoves(group),
         )
 
     if n > 1 and agreed is None:
@@ -264,6 +264,13 @@ def _call_key(x: Any, halo_width: Any, dim: Any, boundary: Any, transport: Any) 
     return key
 
 
+def _torch_moves() -> Any:
+    """:mod:`credit_mpi.transport.torch_moves` (imports torch: only for ``transport="torch"``)."""
+    from .transport import torch_moves
+
+    return torch_moves
+
+
 def _torch_group(domain: Domain) -> Any:
     return domain.manager.torch_group("domain")
 
@@ -282,7 +289,7 @@ def halo_kernel(x: Any, p: _Plan) -> Any:
         return out
     if p.prev is not None or p.next is not None:
         # my first w rows go up and my last w rows go down; the neighbours' land below and above my band
-        from_next, from_prev = _swap_edges(lambda: arrays.narrow(x, axis, 0, w), lambda: arrays.narrow(x, axis, rows - w, w), p)
+        from_next, from_prev = _edges(lambda: arrays.narrow(x, axis, 0, w), lambda: arrays.narrow(x, axis, rows - w, w), p)
         if from_prev is not None:
             rowops.copy_rows(out, axis, 0, from_prev)
         if from_next is not None:
@@ -305,8 +312,9 @@ def _host_halo(x: np.ndarray, p: _Plan) -> np.ndarray:
     ob[:, w : w + rows] = xb
     if w == 0:
         return out
-    if p.prev is not None or p.next is not None:
-        _host_swap(p, xb[:, :w], xb[:, rows - w :], ob[:, w + rows :], ob[:, :w])
+    if (p.prev is not None or p.next is not None) and p.outer * p.row_bytes:
+        # the edges' byte views straight to the one edge swap (the per-call fast path: no closures)
+        moves.swap_edges(p.moves, xb[:, :w], xb[:, rows - w :], p.prev, p.next, into=(ob[:, w + rows :], ob[:, :w]))
     for side, neighbour, at in (("before", p.prev, 0), ("after", p.next, w + rows)):
         if neighbour is None:
             if p.boundary == "zero":
@@ -322,122 +330,22 @@ def _host_rows(x: Any, p: _Plan, rows: int) -> Any:
     return None if flat is None else flat.reshape(p.outer, rows, p.row_bytes)
 
 
-def _host_swap(p: _Plan, up: Any, down: Any, into_next: Any, into_prev: Any) -> tuple[Any, Any]:
-    """:func:`_swap_edges` of host bytes: ``up`` to the previous rank, ``down`` to the next, in one round.
+def _edges(up: Callable[[], Any], down: Callable[[], Any], p: _Plan, into: tuple[Any, Any] = (None, None)) -> tuple[Any, Any]:
+    """The plan's edge swap (:func:`~credit_mpi.transport.moves.swap_edges`): ``(from_next, from_prev)``.
 
-    ``up``/``down`` are ``(outer, width, row_bytes)`` uint8 views (read only
-    where that neighbour exists). What the next and the previous rank sent
-    is written into ``into_next``/``into_prev`` (same shape; None: returned
-    in scratch instead) and returned as ``(from_next, from_prev)`` (None
-    where there is no neighbour). Contiguous views travel in place, others
-    through packed buffers that the plan keeps (one set per plan, taken
-    under a lock; a second thread on the same plan gets new ones). The four
-    messages are posted at once (``Irecv``, ``Isend``, one ``Waitall``):
-    the same messages, tags and peers as :func:`_swap_edges`' two
-    ``Sendrecv``, so ranks on either path pair up, and one round instead of two.
-    """
-    if p.outer * p.row_bytes == 0:
-        return None, None
-    comm = p.comm
-    mine = p.lock.acquire(blocking=False)
-    scratch = p.scratch if mine else {}
-    try:
-        requests, unpack = [], []
-        from_next = from_prev = None
-        if p.next is not None:
-            from_next = _in_place(into_next, scratch, "next", p)
-            requests.append(comm.Irecv([from_next, MPI.BYTE], p.next, limits.TAG_UP))
-            if into_next is not None and from_next is not into_next:
-                unpack.append((into_next, from_next))
-        if p.prev is not None:
-            from_prev = _in_place(into_prev, scratch, "prev", p)
-            requests.append(comm.Irecv([from_prev, MPI.BYTE], p.prev, limits.TAG_DOWN))
-            if into_prev is not None and from_prev is not into_prev:
-                unpack.append((into_prev, from_prev))
-        if p.prev is not None:
-            requests.append(comm.Isend([_packed(up, scratch, "up", p), MPI.BYTE], p.prev, limits.TAG_UP))
-        if p.next is not None:
-            requests.append(comm.Isend([_packed(down, scratch, "down", p), MPI.BYTE], p.next, limits.TAG_DOWN))
-        MPI.Request.Waitall(requests)
-        for dst, src in unpack:
-            dst[...] = src
-    finally:
-        if mine:
-            p.lock.release()
-    return (from_next if into_next is None else into_next, from_prev if into_prev is None else into_prev)
-
-
-def _in_place(view: Any, scratch: dict, name: str, p: _Plan) -> np.ndarray:
-    """``view`` itself when MPI can use it in place (contiguous), else the packed buffer ``name`` of ``scratch``.
-
-    Scratch buffers are ``(outer, width, row_bytes)`` bytes, made on first use.
-    """
-    if view is not None and view.flags.c_contiguous:
-        return view
-    buf = scratch.get(name)
-    if buf is None:
-        buf = scratch[name] = np.empty((p.outer, p.width, p.row_bytes), dtype=np.uint8)
-    return buf
-
-
-def _packed(edge: np.ndarray, scratch: dict, name: str, p: _Plan) -> np.ndarray:
-    """``edge`` itself when contiguous, else a copy of it in the scratch buffer ``name``."""
-    buf = _in_place(edge, scratch, name, p)
-    if buf is not edge:
-        buf[...] = edge
-    return buf
-
-
-def _swap_edges(up: Callable[[], Any], down: Callable[[], Any], p: _Plan) -> tuple[Any, Any]:
-    """Send ``up()`` to the previous rank and ``down()`` to the next; return ``(from_next, from_prev)``.
-
-    What the next rank sent up and what the previous rank sent down, as new
-    arrays of the edges' kind and shape (None where there is no neighbour).
-    ``up`` and ``down`` make the edge arrays (packing copies) and are called
-    only when that neighbour exists.
-    The halo exchange does this forward (a band's edge rows) and backward
-    (the halo rows' gradients, sent home), over MPI or, with
-    ``transport="torch"``, over the mirrored torch group. The edge rows
+    ``up()`` goes to the previous rank, ``down()`` to the next; they make the
+    edge arrays and are called only when that neighbour exists. The halo
+    exchange does this forward (a band's edge rows) and backward (the halo
+    rows' gradients, sent home), over the plan's transport. The edge rows
     travel packed contiguously: a derived datatype could send them in place,
     but MPICH moves such strided types several times slower than the same
-    contiguous bytes (measured: ~150 us more per exchange on the 2 MiB band
-    of benchmarks/bench_halo.py), and packing ``2 * width`` rows costs little.
-    Host arrays over MPI take :func:`_host_swap` (the same messages).
+    contiguous bytes, and packing ``2 * width`` rows costs little.
     """
     if p.prev is None and p.next is None or p.outer * p.row_bytes == 0:
         return None, None
     up_edge = up() if p.prev is not None else None
     down_edge = down() if p.next is not None else None
-    if p.torch_group is not None:
-        from .transport import torch_moves  # imports torch
-
-        return torch_moves.swap_edges(up_edge, down_edge, p.prev, p.next, p.torch_group)
-    comm = p.comm
-    like = up_edge if up_edge is not None else down_edge
-    from_next = arrays.empty(like, like.shape) if p.next is not None else None
-    from_prev = arrays.empty(like, like.shape) if p.prev is not None else None
-    host = [None if e is None else _host_rows(e, p, p.width) for e in (up_edge, down_edge, from_next, from_prev)]
-    if all(h is not None for h, e in zip(host, (up_edge, down_edge, from_next, from_prev), strict=True) if e is not None):
-        _host_swap(p, host[0], host[1], host[2], host[3])
-        return from_next, from_prev
-    with _bytes(up_edge, comm, staging.send_buffer) as send, _bytes(from_next, comm, staging.recv_buffer) as recv:
-        comm.Sendrecv(send, _rank(p.prev), limits.TAG_UP, recv, _rank(p.next), limits.TAG_UP)
-    with _bytes(down_edge, comm, staging.send_buffer) as send, _bytes(from_prev, comm, staging.recv_buffer) as recv:
-        comm.Sendrecv(send, _rank(p.next), limits.TAG_DOWN, recv, _rank(p.prev), limits.TAG_DOWN)
-    return from_next, from_prev
-
-
-@contextlib.contextmanager
-def _bytes(x: Any, comm: MPI.Comm, buffer: Callable) -> Iterator[Any]:
-    """``[buffer, MPI.BYTE]`` for ``x`` (``staging.send_buffer`` or ``recv_buffer``), or ``None``.
-
-    ``None`` is mpi4py's empty message: what goes to or comes from ``MPI.PROC_NULL``.
-    """
-    if x is None:
-        yield None
-        return
-    with buffer(x, comm) as data:
-        yield [data, MPI.BYTE]
+    return moves.swap_edges(p.moves, up_edge, down_edge, p.prev, p.next, into=into)
 
 
 def _fill_edge(out: Any, x: Any, p: _Plan, side: str, at: int) -> None:
@@ -470,7 +378,7 @@ def halo_adjoint(grad: Any, p: _Plan) -> Any:
     if host is not None:  # numpy over MPI: the halo rows go home from byte views, in one round
         from_next, from_prev = _host_edges_home(grad, p)
     else:
-        from_next, from_prev = _swap_edges(lambda: arrays.narrow(grad, axis, 0, w), lambda: arrays.narrow(grad, axis, w + rows, w), p)
+        from_next, from_prev = _edges(lambda: arrays.narrow(grad, axis, 0, w), lambda: arrays.narrow(grad, axis, w + rows, w), p)
     if from_next is not None:
         rowops.add_rows(gx, axis, rows - w, from_next)
     if from_prev is not None:
@@ -486,19 +394,15 @@ def halo_adjoint(grad: Any, p: _Plan) -> Any:
 
 
 def _host_edges_home(grad: np.ndarray, p: _Plan) -> tuple[Any, Any]:
-    """:func:`_swap_edges` of the adjoint for a contiguous numpy ``grad``: ``(from_next, from_prev)`` as new arrays."""
+    """:func:`_edges` of the adjoint for a contiguous numpy ``grad``: ``(from_next, from_prev)`` as new arrays."""
     w = p.width
     gb = _host_rows(grad, p, p.rows + 2 * w)
     edge = p.shape[: p.axis] + (w,) + p.shape[p.axis + 1 :]
     from_next = np.empty(edge, grad.dtype) if p.next is not None else None
     from_prev = np.empty(edge, grad.dtype) if p.prev is not None else None
     into = [None if e is None else _host_rows(e, p, w) for e in (from_next, from_prev)]
-    _host_swap(p, gb[:, :w], gb[:, w + p.rows :], into[0], into[1])
+    _edges(lambda: gb[:, :w], lambda: gb[:, w + p.rows :], p, into=(into[0], into[1]))
     return from_next, from_prev
-
-
-def _rank(r: int | None) -> int:
-    return MPI.PROC_NULL if r is None else r
 
 
 def check_width(width: Any) -> int:

@@ -13,12 +13,14 @@ rank's window of the single-process global field padded first in latitude
 * longitude boundary ``"periodic"`` (the globe; the default when
   ``boundary`` is a single string), ``"zero"`` or ``"reflect"``.
 
-How: two phases, each like the 1-D exchange. First every grid column swaps
-``hy`` edge rows between latitude neighbours (``Sendrecv``, ``MPI.PROC_NULL``
-past the poles); at the poles, ``"earth"`` takes the edge rows of the ranks
-that hold the opposite longitudes (longitude + 180 degrees: one rank, or two
-for uneven columns; :func:`credit_mpi.grid.opposite_pieces`), exchanged
-with them directly (``Isend``/``Irecv``). Then every grid row swaps ``hx``
+How: two phases, each like the 1-D exchange (the one edge swap,
+:func:`credit_mpi.transport.moves.swap_edges`, over MPI or with
+``transport="torch"`` over the mirrored torch group). First every grid
+column swaps ``hy`` edge rows between latitude neighbours (no message past
+the poles); at the poles, ``"earth"`` takes the edge rows of the ranks that
+hold the opposite longitudes (longitude + 180 degrees: one rank, or two for
+uneven columns; :func:`credit_mpi.grid.opposite_pieces`), exchanged with
+them directly. Then every grid row swaps ``hx``
 edge columns of the latitude-padded blocks, which carries the corners. The
 backward pass (:func:`halo2d_adjoint`) runs the transpose of each step in
 reverse order: halo gradients go home and are added.
@@ -31,20 +33,17 @@ rank raises the same ``ValueError``.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-
-from mpi4py import MPI
 
 from .blocks import block_table, encode_block, grid_comm, normalize_dims
 from .grid import grid_coords, grid_of, grid_rank, opposite_pieces
 from .manager import domain_of
 from .partition import HALO_BOUNDARIES, check_halo_width
-from .transport import arrays, rowops, staging
+from .transport import arrays, moves, rowops
 from .transport.limits import TAG_E, TAG_N, TAG_POLE_N, TAG_POLE_S, TAG_S, TAG_W
-from .validation import Local, agree, check_int
+from .validation import Local, agree, check_int, check_transport
 
 __all__ = ["LON_BOUNDARIES", "halo_exchange_2d", "halo2d_kernel", "halo2d_adjoint", "halo2d_elements", "received_elements", "Plan2d"]
 
@@ -55,7 +54,7 @@ LON_BOUNDARIES = ("periodic", "zero", "reflect")
 class Plan2d:
     """What every rank agreed on before a 2-D halo exchange moves data."""
 
-    comm: MPI.Comm
+    comm: Any  # the grid's MPI communicator
     grid: tuple[int, int]
     row: int
     col: int
@@ -69,7 +68,8 @@ class Plan2d:
     heights: tuple
     widths: tuple
     autograd: bool
-    torch_group = None  # the grid exchanges over MPI only (autograd checks MPI's thread level in backward)
+    torch_group: Any = None  # transport="torch": the mirrored torch domain group (autograd: no MPI in backward)
+    moves: Any = field(default=None, compare=False, repr=False)  # the transport the exchange moves data on
 
     def apply(self, x: Any) -> Any:
         """The exchange (:func:`halo2d_kernel`)."""
@@ -128,14 +128,15 @@ def halo_exchange_2d(x: Any, halo_width: Any, dim: Any, manager: Any, boundary: 
     row, col = grid_coords(domain.rank, grid)
 
     def local() -> Local:
-        if transport != "mpi":
-            raise ValueError(f"transport={transport!r} is not supported for the 2-D halo exchange; use transport='mpi'")
+        check_transport(transport)
+        if transport == "torch" and domain.size > 1:
+            domain.manager.torch_group("domain")  # a clear error when the bridge is missing
         hy, hx = check_widths(halo_width)
         lat, lon = check_boundaries(boundary)
         info = arrays.describe(x)
         ay, ax = normalize_dims(dim if isinstance(dim, (tuple, list)) else (dim, -1), len(info.shape))
         rest = tuple(s for i, s in enumerate(info.shape) if i not in (ay, ax))
-        calls = ("2d", hy, hx, lat, lon, ay, ax, len(info.shape), rest, info.itemsize, arrays.requires_grad(x))
+        calls = ("2d", hy, hx, lat, lon, ay, ax, len(info.shape), rest, info.itemsize, transport, arrays.requires_grad(x))
         return Local((info, ay, ax, hy, hx, lat, lon), calls, (info.kind, info.dtype, info.device_type),
                      encode_block(info.shape, ay, ax))
 
@@ -153,13 +154,22 @@ def halo_exchange_2d(x: Any, halo_width: Any, dim: Any, manager: Any, boundary: 
     if lat == "earth" and sum(widths) % 2:
         raise ValueError(f"boundary 'earth' shifts the pole halo by half the longitudes, so the number of longitudes "
                          f"(dim {ax}) must be even, got {sum(widths)} (blocks: {widths})")
+    group = domain.manager.torch_group("domain") if transport == "torch" and domain.size > 1 else None
+    transfer = moves.MpiMoves(comm) if group is None else torch_moves().TorchMoves(group)
     plan = Plan2d(comm, grid, row, col, ay, ax, hy, hx, lat, lon, info.shape, tuple(heights), tuple(widths),
-                  arrays.requires_grad(x))
+                  arrays.requires_grad(x), group, transfer)
     if plan.autograd:
         from .autograd import halo_autograd  # imports torch
 
         return halo_autograd(x, plan)
     return halo2d_kernel(x, plan)
+
+
+def torch_moves() -> Any:
+    """:mod:`credit_mpi.transport.torch_moves` (imports torch: only for ``transport="torch"``)."""
+    from .transport import torch_moves as module
+
+    return module
 
 
 def halo2d_elements(p: Plan2d) -> int:
@@ -196,43 +206,20 @@ def received_elements(grid: tuple[int, int], heights: list[int], widths: list[in
 # --------------------------------------------------------------------------- kernels
 
 
-def _sendrecv(comm: MPI.Comm, send: Any, dest: int | None, recv: Any, source: int | None, tag: int) -> None:
-    """``Sendrecv`` of whole arrays as bytes (``None`` / PROC_NULL where there is no partner)."""
-    null = MPI.PROC_NULL
-    if send is None and recv is None:
-        comm.Sendrecv(None, null, tag, None, null, tag)
-        return
-    if send is None:
-        with staging.recv_buffer(recv, comm) as r:
-            comm.Sendrecv(None, null, tag, [r, MPI.BYTE], source, tag)
-    elif recv is None:
-        with staging.send_buffer(send, comm) as s:
-            comm.Sendrecv([s, MPI.BYTE], dest, tag, None, null, tag)
-    else:
-        with staging.send_buffer(send, comm) as s, staging.recv_buffer(recv, comm) as r:
-            comm.Sendrecv([s, MPI.BYTE], dest, tag, [r, MPI.BYTE], source, tag)
-
-
-def _swap(a: Any, axis: int, width: int, before: int | None, after: int | None, lo: int, hi: int,
-          comm: MPI.Comm, tags: tuple[int, int]) -> tuple[Any, Any]:
+def _swap(p: Plan2d, a: Any, axis: int, width: int, before: int | None, after: int | None, lo: int, hi: int,
+          tags: tuple[int, int]) -> tuple[Any, Any]:
     """Send rows ``[lo, lo+width)`` to ``before`` and ``[hi, hi+width)`` to ``after`` along ``axis``.
 
     Returns ``(from_after, from_before)``: what ``after`` sent towards me
     (its ``lo`` rows) and what ``before`` sent (its ``hi`` rows); None where
-    there is no partner. The same on every rank of a row or column, so the
-    ``Sendrecv`` pairs always match.
+    there is no partner: the one edge swap
+    (:func:`~credit_mpi.transport.moves.swap_edges`) over the plan's transport.
     """
     if before is None and after is None:
         return None, None
-    edge_shape = list(a.shape)
-    edge_shape[axis] = width
     up = arrays.narrow(a, axis, lo, width) if before is not None else None
     down = arrays.narrow(a, axis, hi, width) if after is not None else None
-    from_after = arrays.empty(a, edge_shape) if after is not None else None
-    from_before = arrays.empty(a, edge_shape) if before is not None else None
-    _sendrecv(comm, up, before, from_after, after, tags[0])
-    _sendrecv(comm, down, after, from_before, before, tags[1])
-    return from_after, from_before
+    return moves.swap_edges(p.moves, up, down, before, after, tags)
 
 
 def _pole(p: Plan2d, src: Any, tag: int) -> Any:
@@ -245,27 +232,21 @@ def _pole(p: Plan2d, src: Any, tag: int) -> Any:
     ax = p.ax
     result = arrays.empty(src, src.shape)
     pieces = opposite_pieces(p.col, list(p.widths))
-    requests, keep = [], []
     for other, mine, theirs, length in pieces:
         if other == p.col:
             rowops.copy_rows(result, ax, mine, arrays.narrow(src, ax, theirs, length))
     remote = [piece for piece in pieces if piece[0] != p.col]
     if remote and math.prod(src.shape):
-        with contextlib.ExitStack() as stack:
-            recvs = []
-            for other, mine, _, length in remote:
-                shape = list(src.shape)
-                shape[ax] = length
-                buf = arrays.empty(src, shape)
-                recvs.append((mine, buf))
-                r = stack.enter_context(staging.recv_buffer(buf, p.comm))
-                requests.append(p.comm.Irecv([r, MPI.BYTE], grid_rank(p.row, other, p.grid), tag))
-            for other, mine, _, length in remote:
-                piece = arrays.narrow(src, ax, mine, length)
-                keep.append(piece)
-                s = stack.enter_context(staging.send_buffer(piece, p.comm))
-                requests.append(p.comm.Isend([s, MPI.BYTE], grid_rank(p.row, other, p.grid), tag))
-            MPI.Request.Waitall(requests)
+        ops, recvs = [], []
+        for other, mine, _, length in remote:
+            shape = list(src.shape)
+            shape[ax] = length
+            buf = arrays.empty(src, shape)
+            recvs.append((mine, buf))
+            ops.append((moves.RECV, buf, grid_rank(p.row, other, p.grid), tag))
+        for other, mine, _, length in remote:
+            ops.append((moves.SEND, arrays.narrow(src, ax, mine, length), grid_rank(p.row, other, p.grid), tag))
+        p.moves.exchange(ops)
         for mine, buf in recvs:
             rowops.copy_rows(result, ax, mine, buf)
     return result
@@ -283,7 +264,7 @@ def halo2d_kernel(x: Any, p: Plan2d) -> Any:
     rowops.copy_rows(mid, ay, hy, x)
     if hy:
         north, south = p.lat_neighbors()
-        from_south, from_north = _swap(x, ay, hy, north, south, 0, h - hy, p.comm, (TAG_N, TAG_S))
+        from_south, from_north = _swap(p, x, ay, hy, north, south, 0, h - hy, (TAG_N, TAG_S))
         if from_north is not None:
             rowops.copy_rows(mid, ay, 0, from_north)
         if from_south is not None:
@@ -304,7 +285,7 @@ def halo2d_kernel(x: Any, p: Plan2d) -> Any:
     rowops.copy_rows(out, ax, hx, mid)
     if hx:
         west, east = p.lon_neighbors()
-        from_east, from_west = _swap(mid, ax, hx, west, east, 0, w - hx, p.comm, (TAG_W, TAG_E))
+        from_east, from_west = _swap(p, mid, ax, hx, west, east, 0, w - hx, (TAG_W, TAG_E))
         if from_west is not None:
             rowops.copy_rows(out, ax, 0, from_west)
         if from_east is not None:
@@ -328,7 +309,7 @@ def halo2d_adjoint(grad: Any, p: Plan2d) -> Any:
     if hx:
         west, east = p.lon_neighbors()
         # my west halo came from west's last columns, my east halo from east's first columns
-        from_east, from_west = _swap(grad, ax, hx, west, east, 0, hx + w, p.comm, (TAG_W, TAG_E))
+        from_east, from_west = _swap(p, grad, ax, hx, west, east, 0, hx + w, (TAG_W, TAG_E))
         if from_east is not None:
             rowops.add_rows(gm, ax, w - hx, from_east)
         if from_west is not None:
@@ -341,7 +322,7 @@ def halo2d_adjoint(grad: Any, p: Plan2d) -> Any:
     gx = rowops.clone(arrays.narrow(gm, ay, hy, h))
     if hy:
         north, south = p.lat_neighbors()
-        from_south, from_north = _swap(gm, ay, hy, north, south, 0, hy + h, p.comm, (TAG_N, TAG_S))
+        from_south, from_north = _swap(p, gm, ay, hy, north, south, 0, hy + h, (TAG_N, TAG_S))
         if from_south is not None:
             rowops.add_rows(gx, ay, h - hy, from_south)
         if from_north is not None:

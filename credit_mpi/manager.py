@@ -30,7 +30,7 @@ from mpi4py import MPI
 from . import watchdog
 from .grid import check_grid, grid_coords, grid_neighbors
 from .partition import halo_neighbors
-from .validation import DomainParallelError, allgather_or_raise, check_int
+from .validation import DomainParallelError, allgather_or_raise, check_int, forget_agreements
 
 __all__ = [
     "DomainParallelManager",
@@ -390,6 +390,7 @@ class DomainParallelManager:
         for comm in (self._cart, self._domain_group, self._dp_group):
             if comm is not None:
                 watchdog.forget_timeout(comm)
+                forget_agreements(comm)  # no remembered plan outlives its communicator
             if comm is not None and comm != MPI.COMM_NULL and not MPI.Is_finalized():
                 comm.Free()
         self._domain_group = self._dp_group = self._cart = None
@@ -411,6 +412,7 @@ class DomainParallelManager:
         for comm in (self._cart, self._domain_group, self._dp_group):
             if comm is not None:
                 watchdog.forget_timeout(comm)  # its Python object dies here: another may take its id
+                forget_agreements(comm)
         warnings.warn(
             f"a DomainParallelManager was garbage-collected without free(): its {2 if self._cart is None else 3} "
             f"communicators stay allocated "

@@ -1,7 +1,9 @@
-"""Who owns which rows: the one place that does index arithmetic.
+"""Band helpers of the 1-D path: sizes, offsets and the row datatypes.
 
-A global extent of ``total`` rows along the sharded dimension is cut into
-``n`` consecutive bands, one per rank of a domain group. Two layouts:
+The arithmetic of who owns what lives in :mod:`credit_mpi.layout`; the
+functions here are its band-shaped (one split dimension) face. A global
+extent of ``total`` rows along the sharded dimension is cut into ``n``
+consecutive bands, one per rank of a domain group. Two layouts:
 
 * even (the reference's default): every rank gets ``total // n`` rows and
   ``total`` must be divisible by ``n``;
@@ -18,6 +20,8 @@ from __future__ import annotations
 import operator
 
 from mpi4py import MPI
+
+from .layout import Layout, neighbors, offsets, split
 
 __all__ = [
     "normalize_dim",
@@ -49,7 +53,7 @@ def normalize_dim(dim: int, ndim: int) -> int:
 
 
 def band_sizes(total: int, n: int, uneven: bool = False, *, dim: int | None = None) -> list[int]:
-    """Rows owned by each of ``n`` ranks when ``total`` rows are split.
+    """Rows owned by each of ``n`` ranks when ``total`` rows are split (:func:`credit_mpi.layout.split`).
 
     Args:
         total: Global size of the sharded dimension.
@@ -62,38 +66,20 @@ def band_sizes(total: int, n: int, uneven: bool = False, *, dim: int | None = No
         ValueError: ``n < 1``, ``total < 0``, or ``total`` is not divisible by
             ``n`` and ``uneven`` is false.
     """
-    if n < 1:
-        raise ValueError(f"number of ranks must be >= 1, got {n}")
-    if total < 0:
-        raise ValueError(f"size must be >= 0, got {total}")
-    base, extra = divmod(total, n)
-    if extra and not uneven:
-        what = "a dimension" if dim is None else f"dim {dim}"
-        raise ValueError(
-            f"Cannot shard {what} of size {total} evenly across {n} "
-            f"domain-parallel ranks ({total} % {n} = {extra}); pass uneven=True "
-            f"to split it like numpy.array_split (the first {extra} rank(s) get "
-            f"{base + 1} rows, the others {base})"
-        )
-    return [base + 1 if r < extra else base for r in range(n)]
+    return split(total, n, uneven, dim=dim)
 
 
 def band_offsets(sizes: list[int]) -> list[int]:
     """Start row of each band, given the band sizes."""
-    offsets, start = [], 0
-    for size in sizes:
-        offsets.append(start)
-        start += size
-    return offsets
+    return offsets(sizes)
 
 
 def band_range(total: int, n: int, rank: int, uneven: bool = False) -> tuple[int, int]:
     """``(start, stop)`` rows owned by ``rank`` of ``n``."""
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} is out of range for {n} ranks (valid: 0 to {n - 1})")
-    sizes = band_sizes(total, n, uneven)
-    start = sum(sizes[:rank])
-    return start, start + sizes[rank]
+    layout = Layout.bands(band_sizes(total, n, uneven))
+    return layout.start(rank), layout.stop(rank)
 
 
 def row_datatypes(
@@ -141,11 +127,7 @@ def halo_neighbors(rank: int, n: int, periodic: bool) -> tuple[int | None, int |
     ``None`` at an outer edge, except with ``periodic`` where the first and
     the last rank are neighbours (a single rank is its own neighbour).
     """
-    if not 0 <= rank < n:
-        raise ValueError(f"rank {rank} is out of range for {n} ranks (valid: 0 to {n - 1})")
-    prev = rank - 1 if rank > 0 else (n - 1 if periodic else None)
-    nxt = rank + 1 if rank < n - 1 else (0 if periodic else None)
-    return prev, nxt
+    return neighbors(rank, n, periodic)
 
 
 def check_halo_width(sizes: list[int], width: int, boundary: str, dim: int) -> None:

@@ -50,9 +50,10 @@ import numpy as np
 from mpi4py import MPI
 
 from . import blocks
+from .layout import Layout
 from .manager import Domain, DomainParallelManager, domain_of, live_domain_comm
 from .partition import band_offsets, band_sizes, normalize_dim, row_datatypes
-from .transport import arrays, limits, rowops, staging
+from .transport import arrays, limits, moves, rowops, staging
 from .validation import Local, agree, agree_cached, check_bands_fit, check_root, check_transport, repeat_remembered
 
 __all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
@@ -116,7 +117,7 @@ def shard_tensor(
 
     plan = _agree(domain, "shard_tensor", local, _different_arrays("shard_tensor")) if collective else local().plan
     _, axis, sizes = plan
-    return arrays.narrow(x, axis, sum(sizes[: domain.rank]), sizes[domain.rank])
+    return arrays.narrow(x, axis, Layout.bands(sizes).start(domain.rank), sizes[domain.rank])
 
 
 class _Gather(NamedTuple):
@@ -137,7 +138,7 @@ class _Gather(NamedTuple):
 
     def own(self, grad: Any) -> Any:
         """This rank's rows of the gathered (replicated) gradient: the gather's backward, no communication."""
-        return grad.narrow(self.axis, sum(self.sizes[: self.rank]), self.sizes[self.rank])
+        return grad.narrow(self.axis, Layout.bands(self.sizes).start(self.rank), self.sizes[self.rank])
 
 
 def gather_tensor(
@@ -272,9 +273,9 @@ def gather_kernel(x: Any, p: _Gather) -> Any:
     if p.out is not None and arrays.shares_memory(x, out):
         x = rowops.clone(x)  # an in-place gather: MPI forbids aliased send and receive buffers
     if p.transport == "torch":
-        from .transport import torch_moves  # imports torch
+        from .transport.torch_moves import TorchMoves  # imports torch
 
-        torch_moves.allgather_bands(x, out, p.axis, p.sizes, p.manager.torch_group("domain"))
+        moves.gather_blocks(TorchMoves(p.manager.torch_group("domain")), x, out, Layout.bands(p.sizes), (p.axis,))
     else:
         outer = math.prod(shape[: p.axis])
         row_bytes = math.prod(shape[p.axis + 1 :]) * p.info.itemsize
@@ -506,7 +507,7 @@ def shard_batch(
     bands = _agree(domain, "shard_batch", local, _different_arrays("shard_batch")) if collective else local().plan
     sharded = dict(batch)
     for key, (_, axis, sizes) in bands.items():
-        sharded[key] = arrays.narrow(batch[key], axis, sum(sizes[: domain.rank]), sizes[domain.rank])
+        sharded[key] = arrays.narrow(batch[key], axis, Layout.bands(sizes).start(domain.rank), sizes[domain.rank])
     return sharded
 
 

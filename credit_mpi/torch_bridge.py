@@ -263,7 +263,7 @@ def _ranks_per_gpu_over_one(comm: MPI.Comm) -> str | None:
             uuid = str(torch.cuda.get_device_properties(local % torch.cuda.device_count()).uuid)
         except Exception:  # noqa: BLE001 - no UUID: cannot tell, assume not shared
             uuid = None
-    devices = comm.allgather((MPI.Get_processor_name(), uuid))
+    devices = allgather_or_raise(comm, lambda: (MPI.Get_processor_name(), uuid))
     mine = devices[comm.Get_rank()]
     if mine[1] is None:
         return None
@@ -363,7 +363,7 @@ def _init_default_group(comm: MPI.Comm, backend: str, timeout: timedelta, connec
     store waits up to ``timeout``.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
-    hosts = comm.allgather(MPI.Get_processor_name())
+    hosts = allgather_or_raise(comm, MPI.Get_processor_name)
     store = None
     env = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ}
     env = comm.bcast(env if rank == 0 else None)  # what rank 0 saw: it decides the address

@@ -25,6 +25,7 @@ import collections
 import hashlib
 import operator
 import pickle
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -266,14 +267,23 @@ def _raise_mixed_forms(where: str, operations: list[str]) -> None:
 
 
 class _Agreed:
-    """One remembered agreement of :func:`agree_cached`."""
+    """One remembered agreement of :func:`agree_cached`.
 
-    __slots__ = ("comm", "operation", "mine", "header", "table", "table_bytes", "result", "received")
+    It holds its communicator weakly (the plan it remembers may hold it:
+    :func:`forget_agreements`, which ``manager.free()`` calls, drops both).
+    """
+
+    __slots__ = ("_comm", "operation", "mine", "header", "table", "table_bytes", "result", "received")
 
     def __init__(self, comm: MPI.Comm, operation: str, mine: Local, header: np.ndarray, table: np.ndarray, result: Any) -> None:
-        self.comm, self.operation, self.mine, self.header = comm, operation, mine, header
+        self._comm, self.operation, self.mine, self.header = weakref.ref(comm), operation, mine, header
         self.table, self.table_bytes, self.result = table, table.tobytes(), result
         self.received = np.empty_like(table)  # each repeat's table lands here (collectives on one comm never overlap)
+
+    @property
+    def comm(self) -> MPI.Comm | None:
+        """The communicator agreed on (None once it is gone)."""
+        return self._comm()
 
     def repeat(self) -> np.ndarray | None:
         """This rank's agreement for a repeat of the remembered call: the fixed-size ``Allgather`` of its header.
@@ -285,9 +295,10 @@ class _Agreed:
         """
         state = watchdog.STATE  # the watchdog's deadline: a few attribute writes, no MPI call (the per-call fast path)
         state.seq += 1
-        state.op, state.comm, state.since = self.operation, self.comm, watchdog.monotonic()
+        comm = self._comm()
+        state.op, state.comm, state.since = self.operation, comm, watchdog.monotonic()
         try:
-            self.comm.Allgather(self.header, self.received)
+            comm.Allgather(self.header, self.received)
         finally:
             state.since = 0.0
         if self.received.tobytes() == self.table_bytes:
@@ -387,14 +398,32 @@ def repeat_remembered(comm: MPI.Comm | None, operation: str, key: Hashable | Non
     return (entry.result, None) if table is None else (None, table)
 
 
-def forget_agreements() -> None:
-    """Forget every remembered agreement (the next call of each operation plans again)."""
-    _AGREED.clear()
+def forget_agreements(comm: MPI.Comm | None = None) -> None:
+    """Forget the remembered agreements on ``comm`` (default: all); the next call of each operation plans again.
+
+    :meth:`credit_mpi.DomainParallelManager.free` calls it for its
+    communicators: no plan outlives the communicator it was agreed on
+    (an id may be reused by a communicator made later).
+    """
+    if comm is None:
+        _AGREED.clear()
+        return
+    for full in [full for full, entry in _AGREED.items() if entry.comm is None or entry.comm is comm]:
+        del _AGREED[full]
+
+
+def digest(data: bytes) -> int:
+    """The package's one digest: 64 bits of ``data``, the same on every rank (``hash()`` of a str is salted per process).
+
+    What ranks compare instead of sending the data itself: the agreement's
+    header, coordinates, latitudes.
+    """
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 def _digest(values: tuple) -> int:
-    """A 64-bit digest of plain values, the same on every rank (``hash()`` of a str is salted per process)."""
-    return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=8).digest(), "little", signed=True)
+    """:func:`digest` of plain values (their ``repr``)."""
+    return digest(repr(values).encode())
 
 
 def check_root(root: Any, n: int) -> int:

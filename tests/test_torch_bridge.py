@@ -268,8 +268,8 @@ def test_halo_torch_transport_forward_with_grad(make_manager, rng, monkeypatch):
     from credit_mpi.transport import torch_moves
 
     calls = []
-    real = torch_moves.swap_edges
-    monkeypatch.setattr(torch_moves, "swap_edges", lambda *args: calls.append(1) or real(*args))
+    real = torch_moves.TorchMoves.exchange
+    monkeypatch.setattr(torch_moves.TorchMoves, "exchange", lambda *args: calls.append(1) or real(*args))
     n = MPI.COMM_WORLD.Get_size()
     manager = credit_mpi.init_torch_distributed(make_manager(n), "gloo", timeout=TIMEOUT)
     band = shard_tensor(torch.from_numpy(rng.standard_normal((1, 2, 3 * n, 4))), -2, manager)

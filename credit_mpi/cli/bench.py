@@ -47,6 +47,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..halo import halo_exchange
+from ..layout import Layout
 from ..manager import DomainParallelManager
 from ..partition import band_offsets, band_sizes
 from ..sharding import gather_tensor, shard_batch
@@ -322,7 +323,7 @@ def raw_slice_copy(batch: dict, comm: MPI.Comm, dim: int = -2) -> Callable[[], A
     for key, x in batch.items():
         if getattr(x, "ndim", 0) in (4, 5):
             sizes = band_sizes(x.shape[dim], n, uneven=True)
-            bands[key] = (sum(sizes[:rank]), sizes[rank])
+            bands[key] = (Layout.bands(sizes).start(rank), sizes[rank])
 
     def run():
         out = dict(batch)

@@ -8,7 +8,6 @@ index coordinates) that ranks allgather before anything else happens.
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,7 +17,7 @@ import xarray as xr
 from mpi4py import MPI
 
 from ..manager import DomainParallelManager, get_domain_parallel_manager
-from ..validation import allgather_or_raise, comm_label
+from ..validation import allgather_or_raise, comm_label, digest
 
 __all__ = ["StoreNotFoundError"]
 
@@ -189,7 +188,7 @@ def values_digest(values: Any) -> str:
         data = "\0".join(map(repr, array.ravel().tolist())).encode()
     else:
         data = np.ascontiguousarray(array).tobytes()
-    return hashlib.sha1(str((array.dtype.str, array.shape)).encode() + data).hexdigest()[:16]
+    return f"{digest(str((array.dtype.str, array.shape)).encode() + data) & (1 << 64) - 1:016x}"
 
 
 def describe(ds: xr.Dataset) -> dict:

@@ -33,6 +33,7 @@ from ..autograd import check_backward_thread
 from ..blocks import decode_block, encode_block
 from ..grid import grid_coords, grid_of
 from ..halo import _exchange_agreed, halo_exchange
+from ..layout import Layout
 from ..partition import check_halo_width
 from ..validation import DomainParallelError, Local, agree_cached, comm_label
 from ..validation import agree as agree_once
@@ -65,7 +66,7 @@ class Bands:
 
     @property
     def start(self) -> int:
-        return sum(self.sizes[: self.rank])
+        return Layout.bands(self.sizes).start(self.rank)
 
     @property
     def stop(self) -> int:
@@ -323,12 +324,12 @@ class Blocks:
     @property
     def y0(self) -> int:
         """First global latitude row of this rank's block."""
-        return sum(self.heights[: self.row])
+        return Layout.bands(self.heights).start(self.row)
 
     @property
     def x0(self) -> int:
         """First global longitude of this rank's block."""
-        return sum(self.widths[: self.col])
+        return Layout.bands(self.widths).start(self.col)
 
     @property
     def sizes(self) -> list[int]:

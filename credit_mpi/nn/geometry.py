@@ -46,6 +46,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layout import offsets
+
 __all__ = [
     "Band",
     "Layout",
@@ -65,12 +67,8 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def offsets_of(sizes: list[int]) -> list[int]:
-    """Start row of each band."""
-    out, start = [], 0
-    for size in sizes:
-        out.append(start)
-        start += size
-    return out
+    """Start row of each band (:func:`credit_mpi.layout.offsets`)."""
+    return offsets(sizes)
 
 
 def conv_out_size(size: int, kernel: int, stride: int, dilation: int, before: int, after: int, ceil_mode: bool = False) -> int:

@@ -28,7 +28,6 @@ Every collective here is over the manager's communicators; with no manager
 
 from __future__ import annotations
 
-import hashlib
 import math
 import numbers
 from collections.abc import Iterable
@@ -41,9 +40,10 @@ from mpi4py import MPI
 
 from ..grad_sync import reduce_gradients
 from ..grid import grid_coords, grid_of
+from ..layout import Layout
 from ..manager import DomainParallelManager, get_domain_parallel_manager
 from ..partition import band_sizes, normalize_dim
-from ..validation import DomainParallelError, allgather_or_raise, check_int, comm_label
+from ..validation import DomainParallelError, allgather_or_raise, check_int, comm_label, digest
 
 __all__ = [
     "latitude_weights",
@@ -142,8 +142,8 @@ def latitude_weights(
     lat, sizes = plan()
     cos = np.cos(np.deg2rad(lat))
     weights = cos / cos.mean()
-    start = sum(sizes[:rank])
-    band = np.ascontiguousarray(weights[start : start + sizes[rank]])
+    layout = Layout.bands(sizes)
+    band = np.ascontiguousarray(weights[layout.start(rank) : layout.stop(rank)])
     return torch.from_numpy(band).to(dtype=dtype, device=device).reshape((-1,) + (1,) * (-dim - 1))
 
 
@@ -188,7 +188,7 @@ def _global_latitudes(latitudes: Any) -> np.ndarray:
 
 
 def _digest(lat: np.ndarray, dim: int, uneven: bool) -> tuple:
-    return (lat.size, dim, uneven, hashlib.sha256(lat.tobytes()).hexdigest())
+    return (lat.size, dim, uneven, digest(lat.tobytes()))
 
 
 # -- loss ------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Array kinds: the one place that knows numpy, torch (CPU, CUDA) and CuPy.
+"""Array kinds: what credit_mpi needs to know about numpy, torch (CPU, CUDA) and CuPy arrays.
 
 Everything above :mod:`credit_mpi.transport` speaks "an array with a shape,
 a dtype and a buffer"; this module describes arrays (:class:`ArrayInfo`),

@@ -10,14 +10,14 @@ from typing import Any
 
 from .arrays import _numpy_like, _torch
 
-__all__ = ["copy_rows", "add_rows", "fill_rows", "flipped_rows", "roll", "clone", "clone_rows"]
+__all__ = ["band", "copy_rows", "add_rows", "fill_rows", "flipped_rows", "roll", "clone", "clone_rows"]
 
 
 # -- row helpers for halo exchange and autograd (numpy, CuPy and torch) ----
 
 
-def _band(x: Any, dim: int, start: int, length: int) -> Any:
-    """A view of rows ``start:start+length`` along ``dim`` (no copy)."""
+def band(x: Any, dim: int, start: int, length: int) -> Any:
+    """A view of rows ``start:start+length`` along ``dim`` (no copy; :func:`arrays.narrow` copies strided bands)."""
     if _numpy_like(x) is not None:
         return x[(slice(None),) * dim + (slice(start, start + length),)]
     return x.narrow(dim, start, length)
@@ -26,34 +26,34 @@ def _band(x: Any, dim: int, start: int, length: int) -> Any:
 def copy_rows(dst: Any, dim: int, start: int, src: Any) -> None:
     """Write ``src`` into rows ``start:start+len(src)`` of ``dst`` along ``dim``."""
     if _numpy_like(dst) is not None:
-        _band(dst, dim, start, src.shape[dim])[...] = src
+        band(dst, dim, start, src.shape[dim])[...] = src
     else:
-        _band(dst, dim, start, src.shape[dim]).copy_(src)
+        band(dst, dim, start, src.shape[dim]).copy_(src)
 
 
 def add_rows(dst: Any, dim: int, start: int, src: Any) -> None:
     """Add ``src`` to rows ``start:start+len(src)`` of ``dst`` along ``dim`` (in place)."""
     if _numpy_like(dst) is not None:
-        _band(dst, dim, start, src.shape[dim])[...] += src
+        band(dst, dim, start, src.shape[dim])[...] += src
     else:
-        _band(dst, dim, start, src.shape[dim]).add_(src)
+        band(dst, dim, start, src.shape[dim]).add_(src)
 
 
 def fill_rows(x: Any, dim: int, start: int, length: int, value: float = 0) -> None:
     """Set rows ``start:start+length`` of ``x`` along ``dim`` to ``value``."""
     if _numpy_like(x) is not None:
-        _band(x, dim, start, length)[...] = value
+        band(x, dim, start, length)[...] = value
     else:
-        _band(x, dim, start, length).fill_(value)
+        band(x, dim, start, length).fill_(value)
 
 
 def flipped_rows(x: Any, dim: int, start: int, length: int) -> Any:
     """Rows ``start:start+length`` of ``x`` in reverse order along ``dim`` (a new array)."""
-    band = _band(x, dim, start, length)
+    rows = band(x, dim, start, length)
     xp = _numpy_like(x)
     if xp is not None:
-        return xp.flip(band, axis=dim).copy()
-    return band.flip(dim)
+        return xp.flip(rows, axis=dim).copy()
+    return rows.flip(dim)
 
 
 def roll(x: Any, shift: int, dim: int) -> Any:
@@ -74,4 +74,4 @@ def clone(x: Any) -> Any:
 
 def clone_rows(x: Any, dim: int, start: int, length: int) -> Any:
     """A contiguous copy of rows ``start:start+length`` of ``x`` along ``dim`` (one copy, detached for torch)."""
-    return clone(_band(x, dim, start, length))
+    return clone(band(x, dim, start, length))

@@ -1,141 +1,102 @@
 """Data movement over the torch.distributed groups that mirror the MPI communicators.
 
-The ``transport="torch"`` counterparts of the MPI data paths: the gather's
-``Allgather(v)`` (:func:`allgather_bands`) and the halo exchange's two
-``Sendrecv`` (:func:`swap_edges`). The groups come from
+The transport protocol of :mod:`credit_mpi.transport.moves` over torch
+(:class:`TorchMoves`): the halo exchange's one edge swap and the gather
+(bands and blocks, :func:`credit_mpi.transport.moves.gather_blocks`) run
+on it with ``transport="torch"``. The groups come from
 :func:`credit_mpi.init_torch_distributed`; the callers have agreed on every
 size already. Imports torch (loaded only when ``transport="torch"`` is used).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..partition import band_offsets
 from . import arrays
-from .limits import SLICE_BYTES, TAG_DOWN, TAG_UP
+from .moves import SEND
 
-__all__ = ["allgather_bands", "swap_edges"]
+__all__ = ["TorchMoves"]
 
 
-def allgather_bands(x: Any, out: Any, axis: int, sizes: Sequence[int], group: Any) -> Any:
-    """Fill ``out`` with every rank's band of ``x`` along ``axis`` over the torch domain group.
+class TorchMoves:
+    """The transport protocol of :mod:`credit_mpi.transport.moves` over the torch.distributed group ``group``.
 
-    The torch counterpart of :func:`credit_mpi.gather_tensor`'s ``Allgather(v)``;
-    the caller has agreed on ``sizes`` (rows per domain rank) and allocated
-    ``out``. Data moves as bytes, so every dtype is gathered bit for bit.
-    torch collectives need equal sizes on every rank and a contiguous
-    destination. With equal bands, each outer slice of ``out`` (the
-    dimensions before ``axis``) holds the bands of all ranks contiguously,
-    so each slice is gathered straight into place, all slices in flight at
-    once (as the MPI path does for slices of at least
-    :data:`~credit_mpi.transport.limits.SLICE_BYTES`). Uneven bands, and many small
-    slices, go through a staging buffer with every band padded to the
-    widest (per slice for large slices, one collective for small ones) and
-    are then copied into place: one extra copy of the field.
-    NumPy arrays and CPU tensors are staged on the current CUDA device when
-    the group is NCCL.
-
-    Returns:
-        ``out``.
+    Peers are ranks of the group (the domain ranks). Data not on the
+    group's device (numpy arrays and CPU tensors with NCCL) is copied there
+    and back. Receive targets are contiguous arrays.
     """
-    n = len(sizes)
-    shape = _shape(out)
-    outer = math.prod(shape[:axis])
-    row = math.prod(shape[axis + 1 :]) * arrays.describe(out).itemsize
-    device = _group_device(group)
 
-    send = arrays.as_torch_bytes(arrays.contiguous(x)).to(device)
-    target = arrays.as_torch_bytes(out)
-    total, widest = sum(sizes), max(sizes)
-    per_slice = outer > 1 and total * row >= SLICE_BYTES  # large slices: one collective each
-    if len(set(sizes)) == 1 and target.device == device and (outer == 1 or per_slice):
-        # Each outer slice of out holds the bands of all ranks contiguously and
-        # in rank order: gather every slice straight into place.
-        _gather_slices(target.view(outer, total * row), send.view(outer, widest * row), group)
-        arrays.after_torch_wrote(out)
-        return out
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
 
-    # Staging: (slices, n, width) bytes, every band padded to the widest.
-    slices = outer if per_slice else 1
-    width = outer * widest * row // slices
-    mine = send.numel() // slices
-    if mine != width:
-        padded = torch.zeros((slices, width), dtype=torch.uint8, device=device)
-        padded[:, :mine] = send.view(slices, mine)
-        send = padded
-    staging = torch.empty((slices, n * width), dtype=torch.uint8, device=device)
-    _gather_slices(staging, send.view(slices, width), group)
-    staging = staging.view(slices, n, width)
+    def exchange(self, ops: Sequence[tuple[str, Any, int, int]]) -> None:
+        """Every message of ``ops`` in one ``batch_isend_irecv``, issued in ``ops``' order.
 
-    on_device = target if target.device == device else torch.empty_like(target, device=device)
-    placed = on_device.view(outer, total, row)
-    for r, (first, rows) in enumerate(zip(band_offsets(list(sizes)), sizes, strict=True)):
-        band = staging[:, r, : outer * rows * row // slices]  # (slices, outer/slices * rows * row)
-        placed[:, first : first + rows].copy_(band.reshape(outer, rows, row))
-    if on_device is not target:
-        target.copy_(on_device)
-    arrays.after_torch_wrote(out)
-    return out
+        NCCL matches point-to-point messages between two ranks in issue
+        order, not by tag: the callers issue them in the same order on every
+        rank. Messages to this rank itself are copied (matched by tag).
+        """
+        device = _group_device(self.group)
+        p2p, landing, to_self = [], [], {}
+        for kind, x, peer, tag in ops:
+            if kind == SEND:
+                data = arrays.as_torch_bytes(arrays.contiguous(x))
+                if peer == self.rank:
+                    to_self.setdefault(tag, []).append(data)
+                    continue
+                data = data if data.device == device else data.to(device)
+                p2p.append(dist.P2POp(dist.isend, data, dist.get_global_rank(self.group, peer), self.group, tag))
+                continue
+            target = arrays.as_torch_bytes(x)
+            if peer == self.rank:
+                landing.append((None, target, x, tag))
+                continue
+            buf = target if target.device == device else torch.empty_like(target, device=device)
+            p2p.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(self.group, peer), self.group, tag))
+            landing.append((buf, target, x, tag))
+        if p2p:
+            for work in dist.batch_isend_irecv(p2p):
+                work.wait()
+        for buf, target, x, tag in landing:
+            source = to_self[tag].pop(0) if buf is None else buf
+            if source is not target:
+                target.copy_(source)
+            arrays.after_torch_wrote(x)
 
+    def allgather_slices(self, send: Any, recv: Any, outer: int) -> bool:
+        """Slice ``p`` of every rank's ``send`` into slice ``p`` of ``recv``, all in flight; False when ``recv`` is not on the group's device.
 
-def swap_edges(up: Any, down: Any, prev: int | None, nxt: int | None, group: Any) -> tuple[Any, Any]:
-    """Send ``up`` to domain rank ``prev`` and ``down`` to ``nxt`` over the torch group ``group``.
+        torch collectives need equal sizes on every rank and a contiguous
+        destination on the group's device (numpy arrays and CPU tensors with
+        NCCL go through :meth:`allgatherv`'s staging instead).
+        """
+        device = _group_device(self.group)
+        target = arrays.as_torch_bytes(recv)
+        if target.device != device:
+            return False
+        data = arrays.as_torch_bytes(arrays.contiguous(send)).to(device)
+        _gather_slices(target.view(outer, -1), data.view(outer, -1), self.group)
+        arrays.after_torch_wrote(recv)
+        return True
 
-    ``up`` is None exactly when ``prev`` is, ``down`` when ``nxt`` is.
-
-    The torch counterpart of the two ``Sendrecv`` calls of
-    :func:`credit_mpi.halo_exchange` (forward and backward). Returns
-    ``(from_next, from_prev)``: what ``nxt`` sent up and what ``prev`` sent
-    down, as new arrays of the edges' kind and shape (None without that
-    neighbour). The operations are issued in the same order on every rank
-    (NCCL matches point-to-point messages between two ranks in issue order,
-    not by tag). Data not on the group's device (CPU tensors with NCCL) is
-    copied there and back.
-    """
-    device = _group_device(group)
-    ops, landing = [], []
-
-    def on_device(x: Any) -> Any:
-        data = arrays.as_torch_bytes(arrays.contiguous(x))
-        return data if data.device == device else data.to(device)
-
-    def send(x: Any, peer: int, tag: int) -> None:
-        ops.append(dist.P2POp(dist.isend, on_device(x), dist.get_global_rank(group, peer), group, tag))
-
-    def recv(like: Any, peer: int, tag: int) -> Any:
-        result = arrays.empty(like, like.shape)
-        target = arrays.as_torch_bytes(result)
-        buf = target if target.device == device else torch.empty_like(target, device=device)
-        ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, peer), group, tag))
-        landing.append((buf, target))
-        return result
-
-    from_next = from_prev = None
-    like = up if up is not None else down
-    if prev is not None:
-        send(up, prev, TAG_UP)
-    if nxt is not None:
-        from_next = recv(like, nxt, TAG_UP)
-        send(down, nxt, TAG_DOWN)
-    if prev is not None:
-        from_prev = recv(like, prev, TAG_DOWN)
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    for buf, target in landing:
-        if buf is not target:
-            target.copy_(buf)
-    for result in (from_next, from_prev):
-        if result is not None:
-            arrays.after_torch_wrote(result)
-    return from_next, from_prev
-
+    def allgatherv(self, send: Any, recv: Any, counts: Sequence[int], displs: Sequence[int]) -> None:
+        """Every rank's ``send`` bytes at ``displs[r]`` of ``recv``: one all-gather, every part padded to the widest."""
+        device = _group_device(self.group)
+        n, widest = len(counts), max(counts)
+        data = arrays.as_torch_bytes(arrays.contiguous(send)).reshape(-1).to(device)
+        padded = torch.zeros(widest, dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data
+        staging = torch.empty((n, widest), dtype=torch.uint8, device=device)
+        _gather_slices(staging.view(1, n * widest), padded.view(1, widest), self.group)
+        target = arrays.as_torch_bytes(recv).reshape(-1)
+        for r, (count, displ) in enumerate(zip(counts, displs, strict=True)):
+            target[displ : displ + count].copy_(staging[r, :count])
+        arrays.after_torch_wrote(recv)
 
 
 def _group_device(group: Any) -> torch.device:

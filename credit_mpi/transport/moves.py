@@ -1,0 +1,208 @@
+"""One transport protocol, and the edge swap written once against it.
+
+A transport (a *moves* object) does two things on whole arrays of bytes:
+
+* ``exchange(ops)``: post every point-to-point message of ``ops`` (each
+  ``(SEND or RECV, array, peer, tag)``, peers are ranks of the domain
+  group) and wait for all of them. The order of ``ops`` is the same on
+  every rank for the same algorithm, which is what a transport that matches
+  messages in issue order (NCCL) needs; MPI matches by tag.
+* ``allgatherv(send, recv, counts, displs)``: every rank's ``send`` bytes at
+  ``displs[r]`` of every rank's ``recv``.
+
+:class:`MpiMoves` moves over an MPI communicator: host memory as numpy byte
+views in place (the fast path: no staging, packed copies of strided views
+in buffers it keeps), device memory through :mod:`~credit_mpi.transport.staging`
+(or straight from device pointers with a CUDA-aware MPI).
+:class:`credit_mpi.transport.torch_moves.TorchMoves` moves over a
+torch.distributed group. An algorithm written against the protocol, such
+as :func:`swap_edges` (the halo exchange's edge rows, forward and backward,
+1-D and 2-D) or :func:`gather_blocks` (the 2-D gather over torch), works
+over both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ..layout import offsets
+from . import arrays, rowops, staging
+from .limits import SLICE_BYTES, TAG_DOWN, TAG_UP
+
+__all__ = ["SEND", "RECV", "MpiMoves", "swap_edges", "gather_blocks"]
+
+SEND, RECV = "send", "recv"
+
+
+class MpiMoves:
+    """The protocol over the MPI communicator ``comm`` (see the module docstring).
+
+    Packed copies of strided host views live in buffers this object keeps
+    (one set, taken under a lock: a second thread using the same object at
+    the same time gets new ones), so a plan that keeps its ``MpiMoves``
+    reuses them call after call.
+    """
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        self.comm = comm
+        self._scratch: dict = {}
+        self._lock = threading.Lock()
+
+    def exchange(self, ops: Sequence[tuple[str, Any, int, int]]) -> None:
+        """Post every receive, then every send of ``ops`` (``Irecv``/``Isend``), and one ``Waitall``."""
+        if not ops:
+            return
+        mine = self._lock.acquire(blocking=False)
+        scratch = self._scratch if mine else {}
+        stack = None  # staging contexts of device arrays (host arrays need none)
+        comm, byte = self.comm, MPI.BYTE
+        try:
+            requests, sends, unpack = [], [], []
+            for i, (kind, x, peer, tag) in enumerate(ops):
+                if type(x) is np.ndarray:  # the fast path: host memory, in place or through a kept buffer
+                    if x.flags.c_contiguous:
+                        buf = x
+                    else:
+                        buf = scratch.get(i)
+                        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+                            buf = scratch[i] = np.empty(x.shape, x.dtype)
+                        if kind == SEND:
+                            buf[...] = x
+                        else:
+                            unpack.append((x, buf))
+                else:
+                    buf = _host_buffer(x, kind)
+                    if buf is None:
+                        if stack is None:
+                            stack = contextlib.ExitStack()
+                        move = staging.send_buffer if kind == SEND else staging.recv_buffer
+                        buf = stack.enter_context(move(arrays.contiguous(x) if kind == SEND else x, comm))
+                if kind == RECV:
+                    requests.append(comm.Irecv([buf, byte], peer, tag))
+                else:
+                    sends.append((buf, peer, tag))
+            for buf, peer, tag in sends:
+                requests.append(comm.Isend([buf, byte], peer, tag))
+            MPI.Request.Waitall(requests)
+            for dst, src in unpack:
+                dst[...] = src
+        finally:
+            if stack is not None:
+                stack.close()  # received device data copied back (after Waitall)
+            if mine:
+                self._lock.release()
+
+    def allgatherv(self, send: Any, recv: Any, counts: Sequence[int], displs: Sequence[int]) -> None:
+        """``Allgatherv`` of byte buffers (host or device, as staging routes them)."""
+        with staging.send_buffer(send, self.comm) as s, staging.recv_buffer(recv, self.comm) as r:
+            self.comm.Allgatherv([s, MPI.BYTE], [r, (list(counts), list(displs)), MPI.BYTE])
+
+    def allgather_slices(self, send: Any, recv: Any, outer: int) -> bool:
+        """Slice ``p`` of every rank's ``send`` (viewed as ``outer`` equal slices of bytes) into slice ``p`` of ``recv``, rank after rank.
+
+        All slices in flight at once (``Iallgather``; blocking ``Allgather``
+        calls for device memory, which CUDA-aware Open MPI takes in blocking
+        collectives only). Returns True (MPI can always land them in place).
+        """
+        with staging.send_buffer(send, self.comm) as s, staging.recv_buffer(recv, self.comm) as r:
+            mine, whole = len(s) // outer, len(r) // outer
+            slices = [([s[p * mine : (p + 1) * mine], MPI.BYTE], [r[p * whole : (p + 1) * whole], MPI.BYTE]) for p in range(outer)]
+            if arrays.in_device_memory(r):
+                for args in slices:
+                    self.comm.Allgather(*args)
+            else:
+                MPI.Request.Waitall([self.comm.Iallgather(*args) for args in slices])
+        return True
+
+
+def _host_buffer(x: Any, kind: str) -> Any:
+    """The bytes of a host array that is not a numpy array (a torch CPU tensor), in place; None for device arrays.
+
+    (numpy arrays take :meth:`MpiMoves.exchange`'s fast path: in place when
+    contiguous, else through a buffer it keeps, packed before a send and
+    unpacked after a receive.)
+    """
+    return arrays.host_bytes(arrays.contiguous(x) if kind == SEND else x)
+
+
+def swap_edges(moves: Any, up: Any, down: Any, prev: int | None, nxt: int | None,
+               tags: tuple[int, int] = (TAG_UP, TAG_DOWN), into: tuple[Any, Any] = (None, None)) -> tuple[Any, Any]:
+    """Send ``up`` to rank ``prev`` and ``down`` to ``nxt``; return ``(from_next, from_prev)``.
+
+    The one edge swap of the halo exchange (1-D bands, each phase of the 2-D
+    grid, forward and backward). ``up`` is None exactly when ``prev`` is,
+    ``down`` when ``nxt`` is (None: no neighbour on that side). What ``nxt``
+    sent up and what ``prev`` sent down land in ``into`` (arrays of the
+    edges' shape, e.g. views of the output) or in new arrays of the edges'
+    kind and shape, and are returned (None without that neighbour). The
+    four messages go in one round, in the same order on every rank; the
+    tags tell the two directions apart when ``prev`` and ``nxt`` are the
+    same rank (two ranks with a periodic boundary).
+    """
+    like = up if up is not None else down
+    from_next = from_prev = None
+    ops = []
+    if prev is not None:
+        ops.append((SEND, up, prev, tags[0]))
+    if nxt is not None:
+        from_next = into[0] if into[0] is not None else arrays.empty(like, like.shape)
+        ops += [(RECV, from_next, nxt, tags[0]), (SEND, down, nxt, tags[1])]
+    if prev is not None:
+        from_prev = into[1] if into[1] is not None else arrays.empty(like, like.shape)
+        ops.append((RECV, from_prev, prev, tags[1]))
+    moves.exchange(ops)
+    return from_next, from_prev
+
+
+def gather_blocks(moves: Any, x: Any, out: Any, layout: Any, axes: tuple[int, ...]) -> Any:
+    """Fill ``out`` with every rank's block of ``x`` (its part of ``layout`` along ``axes``); returns ``out``.
+
+    The gather written against the protocol. Bands of equal rows land
+    straight in place, one outer slice (the dimensions before the axis) at a
+    time, all in flight (``allgather_slices``: in one slice of ``out`` the
+    bands of all ranks are contiguous, in rank order), when there is one
+    slice or the slices are large (:data:`~credit_mpi.transport.limits.SLICE_BYTES`).
+    Otherwise one ``allgatherv`` of every rank's contiguous block bytes into
+    a rank-major buffer, then each block copied into its place (one extra
+    copy of the field). Bands are a layout of one split axis, blocks of two.
+    ``out`` has the global shape.
+    """
+    x = arrays.contiguous(x)
+    info = arrays.describe(x)
+    if len(axes) == 1 and _straight(moves, x, out, layout.sizes[0], axes[0], info.itemsize):
+        return out
+    itemsize = info.itemsize
+    shapes = []
+    for rank in range(math.prod(layout.grid)):
+        shape = list(x.shape)
+        for axis, (_, size) in zip(axes, layout.block(rank), strict=True):
+            shape[axis] = size
+        shapes.append(tuple(shape))
+    counts = [math.prod(shape) for shape in shapes]
+    starts = offsets(counts)
+    packed = arrays.empty(x, (sum(counts),))
+    moves.allgatherv(x, packed, [c * itemsize for c in counts], [s * itemsize for s in starts])
+    for rank, (shape, start, count) in enumerate(zip(shapes, starts, counts, strict=True)):
+        if not count:
+            continue
+        target = out
+        for axis, (first, size) in zip(axes[:-1], layout.block(rank)[:-1], strict=True):
+            target = rowops.band(target, axis, first, size)
+        rowops.copy_rows(target, axes[-1], layout.block(rank)[-1][0], arrays.narrow(packed, 0, start, count).reshape(shape))
+    return out
+
+
+def _straight(moves: Any, x: Any, out: Any, sizes: tuple[int, ...], axis: int, itemsize: int) -> bool:
+    """Gather equal bands straight into ``out``, slice by slice (see :func:`gather_blocks`); False: not this way."""
+    shape = tuple(out.shape)
+    outer = math.prod(shape[:axis])
+    if len(set(sizes)) != 1 or not (outer == 1 or math.prod(shape[axis:]) * itemsize >= SLICE_BYTES):
+        return False
+    return moves.allgather_slices(x, out, outer)
