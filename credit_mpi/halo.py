@@ -59,7 +59,7 @@ from .partition import (
     normalize_dim,
 )
 from .transport import arrays, moves, rowops
-from .validation import Local, agree_cached, check_bands_fit, check_int, check_transport, repeat_remembered
+from .validation import Local, agree_cached, check_bands_fit, check_int, check_transport, on_forget, repeat_remembered
 
 __all__ = ["HALO_BOUNDARIES", "halo_exchange"]
 
@@ -152,7 +152,16 @@ def _exchange_agreed(x: Any, halo_width: int, dim: int, manager: Any, boundary: 
     return _autograd().halo_autograd(x, plan) if plan.autograd else halo_kernel(x, plan)
 
 
-_AGREED_PLANS: dict = {}
+_AGREED_PLANS: dict = {}  # (id(comm), call key, sizes) -> plan; dropped by manager.free() through on_forget
+
+
+@on_forget
+def _forget_agreed_plans(comm: MPI.Comm | None) -> None:
+    if comm is None:
+        _AGREED_PLANS.clear()
+        return
+    for key in [key for key, plan in _AGREED_PLANS.items() if key[0] == id(comm) or plan.comm is comm]:
+        del _AGREED_PLANS[key]
 
 
 def _autograd() -> Any:

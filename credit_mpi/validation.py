@@ -42,6 +42,7 @@ __all__ = [
     "agree",
     "agree_cached",
     "forget_agreements",
+    "on_forget",
     "remembered",
     "repeat_remembered",
     "allgather_or_raise",
@@ -405,11 +406,22 @@ def forget_agreements(comm: MPI.Comm | None = None) -> None:
     communicators: no plan outlives the communicator it was agreed on
     (an id may be reused by a communicator made later).
     """
+    for hook in _FORGET_HOOKS:
+        hook(comm)
     if comm is None:
         _AGREED.clear()
         return
     for full in [full for full, entry in _AGREED.items() if entry.comm is None or entry.comm is comm]:
         del _AGREED[full]
+
+
+_FORGET_HOOKS: list[Callable[[MPI.Comm | None], None]] = []
+
+
+def on_forget(hook: Callable[[MPI.Comm | None], None]) -> Callable[[MPI.Comm | None], None]:
+    """Register ``hook(comm)`` to drop a module's own plans on ``comm`` (None: all) when :func:`forget_agreements` runs."""
+    _FORGET_HOOKS.append(hook)
+    return hook
 
 
 def digest(data: bytes) -> int:
