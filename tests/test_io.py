@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
-import tempfile
 import warnings
 
 import numpy as np
@@ -56,17 +54,6 @@ def write_zarr(ds: xr.Dataset, path: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ds.chunk({"latitude": CHUNK, "time": 1}).to_zarr(path, mode="w", consolidated=True)
-
-
-@pytest.fixture
-def shared_dir():
-    """One directory for all ranks (rank 0 makes it), removed after the test."""
-    comm = MPI.COMM_WORLD
-    path = comm.bcast(tempfile.mkdtemp(prefix="credit_mpi_io_") if comm.Get_rank() == 0 else None)
-    yield path
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
