@@ -24,7 +24,7 @@ from credit_mpi.nn import LatitudeWeightedMSELoss, latitude_weighted_mse, latitu
 from credit_mpi.partition import band_range  # noqa: E402
 
 from .bounded import bounded  # noqa: E402
-from .test_io import H, W, era5_like, shared_dir, store  # noqa: E402, F401 - the fixtures, through request
+from .test_io import H, W, era5_like, store  # noqa: E402, F401 - the fixtures, through request (shared_dir: conftest)
 
 GRIDS = ((2, 2), (1, 4))  # (4, 1) is latitude bands: tests/test_io.py
 
