@@ -57,6 +57,9 @@ _errorcode = 1
 
 # How long a rank that leaves the traceback to another waits before aborting.
 _PRINTER_GRACE_S = 1.0
+# How long a rank that printed waits before aborting, so that the launcher forwards what it printed (an
+# immediate Abort can lose the last lines of stderr: seen as a job that showed no traceback at all).
+_FORWARD_GRACE_S = 0.3
 
 
 def abort_on_exception(enable: bool = True, *, errorcode: int = 1) -> None:
@@ -134,6 +137,7 @@ def _abort(exc_type, exc_value, exc_tb, where: str) -> None:
         sys.stderr.write(text)
         sys.stderr.flush()
         sys.stdout.flush()
+        time.sleep(_FORWARD_GRACE_S)
     finally:
         world.Abort(_errorcode)
 
