@@ -22,28 +22,35 @@ import traceback
 
 from mpi4py import MPI
 
-__all__ = ["TRACEBACK_VARIABLE", "agreed_printer", "install_print_once", "last_traceback", "one_line", "print_once_hook"]
+__all__ = ["TRACEBACK_VARIABLE", "agreed_printer", "install_print_once", "last_traceback", "one_line", "print_once_hook",
+           "settled_comm"]
 
 #: ``CREDIT_MPI_TRACEBACK=all``: every rank prints its whole traceback (chained exceptions included).
 TRACEBACK_VARIABLE = "CREDIT_MPI_TRACEBACK"
 
 
-def agreed_printer(tb) -> int | None:
-    """The COMM_WORLD rank that prints an error agreed on by a group of ranks, else None.
+def settled_comm(tb) -> MPI.Comm | None:
+    """The communicator of the agreement that raised along ``tb`` (``validation._settle``'s frame), else None.
 
-    An error raised while ranks settle an agreement (``validation._settle``,
-    where every rank of the communicator raises the same exception) is the
-    same on every rank of that communicator: its rank 0 prints it.
+    An error raised while ranks settle an agreement is the same on every
+    rank of that communicator: it needs no sharing, and one rank prints it.
     """
     for frame, _ in traceback.walk_tb(tb):
         code = frame.f_code
         if code.co_name == "_settle" and code.co_filename.endswith(os.path.join("credit_mpi", "validation.py")):
-            comm = frame.f_locals.get("comm")
-            try:
-                return MPI.Group.Translate_ranks(comm.Get_group(), [0], MPI.COMM_WORLD.Get_group())[0]
-            except Exception:  # noqa: BLE001 - a freed communicator: print here
-                return None
+            return frame.f_locals.get("comm")
     return None
+
+
+def agreed_printer(tb) -> int | None:
+    """The COMM_WORLD rank that prints an error agreed on by a group of ranks (its rank 0), else None."""
+    comm = settled_comm(tb)
+    if comm is None:
+        return None
+    try:
+        return MPI.Group.Translate_ranks(comm.Get_group(), [0], MPI.COMM_WORLD.Get_group())[0]
+    except Exception:  # noqa: BLE001 - a freed communicator: print here
+        return None
 
 
 def one_line(exc_type, exc_value) -> str:

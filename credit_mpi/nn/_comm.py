@@ -28,7 +28,7 @@ import torch
 from mpi4py import MPI
 from torch.autograd.function import once_differentiable
 
-from .. import validation
+from .._printing import settled_comm
 from ..autograd import check_backward_thread
 from ..blocks import decode_block, encode_block
 from ..grid import grid_coords, grid_of
@@ -37,8 +37,6 @@ from ..layout import Layout
 from ..partition import check_halo_width
 from ..validation import DomainParallelError, Local, agree_cached, comm_label
 from ..validation import agree as agree_once
-
-_VALIDATION_FILE = validation.__file__
 
 
 def _eager(fn: Callable) -> Callable:
@@ -130,13 +128,7 @@ def agreed_already(exc: BaseException) -> bool:
     Such an exception is not shared again: the ranks that raised it are
     done with the agreement, a second one would wait for ranks that left.
     """
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_name == "_settle" and code.co_filename == _VALIDATION_FILE:
-            return True
-        tb = tb.tb_next
-    return False
+    return settled_comm(exc.__traceback__) is not None
 
 
 @_eager
