@@ -52,6 +52,7 @@ __all__ = [
     "check_root",
     "check_bands_fit",
     "check_transport",
+    "register_operation",
 ]
 
 
@@ -135,7 +136,7 @@ class Local(NamedTuple):
 
 # Every operation that starts with an agreement has a code, so that a rank in
 # one operation never pairs silently with a rank in another.
-OPERATIONS = (
+OPERATIONS = [
     "shard_tensor", "shard_batch", "gather_tensor", "scatter_tensor", "halo_exchange", "reduce_gradients",
     "collective",  # agree()'s default, for code outside the core operations
     "layer",  # a converted model's layer (credit_mpi.nn)
@@ -143,7 +144,7 @@ OPERATIONS = (
     # paths, so that a rank that passed a single dim meets the others' pair in one Allgather and every
     # rank raises (the 1-D/2-D decision is agreed, not local).
     "shard_tensor/2d", "shard_batch/2d", "gather_tensor/2d", "scatter_tensor/2d", "halo_exchange/2d",
-)
+]  # and every op of credit_mpi.ops, added by register_operation when its module is imported
 GRID_SUFFIX = "/2d"
 _HEADER = 5  # operation, check, failed, digest, count
 
@@ -209,7 +210,7 @@ def _local_header(operation: str, check: bool, local: Callable[[], Local]) -> tu
         count = int(mine.count)
     except Exception as exc:  # noqa: BLE001 - every rank raises it below
         error, digest, count = exc, 0, 0
-    header = np.array([OPERATIONS.index(operation), bool(check), error is not None, digest, count], dtype=np.int64)
+    header = np.array([_operation_code(operation), bool(check), error is not None, digest, count], dtype=np.int64)
     return mine, error, header
 
 
@@ -265,6 +266,32 @@ def _raise_mixed_forms(where: str, operations: list[str]) -> None:
         f"{_ranks(line)} and a (lat, lon) pair (2-D blocks of the domain grid) on rank(s) {_ranks(grid)}; every rank "
         f"must pass the same form: pairs such as dim=(-2, -1) on a domain_grid, single values for latitude bands"
     )
+
+
+def register_operation(name: str) -> str:
+    """Add ``name`` to :data:`OPERATIONS` (an op of :mod:`credit_mpi.engine`; idempotent)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an operation's name must be a non-empty str, got {name!r}")
+    if name not in OPERATIONS:
+        OPERATIONS.append(name)
+    return name
+
+
+def _operation_code(operation: str) -> int:
+    """The operation's code in the agreement's header: the digest of its name.
+
+    Not its index in :data:`OPERATIONS`: ranks may import the op modules in
+    different orders, the name is the same everywhere.
+    """
+    code = _CODES.get(operation)
+    if code is None:
+        if operation not in OPERATIONS:
+            raise ValueError(f"unknown operation {operation!r}; known: {', '.join(OPERATIONS)}")
+        code = _CODES[operation] = _digest((operation,))
+    return code
+
+
+_CODES: dict[str, int] = {}
 
 
 class _Agreed:

@@ -226,7 +226,7 @@ def test_einops_on_uneven_bands_raises_on_every_rank(make_manager):
 @pytest.mark.mpi(min_size=2)
 def test_global_attention_moves_what_the_theory_says(make_manager):
     """K and V gathered: per rank 2 (N - N_rank) d elements received, 2 N d (P - 1) / P on even bands."""
-    from credit_mpi.gather_tokens import received_elements
+    from credit_mpi.ops.allgather_along import received_elements
 
     manager = make_manager()
     d = manager.domain_parallel_size

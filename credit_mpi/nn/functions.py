@@ -18,7 +18,7 @@ that holds bands and judges each torch function applied to one:
   ``[a, b)``), ``pixel_unshuffle`` and a reshape into windows when every
   band is a whole number of them; ``F.scaled_dot_product_attention`` over
   the tokens of every band (keys and values gathered:
-  :func:`credit_mpi.gather_tokens.allgather_along`);
+  :func:`credit_mpi.ops.allgather_along.allgather_along`);
 * everything else that touches the sharded dim raises ``ConversionError``
   naming the module's path and the op. At run time the converted model's
   :class:`~credit_mpi.nn.base.ForwardGuard` makes it every rank's exception;
@@ -820,7 +820,7 @@ def _sdpa(tr, func, args, kwargs, held):
     """Attention: windows in the batch dim pass; queries on token bands attend to every band's keys.
 
     The exact rule for tokens of every band (q, k, v with their tokens, dim -2, on bands; no mask,
-    not causal, no dropout): K and V gathered from every rank (:func:`credit_mpi.gather_tokens.allgather_along`,
+    not causal, no dropout): K and V gathered from every rank (:func:`credit_mpi.ops.allgather_along.allgather_along`,
     backward the reduce-scatter of their gradients), this rank's queries attended to all of them.
     """
     q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
@@ -834,7 +834,7 @@ def _sdpa(tr, func, args, kwargs, held):
     if mask is not None or dropout or causal:
         raise _Why("attention across bands with a mask, dropout or is_causal has no rule yet (masks in global coordinates)")
     if tr.manager is not None:
-        from ..gather_tokens import allgather_along
+        from ..ops.allgather_along import allgather_along
 
         comm, path = tr.manager.domain_group, tr.stack[-1][0]
         k, v = allgather_along(k, -2, comm, path), allgather_along(v, -2, comm, path)
