@@ -23,6 +23,19 @@ import credit_mpi
 SEED = 20261129
 
 
+def pytest_runtest_setup(item):
+    """``@pytest.mark.world_sizes(2, 3)``: an expensive MPI test runs on those world sizes only (CI's time).
+
+    The suite runs on 1, 2, 3 and 4 ranks; a test whose point does not change
+    with the rank count past some size (a soak, a compile) need not pay for
+    4 ranks oversubscribed on 2 cores. Every rank sees the same world size,
+    so every rank skips alike.
+    """
+    marker = item.get_closest_marker("world_sizes")
+    if marker is not None and MPI.COMM_WORLD.Get_size() not in marker.args:
+        pytest.skip(f"runs on {', '.join(map(str, marker.args))} rank(s) only (CI time), not {MPI.COMM_WORLD.Get_size()}")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

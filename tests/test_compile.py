@@ -94,8 +94,9 @@ class _NormAttention(torch.nn.Module):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.world_sizes(1, 2, 3)  # compile time dominates; 3 ranks give uneven bands with interior neighbours
 def test_compiled_norm_attention_model_equals_eager(make_manager):
-    """GroupNorm and attention across bands compile on every rank count (1-4): the eager run's training, bit for bit."""
+    """GroupNorm and attention across bands compile on 1-3 ranks: the eager run's training, bit for bit."""
     torch._dynamo.reset()
     manager = make_manager()
     torch.manual_seed(0)

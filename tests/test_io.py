@@ -291,6 +291,7 @@ def test_band_dataset_yields_shard_batch_of_global_sample(make_manager, store):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.world_sizes(1, 2)  # spawning workers costs the same per rank; the band logic is tested on 1-4 elsewhere
 def test_band_dataset_spawn_workers(make_manager, store):
     m = make_manager()
     ds = cio.BandDataset(store, ["t", "z"], m, static_variables=["lsm"], history=2, forecast=1)
