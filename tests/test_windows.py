@@ -101,3 +101,124 @@ def test_bad_moves_raise_on_every_rank(world):
     if n > 1:  # ranks that disagree on the shift
         assert "roll_along" in raised_everywhere(world, lambda: roll_along(x, rank, 1, world))
     assert roll_along(x, 1, 1, world).shape == x.shape  # still in step
+
+
+# -- models: torch.roll across bands, Swin-style shifted windows --------------------------------------
+
+from torch import nn  # noqa: E402
+
+from credit_mpi.nn import describe  # noqa: E402
+
+from .halo_reference import prefix_managers  # noqa: E402
+from .verdict_reference import verdict_is_the_run  # noqa: E402
+
+
+class Rolled(nn.Module):
+    """A conv, ``torch.roll`` (of the sharded dim and/or others), a conv."""
+
+    def __init__(self, shifts, dims):
+        super().__init__()
+        self.a, self.b, self.shifts, self.dims = nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 2, 3, padding=1), shifts, dims
+
+    def forward(self, x):
+        y = self.a(x)
+        y = torch.roll(y, self.shifts) if self.dims is None else torch.roll(y, self.shifts, self.dims)
+        return self.b(y) + x
+
+
+def region_mask(labels, n):
+    """Swin's mask from region labels of every window's tokens ``(windows, n)``: -100 between regions, 0 within."""
+    diff = labels.reshape(-1, n).unsqueeze(1) - labels.reshape(-1, n).unsqueeze(2)
+    return diff.masked_fill(diff != 0, -100.0)
+
+
+class SwinStyle(nn.Module):
+    """Shifted-window attention as Swin writes it: roll by -shift, window partition, attention, reverse, roll back.
+
+    ``mask``: None; ``"buffer"``: Swin's own, built in __init__ from the global image size (one mask per
+    window of the whole field, broadcast against the band's windows: refused); ``"input"``: built in
+    the forward from region labels that are a band like the input (channel 0's sign): exact.
+    """
+
+    def __init__(self, c=4, window=2, shift=1, mask=None, image=None):
+        super().__init__()
+        self.window_size, self.shift, self.mask = window, shift, mask
+        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+        if mask == "buffer":
+            h, w = image
+            labels = torch.zeros(1, h, w, 1)
+            for i, rows in enumerate((slice(0, -window), slice(-window, -shift), slice(-shift, None))):
+                labels[:, rows] = i
+            self.register_buffer("attn_mask", region_mask(self.partition(labels), window * window))
+
+    def partition(self, t):  # b h w c -> (b h/s w/s) (s s) c
+        b, h, w, c = t.shape
+        s = self.window_size
+        return t.reshape(b, h // s, s, w // s, s, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, s * s, c)
+
+    def reverse(self, t, b, h, w):
+        s = self.window_size
+        return t.reshape(b, h // s, w // s, s, s, -1).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, -1)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        s, n = self.window_size, self.window_size**2
+        t = torch.roll(x.permute(0, 2, 3, 1), (-self.shift, -self.shift), dims=(1, 2))
+        q, k, v = self.qkv(self.partition(t)).chunk(3, dim=-1)
+        a = q @ k.transpose(-1, -2) / c**0.5
+        if self.mask == "buffer":
+            a = (a.view(b, -1, n, n) + self.attn_mask).view(-1, n, n)
+        elif self.mask == "input":
+            a = a + region_mask(self.partition((t[..., :1] > 0).to(t.dtype)), n)
+        o = self.reverse(a.softmax(dim=-1) @ v, b, h, w)
+        o = torch.roll(o, (self.shift, self.shift), dims=(1, 2))
+        return self.proj(o).permute(0, 3, 1, 2) + x
+
+
+def swin(window=2, **kw):
+    return lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), SwinStyle(4, window, **kw))
+
+
+CASES = {
+    # name: (build, channels, width, row unit of the heights)
+    "roll_one_row": (lambda: Rolled(1, 2), 2, 3, 1),
+    "roll_beyond_a_band": (lambda: Rolled(-7, -2), 2, 3, 1),
+    "roll_two_dims": (lambda: Rolled((5, 1), (2, 3)), 2, 3, 1),
+    "roll_longitude": (lambda: Rolled(2, 3), 2, 3, 1),
+    "roll_flattened": (lambda: Rolled(3, None), 2, 3, 1),
+    "windows": (swin(2, shift=0), 2, 4, 2),
+    "shifted_windows": (swin(2), 2, 4, 2),
+    "shifted_windows_3": (swin(3), 2, 6, 3),
+    "shifted_windows_input_mask": (swin(2, mask="input"), 2, 4, 2),
+}
+NEVER_EXACT = {"roll_flattened"}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_verdict_is_what_the_run_does(name, make_manager):
+    """Even bands, then uneven ones that are not whole windows (re-banded to whole windows and back)."""
+    build, c, width, unit = CASES[name]
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            for h in (4 * unit * d, 4 * unit * d + unit * (d > 1)):
+                plan = verdict_is_the_run(name, build, (2, c, h, width), manager)
+                assert plan.exact != (d > 1 and name in NEVER_EXACT), str(plan)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_mask_of_the_global_size_is_refused_on_every_rank(make_manager):
+    """Swin's mask buffer (one per window of the whole field, built in __init__) against a band's windows."""
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            h = 8 * d
+            build = swin(2, mask="buffer", image=(h, 4))
+            plan = verdict_is_the_run("swin_buffer_mask", build, (1, 2, h, 4), manager)
+            assert plan.exact == (d == 1), str(plan)
+            if d > 1:
+                assert "not a band" in plan.rows[-1].note, str(plan)
+
+
+def test_describe_names_the_refused_roll():
+    plan = describe(Rolled(3, None).double(), (1, 2, 8, 3), 2)
+    assert not plan.exact and plan.rows[-1].kind == "roll()" and "flattened" in plan.rows[-1].note, str(plan)

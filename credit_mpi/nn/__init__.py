@@ -61,6 +61,7 @@ from .training import (
     latitude_weights,
 )
 from .validate import validate_sharding_constraints
+from . import window_rules  # noqa: F401 - registers torch.roll across bands and whole windows (function rules)
 
 __all__ = [
     "convert_to_domain_parallel",

@@ -38,7 +38,7 @@ from ..layout import Layout
 from ..partition import normalize_dim
 from ..validation import Local
 
-__all__ = ["reband", "whole_windows", "move_rows", "moved_elements", "RowMoves"]
+__all__ = ["reband", "rebanded", "whole_windows", "move_rows", "moved_elements", "RowMoves"]
 
 _COUNT = threading.local()
 _DTYPES = (torch.float32, torch.float64)
@@ -116,6 +116,31 @@ class _Plan(NamedTuple):
     dim: int
     comm: MPI.Comm
     moves: RowMoves
+    sizes_in: tuple[int, ...] = ()
+    sizes_out: tuple[int, ...] = ()
+
+
+_LAST = threading.local()  # the layouts of this thread's last re-band (rebanded() returns them)
+
+
+def _target(counts: tuple[int, ...], sizes: Any, window: Any, back: Any, path: str) -> tuple[int, ...]:
+    """The target layout: ``sizes``; :func:`whole_windows` of ``counts``; or ``back = (moved, original)``.
+
+    ``back``: the move back of a tensor whose bands are proportional to ``moved`` (a re-banded
+    tensor, or one made from it at another resolution) to the same proportion of ``original``.
+    """
+    if sizes is not None:
+        return tuple(sizes)
+    if window is not None:
+        return whole_windows(counts, window)
+    moved, original = back
+    total, unit = sum(counts), sum(moved)
+    if len(moved) != len(counts) or any(c * unit != m * total for c, m in zip(counts, moved, strict=True)) or \
+            any(o * total % max(unit, 1) for o in original):
+        raise ValueError(f"{path}: the bands {list(counts)} are not those of the re-banded layout {list(moved)} at one "
+                         f"resolution, so they cannot be moved back to the layout {list(original)} (the module changed "
+                         f"the rows of its windows)")
+    return tuple(o * total // max(unit, 1) for o in original)
 
 
 def check_band(t: Any, args: dict) -> tuple[int, tuple]:
@@ -135,24 +160,26 @@ class Reband(Op):
     def key(self, t: Any, args: dict) -> Any:
         if not isinstance(t, torch.Tensor):
             return None
-        return (args["path"], args["dim"], args["sizes"], args["window"], tuple(t.shape), t.dtype)
+        return (args["path"], args["dim"], args["target"], tuple(t.shape), t.dtype)
 
     def local(self, t: Any, args: dict) -> Local:
         axis, rest = check_band(t, args)
-        sizes, window = args["sizes"], args["window"]
-        if (sizes is None) == (window is None):
-            raise ValueError(f"{args['path']}: give the target layout as sizes=... or window=..., not {sizes=}, {window=}")
-        return Local(axis, (args["path"], axis, t.ndim, rest, str(t.dtype), sizes, window), (), t.shape[axis])
+        target = args["target"]
+        if sum(v is not None for v in target) != 1:
+            raise ValueError(f"{args['path']}: give the target layout as one of sizes=, window= or back=, got "
+                             f"{dict(zip(('sizes', 'window', 'back'), target, strict=True))}")
+        return Local(axis, (args["path"], axis, t.ndim, rest, str(t.dtype), target), (), t.shape[axis])
 
     def plan(self, axis: int, counts: list[int], comm: MPI.Comm, args: dict) -> _Plan:
         counts = tuple(int(c) for c in counts)
-        sizes = whole_windows(counts, args["window"]) if args["sizes"] is None else tuple(args["sizes"])
+        sizes = _target(counts, *args["target"], args["path"])
         if len(sizes) != len(counts) or sum(sizes) != sum(counts) or min(sizes) < 0:
             raise ValueError(f"{args['path']}: the target band sizes {list(sizes)} are not a layout of the "
                              f"{sum(counts)} rows of the bands {list(counts)} (one size >= 0 per rank, the same total)")
-        return _Plan(axis, comm, plan_moves(counts, sizes, lambda j: j, comm.Get_rank()))
+        return _Plan(axis, comm, plan_moves(counts, sizes, lambda j: j, comm.Get_rank()), counts, sizes)
 
     def kernel(self, t: torch.Tensor, p: _Plan) -> torch.Tensor:
+        _LAST.layout = (p.sizes_in, p.sizes_out)
         return move_rows(t, p.dim, p.moves, p.comm)
 
     def adjoint(self, grad: torch.Tensor, p: _Plan) -> torch.Tensor:
@@ -163,7 +190,7 @@ _OP = Reband()
 
 
 def reband(t: torch.Tensor, dim: int, comm: MPI.Comm, *, sizes: tuple[int, ...] | None = None,
-           window: int | None = None, path: str = "reband") -> torch.Tensor:
+           window: int | None = None, back: tuple | None = None, path: str = "reband") -> torch.Tensor:
     """This rank's band of ``t`` along ``dim`` in another layout of the same rows (collective; differentiable).
 
     Args:
@@ -173,13 +200,22 @@ def reband(t: torch.Tensor, dim: int, comm: MPI.Comm, *, sizes: tuple[int, ...] 
         sizes: The target layout (one size per rank, the same total), the same on every rank.
         window: Instead of ``sizes``: :func:`whole_windows` of the current layout (every rank's
             band ends on a multiple of ``window`` rows).
+        back: Instead: ``(moved, original)``, the layouts of an earlier re-band (:func:`rebanded`);
+            ``t``'s bands (proportional to ``moved``) go back to the same proportion of ``original``.
         path: Named in errors.
 
     Raises:
         TypeError: ``t`` is not a float32/float64 tensor (on every rank alike).
-        ValueError: ``dim`` is not a dim of ``t``, ``sizes`` is not a layout of the rows, neither or both
-            of ``sizes`` and ``window`` given, or the ranks' other dims, dtypes, targets or autograd
+        ValueError: ``dim`` is not a dim of ``t``, the target is not a layout of the rows, not one of
+            ``sizes``, ``window``, ``back`` given, or the ranks' other dims, dtypes, targets or autograd
             states differ.
     """
     sizes = None if sizes is None else tuple(int(s) for s in sizes)
-    return run(_OP, t, comm, dim=dim, sizes=sizes, window=None if window is None else int(window), path=path)
+    back = None if back is None else (tuple(back[0]), tuple(back[1]))
+    return run(_OP, t, comm, dim=dim, target=(sizes, window, back), path=path)
+
+
+def rebanded(t: torch.Tensor, dim: int, comm: MPI.Comm, window: int, path: str = "reband") -> tuple:
+    """:func:`reband` to whole windows; returns ``(band, sizes before, sizes after)`` (``back=`` takes the two layouts)."""
+    out = reband(t, dim, comm, window=window, path=path)
+    return (out, *_LAST.layout)
