@@ -19,7 +19,9 @@ Two rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
   computed from the band), which is why this is a rule at the module's
   boundary, not in the reshape. When the bands are whole windows already,
   nothing moves (one agreement). In ``describe()``'s dry run the same
-  layout holds for the forward of the module.
+  layout holds for the forward of the module. Not for the converted model's
+  root (whose forward the run calls directly): wrap it, or give its input
+  bands of whole windows.
 
 Importing this module registers the rules (``credit_mpi.nn.functions``
 imports it at its end).
@@ -76,8 +78,14 @@ def _roll(tr: Tracker, func, args, kwargs, held):
 
 
 def window_rows(module: torch.nn.Module) -> int | None:
-    """The rows of ``module``'s windows along the sharded dim (its ``window_size``: an int or its first entry), or None."""
+    """The rows of ``module``'s windows along the sharded dim (its ``window_size``: an int or its first entry), or None.
+
+    Not for a module whose ``attn_type`` is ``"long"``: CrossFormer's long-distance attention calls
+    the number of its row groups ``window_size`` (rows at a stride across the field, not a window).
+    """
     size = getattr(module, "window_size", None)
+    if getattr(module, "attn_type", None) == "long":
+        return None
     if isinstance(size, (tuple, list)) and size:
         size = size[0]
     if isinstance(size, bool) or not isinstance(size, int) or size < 2:
@@ -88,7 +96,7 @@ def window_rows(module: torch.nn.Module) -> int | None:
 def _enter(tr: Tracker, module: torch.nn.Module, args: tuple) -> tuple[tuple, Callable[[Any], Any]] | None:
     """Re-band the band arguments of a windowed module to whole windows; returns the new args and the way back."""
     window = window_rows(module)
-    if window is None:
+    if window is None or tr.paths.get(id(module)) == "<root>":  # the run calls the root's forward without hooks
         return None
     bands = [(i, a, p) for i, a in enumerate(args) if (p := tr.get(a)) is not None]
     if not bands:
