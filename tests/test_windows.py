@@ -222,3 +222,38 @@ def test_a_mask_of_the_global_size_is_refused_on_every_rank(make_manager):
 def test_describe_names_the_refused_roll():
     plan = describe(Rolled(3, None).double(), (1, 2, 8, 3), 2)
     assert not plan.exact and plan.rows[-1].kind == "roll()" and "flattened" in plan.rows[-1].note, str(plan)
+
+
+class Neighbourhood(nn.Module):
+    """Neighbourhood attention: every pixel attends to its k x k neighbours (``F.unfold``, or ``F.pad`` + ``Tensor.unfold``)."""
+
+    def __init__(self, c=4, k=3, pad_unfold=False):
+        super().__init__()
+        self.qkv, self.k, self.pad_unfold = nn.Conv2d(c, 3 * c, 1), k, pad_unfold
+
+    def neighbours(self, t):  # (b, c, h, w) -> (b, c, k k, h w)
+        b, c, h, w = t.shape
+        k = self.k
+        if self.pad_unfold:
+            t = nn.functional.pad(t, (k // 2,) * 4).unfold(2, k, 1).unfold(3, k, 1)  # b c h w k k
+            return t.reshape(b, c, h * w, k * k).transpose(-1, -2)
+        return nn.functional.unfold(t, k, padding=k // 2).reshape(b, c, k * k, h * w)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=1)
+        a = (q.flatten(2).unsqueeze(2) * self.neighbours(k)).sum(1, keepdim=True).softmax(dim=2)
+        return (a * self.neighbours(v)).sum(2).reshape(b, c, h, w) + x
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("pad_unfold", [False, True])
+def test_neighbourhood_attention_is_refused_on_every_rank(pad_unfold, make_manager):
+    """Each token's k x k neighbourhood read with unfold: refused at the unfold, in describe() and on every rank."""
+    build = lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Neighbourhood(4, 3, pad_unfold))  # noqa: E731
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            plan = verdict_is_the_run("neighbourhood", build, (1, 2, 4 * d + (d > 1), 4), manager)
+            assert plan.exact == (d == 1), str(plan)
+            if d > 1:
+                assert plan.rows[-1].kind == "unfold()", str(plan)
