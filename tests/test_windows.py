@@ -257,3 +257,21 @@ def test_neighbourhood_attention_is_refused_on_every_rank(pad_unfold, make_manag
             assert plan.exact == (d == 1), str(plan)
             if d > 1:
                 assert plan.rows[-1].kind == "unfold()", str(plan)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_moves_send_what_the_theory_says(world):
+    """Per rank: a roll by s < a band sends s rows on (even bands); whole windows move only the straddled rows."""
+    from credit_mpi.ops.reband import moved_elements
+
+    rank, n = world.Get_rank(), world.Get_size()
+    x = field([5] * n)[:, :5]  # (2, 5, 3): a row is 6 elements
+    moved_elements(reset=True)
+    roll_along(x, 2, 1, world)
+    assert moved_elements(reset=True) == 2 * 6
+    reband(x, 1, world, window=2)  # ends 5, 10, 15, 20 -> 6, 10, 16, 20: rank r sends its last (r even) or first (r odd) row
+    sizes = whole_windows([5] * n, 2)
+    start, stop = 5 * rank, 5 * rank + 5
+    new_start = sum(sizes[:rank])
+    stays = max(0, min(stop, new_start + sizes[rank]) - max(start, new_start))
+    assert moved_elements() == (5 - stays) * 6
