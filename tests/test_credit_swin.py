@@ -16,18 +16,15 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("einops")
-pytest.importorskip("credit")
-
-from torch import nn  # noqa: E402
 
 from credit_mpi.nn import ConversionError  # noqa: E402
 
-from .halo_reference import prefix_managers  # noqa: E402
 from .nn_reference import run_both  # noqa: E402
-from .test_credit_models import _credit_models  # noqa: E402  (the post-block stand-in)
+from .test_credit_models import crossformer  # noqa: E402  (its skips: einops, credit; the post-block stand-in)
+from .test_windows import band_cases  # noqa: E402
 from .verdict_reference import verdict_is_the_run  # noqa: E402
 
+nn = torch.nn
 
 
 def _timm_layers():
@@ -61,7 +58,6 @@ def _timm_layers():
 
 
 _timm_layers()
-crossformer, _ = _credit_models()
 from credit.models import swin  # noqa: E402
 
 
@@ -86,25 +82,21 @@ def short_attention():
 @pytest.mark.mpi(min_size=1)
 def test_credit_window_attention_is_exact_on_uneven_bands(make_manager):
     """Bands that are not whole windows (9, 9, 8 rows of windows of 2) are re-banded to whole windows and back."""
-    with prefix_managers(make_manager) as managers:
-        for d, manager in managers:
-            for h in (8 * d, 8 * d + 2 * (d > 1)):
-                plan = verdict_is_the_run("short_attention", short_attention, (1, 2, h, 4), manager)
-                assert plan.exact, str(plan)
+    for _, manager, h in band_cases(make_manager, 2):
+        assert verdict_is_the_run("short_attention", short_attention, (1, 2, h, 4), manager).exact
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("shift", [1, 0])
 def test_credit_swin_block_is_refused_on_every_rank(shift, make_manager):
     """The mask buffer of every window of the field (shift 1), the windows reversed to the stored feat_size (both)."""
-    with prefix_managers(make_manager) as managers:
-        for d, manager in managers:
-            for h in (8 * d, 8 * d + 2 * (d > 1)):
-                plan = verdict_is_the_run("swin_block", lambda h=h: Bhwc(h, 4, shift), (1, 2, h, 4), manager, same_op=False)
-                assert plan.exact == (d == 1), str(plan)
-                if d > 1:
-                    with pytest.raises(ConversionError, match="a size stored for the whole field"):
-                        run_both(lambda h=h: Bhwc(h, 4, shift), (1, 2, h, 4), manager)
+    for d, manager, h in band_cases(make_manager, 2):
+        build = lambda h=h: Bhwc(h, 4, shift)  # noqa: E731
+        plan = verdict_is_the_run("swin_block", build, (1, 2, h, 4), manager, same_op=False)
+        assert plan.exact == (d == 1), str(plan)
+        if d > 1:
+            with pytest.raises(ConversionError, match="a size stored for the whole field"):
+                run_both(build, (1, 2, h, 4), manager)
 
 
 @pytest.mark.mpi(min_size=2)

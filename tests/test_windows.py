@@ -11,9 +11,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from credit_mpi.ops.reband import reband, whole_windows  # noqa: E402
+from torch import nn  # noqa: E402
+
+from credit_mpi.nn import describe  # noqa: E402
+from credit_mpi.ops.reband import plan_moves, reband, whole_windows  # noqa: E402
 from credit_mpi.ops.roll import roll_along  # noqa: E402
 
+from .halo_reference import prefix_managers  # noqa: E402
+from .verdict_reference import verdict_is_the_run  # noqa: E402
 
 
 def raised_everywhere(world, fn):
@@ -105,13 +110,6 @@ def test_bad_moves_raise_on_every_rank(world):
 
 # -- models: torch.roll across bands, Swin-style shifted windows --------------------------------------
 
-from torch import nn  # noqa: E402
-
-from credit_mpi.nn import describe  # noqa: E402
-
-from .halo_reference import prefix_managers  # noqa: E402
-from .verdict_reference import verdict_is_the_run  # noqa: E402
-
 
 class Rolled(nn.Module):
     """A conv, ``torch.roll`` (of the sharded dim and/or others), a conv."""
@@ -162,7 +160,7 @@ class SwinStyle(nn.Module):
 
     def forward(self, x):
         b, c, h, w = x.shape
-        s, n = self.window_size, self.window_size**2
+        n = self.window_size**2
         t = torch.roll(x.permute(0, 2, 3, 1), (-self.shift, -self.shift), dims=(1, 2))
         q, k, v = self.qkv(self.partition(t)).chunk(3, dim=-1)
         a = q @ k.transpose(-1, -2) / c**0.5
@@ -194,16 +192,22 @@ CASES = {
 NEVER_EXACT = {"roll_flattened"}
 
 
+def band_cases(make_manager, unit):
+    """``(d, manager, h)`` on 1..W ranks: a height of even bands of whole windows (of ``unit`` rows), then one of
+    uneven bands that are not whole windows (collective over COMM_WORLD, like prefix_managers)."""
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            yield from ((d, manager, h) for h in (4 * unit * d, 4 * unit * d + unit * (d > 1)))
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_verdict_is_what_the_run_does(name, make_manager):
     """Even bands, then uneven ones that are not whole windows (re-banded to whole windows and back)."""
     build, c, width, unit = CASES[name]
-    with prefix_managers(make_manager) as managers:
-        for d, manager in managers:
-            for h in (4 * unit * d, 4 * unit * d + unit * (d > 1)):
-                plan = verdict_is_the_run(name, build, (2, c, h, width), manager)
-                assert plan.exact != (d > 1 and name in NEVER_EXACT), str(plan)
+    for d, manager, h in band_cases(make_manager, unit):
+        plan = verdict_is_the_run(name, build, (2, c, h, width), manager)
+        assert plan.exact != (d > 1 and name in NEVER_EXACT), str(plan)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -259,19 +263,14 @@ def test_neighbourhood_attention_is_refused_on_every_rank(pad_unfold, make_manag
                 assert plan.rows[-1].kind == "unfold()", str(plan)
 
 
-@pytest.mark.mpi(min_size=2)
-def test_the_moves_send_what_the_theory_says(world):
+def test_the_moves_send_what_the_theory_says():
     """Per rank: a roll by s < a band sends s rows on (even bands); whole windows move only the straddled rows."""
-    from credit_mpi.ops.reband import moved_elements
-
-    rank, n = world.Get_rank(), world.Get_size()
-    x = field([5] * n)[:, :5]  # (2, 5, 3): a row is 6 elements
-    moved_elements(reset=True)
-    roll_along(x, 2, 1, world)
-    assert moved_elements(reset=True) == 2 * 6
-    reband(x, 1, world, window=2)  # ends 5, 10, 15, 20 -> 6, 10, 16, 20: rank r sends its last (r even) or first (r odd) row
-    sizes = whole_windows([5] * n, 2)
-    start, stop = 5 * rank, 5 * rank + 5
-    new_start = sum(sizes[:rank])
-    stays = max(0, min(stop, new_start + sizes[rank]) - max(start, new_start))
-    assert moved_elements() == (5 - stays) * 6
+    n, band = 4, 5
+    sizes = (band,) * n
+    for rank in range(n):
+        roll = plan_moves(sizes, sizes, lambda j: (j - 2) % (n * band), rank)
+        assert roll.sent_rows(rank) == 2 and len(roll.send[(rank + 1) % n]) == 2
+        target = whole_windows(sizes, 2)  # ends 5, 10, 15, 20 -> 6, 10, 16, 20
+        start, new_start = band * rank, sum(target[:rank])
+        stays = max(0, min(start + band, new_start + target[rank]) - max(start, new_start))
+        assert plan_moves(sizes, target, lambda j: j, rank).sent_rows(rank) == band - stays == rank % 2  # odd ranks send their first row back

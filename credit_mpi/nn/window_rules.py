@@ -102,7 +102,7 @@ def _enter(tr: Tracker, module: torch.nn.Module, args: tuple) -> tuple[tuple, Ca
     if not bands:
         return None
     path = tr._path(module)
-    for _, a, p in bands:
+    for _, _, p in bands:
         if p.outer != 1:
             raise refusal(path, "its forward (windows of window_size rows)", f"its input holds the bands merged with "
                           f"another dim ({p.describe()}): whole windows of a band need its rows contiguous")

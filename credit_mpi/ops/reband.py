@@ -38,18 +38,9 @@ from ..layout import Layout
 from ..partition import normalize_dim
 from ..validation import Local
 
-__all__ = ["reband", "rebanded", "whole_windows", "move_rows", "moved_elements", "RowMoves"]
+__all__ = ["reband", "rebanded", "whole_windows", "move_rows", "plan_moves", "RowMoves"]
 
-_COUNT = threading.local()
 _DTYPES = (torch.float32, torch.float64)
-
-
-def moved_elements(reset: bool = False) -> int:
-    """Elements this thread sent to other ranks in row moves (re-band, roll) since the last reset."""
-    n = getattr(_COUNT, "n", 0)
-    if reset:
-        _COUNT.n = 0
-    return n
 
 
 def whole_windows(sizes: list[int] | tuple[int, ...], window: int) -> tuple[int, ...]:
@@ -76,6 +67,10 @@ class RowMoves(NamedTuple):
     recv: tuple[np.ndarray, ...]  # per rank: this band's local output rows that come from that rank, in order
     rows_in: int
     rows_out: int
+
+    def sent_rows(self, rank: int) -> int:
+        """Rows this band sends to other ranks (``rank``: this band's; what stays is copied, not sent)."""
+        return sum(len(s) for d, s in enumerate(self.send) if d != rank)
 
     def inverse(self) -> RowMoves:
         """The move back (the adjoint of a permutation of rows): the same pairs, sends and receives swapped."""
@@ -106,7 +101,6 @@ def move_rows(t: torch.Tensor, dim: int, moves: RowMoves, comm: MPI.Comm) -> tor
     recv = np.empty((sum(len(r) for r in moves.recv),) + moved.shape[1:], moved.dtype)
     counts_s, counts_r = [len(s) * inner for s in moves.send], [len(r) * inner for r in moves.recv]
     comm.Alltoallv([send, counts_s], [recv, counts_r])
-    _COUNT.n = getattr(_COUNT, "n", 0) + sum(counts_s) - counts_s[comm.Get_rank()]
     out = np.empty((moves.rows_out,) + moved.shape[1:], moved.dtype)
     out[np.concatenate(moves.recv)] = recv
     return torch.from_numpy(out).to(t.device).movedim(0, dim)
