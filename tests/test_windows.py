@@ -252,15 +252,15 @@ class Neighbourhood(nn.Module):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("pad_unfold", [False, True])
-def test_neighbourhood_attention_is_refused_on_every_rank(pad_unfold, make_manager):
-    """Each token's k x k neighbourhood read with unfold: refused at the unfold, in describe() and on every rank."""
+def test_neighbourhood_attention_takes_the_halo_or_is_refused(pad_unfold, make_manager):
+    """F.unfold with "same" padding: the neighbours' rows from the halo, exact on even and uneven bands;
+    F.pad + Tensor.unfold along the sharded dim: refused at the unfold, in describe() and on every rank."""
     build = lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Neighbourhood(4, 3, pad_unfold))  # noqa: E731
-    with prefix_managers(make_manager) as managers:
-        for d, manager in managers:
-            plan = verdict_is_the_run("neighbourhood", build, (1, 2, 4 * d + (d > 1), 4), manager)
-            assert plan.exact == (d == 1), str(plan)
-            if d > 1:
-                assert plan.rows[-1].kind == "unfold()", str(plan)
+    for d, manager, h in band_cases(make_manager, 1):
+        plan = verdict_is_the_run("neighbourhood", build, (1, 2, h, 4), manager)
+        assert plan.exact == (d == 1 or not pad_unfold), str(plan)
+        if not plan.exact:
+            assert plan.rows[-1].kind == "unfold()", str(plan)
 
 
 def test_the_moves_send_what_the_theory_says():

@@ -929,7 +929,7 @@ class _NoManagerType:
 _NoManager = _NoManagerType()
 
 
-@_rule("multi_head_attention_forward", "unfold", "fold", "grid_sample", "cross_entropy", "mse_loss", "l1_loss")
+@_rule("multi_head_attention_forward", "fold", "grid_sample", "cross_entropy", "mse_loss", "l1_loss")  # unfold: window_rules
 def _refused(tr, func, args, kwargs, held):
     raise _Why("it mixes positions across the sharded dim and has no rule on bands")
 

@@ -1,12 +1,16 @@
 """Rules for windows across bands: ``torch.roll`` along the sharded dim, and whole windows for a windowed module.
 
-Two rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
+Rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
 
 * ``torch.roll`` of a band along the sharded dim is the cyclic shift of the
   whole field (:func:`credit_mpi.ops.roll.roll_along`: a band's new rows come
   from one or more other bands), along the other dims it passes; several
   dims at once are split into the two. This is the shift of shifted-window
   attention (Swin): exact when the masks are in global coordinates.
+* ``F.unfold`` of a band (every pixel's k x k neighbourhood: neighbourhood
+  attention) with stride 1 and "same" padding along the sharded dim takes
+  the neighbours' rows from the halo (zeros at the field's edges, as the
+  padding); ``Tensor.unfold`` along the sharded dim is refused.
 * A module that holds an attribute ``window_size`` (an int, or a sequence
   whose first entry is along the sharded dim: Swin's blocks, CrossFormer's
   attention) and is judged by its forward gets its input bands re-banded to
@@ -72,6 +76,49 @@ def _roll(tr: Tracker, func, args, kwargs, held):
         y = func(x, 0, p.dim)  # a roll by nothing is still a new tensor
     tr.set(y, p)
     return y
+
+
+@_rule("unfold")
+def _unfold(tr: Tracker, func, args, kwargs, held):
+    """``F.unfold`` (every pixel's k x k neighbourhood: neighbourhood attention) through the halo; ``Tensor.unfold``
+    along another dim passes, along the sharded dim it is refused (the neighbours' rows are missing)."""
+    x, p = args[0], tr.get(args[0])
+    if p is None:
+        raise _Why("a band as unfold's argument")
+    if func is not torch.nn.functional.unfold:  # Tensor.unfold(dimension, size, step): a new last dim, the rest kept
+        if _arg(args, kwargs, 1, "dimension") % x.ndim == p.dim:
+            raise _Why("Tensor.unfold along the sharded dim reads the neighbours' rows (use F.unfold with padding: its "
+                       "rule takes them from the halo)")
+        return tr.run(func, args, kwargs, p)
+    kernel, dilation, padding, stride = (_pair(_arg(args, kwargs, i, n, d)) for i, n, d in
+                                         ((1, "kernel_size", None), (2, "dilation", 1), (3, "padding", 0), (4, "stride", 1)))
+    if x.ndim != 4 or p.dim != 2 or p.outer * p.inner != 1:
+        raise _Why(f"F.unfold of a tensor whose bands are along {p.describe()} has no rule (bands along the rows of "
+                   f"a (batch, channels, rows, columns) tensor)")
+    if stride[0] != 1 or 2 * padding[0] != dilation[0] * (kernel[0] - 1):
+        raise _Why(f"F.unfold with kernel {kernel[0]}, dilation {dilation[0]}, padding {padding[0]}, stride {stride[0]} "
+                   f"along the sharded dim has no rule (only stride 1 and padding (dilation * (kernel - 1)) / 2: "
+                   f"as many neighbourhoods as rows)")
+    width = padding[0]
+    if not tr.rows_ok(x.shape[p.dim], 1, width):
+        raise _Why(f"every band needs at least {width} rows for a halo of {width} rows")
+    rest = {"kernel_size": tuple(kernel), "dilation": tuple(dilation), "stride": tuple(stride)}
+    if tr.manager is not None and width:
+        if grid_of(tr.manager, tr.manager.domain_parallel_size)[1] > 1:
+            raise _Why("F.unfold along the sharded dim has no rule on a latitude x longitude domain grid yet")
+        from ..halo import halo_exchange
+
+        x = halo_exchange(x, width, dim=2, manager=tr.manager, boundary="zero")  # the field's edges: zeros, as padding
+        y = func(x, padding=(0, padding[1]), **rest)
+    else:
+        y = func(x, padding=tuple(padding), **rest)
+    columns = (args[0].shape[3] + 2 * padding[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+    tr.set(y, Sharded(2, 1, columns))  # (batch, channels x k x k, rows x columns): tokens of the band's rows
+    return y
+
+
+def _pair(value: Any) -> list[int]:
+    return [int(v) for v in value] if isinstance(value, (tuple, list)) else [int(value)] * 2
 
 
 # -- whole windows at the boundary of a windowed module ---------------------------------------------
