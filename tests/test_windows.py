@@ -223,6 +223,16 @@ def test_a_mask_of_the_global_size_is_refused_on_every_rank(make_manager):
                 assert "not a band" in plan.rows[-1].note, str(plan)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_band_left_with_one_window_is_refused_on_every_rank(make_manager):
+    """4 d - 2 rows: re-banded to whole windows of 2, the last band holds one window (a dim of size one: not told
+    apart from whole rows), refused as a band of one window is without re-banding (the run at a later op)."""
+    manager = make_manager()
+    h = 4 * manager.domain_parallel_size - 2
+    plan = verdict_is_the_run("one_window", swin(2), (1, 2, h, 4), manager, same_op=False)
+    assert not plan.exact and "at least two" in plan.rows[-1].note, str(plan)
+
+
 def test_describe_names_the_refused_roll():
     plan = describe(Rolled(3, None).double(), (1, 2, 8, 3), 2)
     assert not plan.exact and plan.rows[-1].kind == "roll()" and "flattened" in plan.rows[-1].note, str(plan)
