@@ -130,6 +130,18 @@ def region_mask(labels, n):
     return diff.masked_fill(diff != 0, -100.0)
 
 
+class WindowAttention(nn.Module):
+    """Attention within each window, the windows in the batch dim (Swin's WindowAttention: it has a window_size too)."""
+
+    def __init__(self, c, window):
+        super().__init__()
+        self.qkv, self.window_size = nn.Linear(c, 3 * c), (window, window)
+
+    def forward(self, t):  # (windows, s s, c)
+        q, k, v = self.qkv(t).chunk(3, dim=-1)
+        return (q @ k.transpose(-1, -2) / t.shape[-1] ** 0.5).softmax(dim=-1) @ v
+
+
 class SwinStyle(nn.Module):
     """Shifted-window attention as Swin writes it: roll by -shift, window partition, attention, reverse, roll back.
 
@@ -138,10 +150,12 @@ class SwinStyle(nn.Module):
     the forward from region labels that are a band like the input (channel 0's sign): exact.
     """
 
-    def __init__(self, c=4, window=2, shift=1, mask=None, image=None):
+    def __init__(self, c=4, window=2, shift=1, mask=None, image=None, attention=False):
         super().__init__()
         self.window_size, self.shift, self.mask = window, shift, mask
-        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+        self.proj = nn.Linear(c, c)
+        self.attention = WindowAttention(c, window) if attention else None
+        self.qkv = None if attention else nn.Linear(c, 3 * c)
         if mask == "buffer":
             h, w = image
             labels = torch.zeros(1, h, w, 1)
@@ -162,6 +176,9 @@ class SwinStyle(nn.Module):
         b, c, h, w = x.shape
         n = self.window_size**2
         t = torch.roll(x.permute(0, 2, 3, 1), (-self.shift, -self.shift), dims=(1, 2))
+        if self.attention is not None:
+            o = self.reverse(self.attention(self.partition(t)), b, h, w)
+            return self.proj(torch.roll(o, (self.shift, self.shift), dims=(1, 2))).permute(0, 3, 1, 2) + x
         q, k, v = self.qkv(self.partition(t)).chunk(3, dim=-1)
         a = q @ k.transpose(-1, -2) / c**0.5
         if self.mask == "buffer":
@@ -188,6 +205,7 @@ CASES = {
     "shifted_windows": (swin(2), 2, 4, 2),
     "shifted_windows_3": (swin(3), 2, 6, 3),
     "shifted_windows_input_mask": (swin(2, mask="input"), 2, 4, 2),
+    "shifted_window_attention_module": (swin(2, attention=True), 2, 4, 2),  # windows in the batch: not re-banded again
 }
 NEVER_EXACT = {"roll_flattened"}
 

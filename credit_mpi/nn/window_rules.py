@@ -6,7 +6,8 @@ Rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
   whole field (:func:`credit_mpi.ops.roll.roll_along`: a band's new rows come
   from one or more other bands), along the other dims it passes; several
   dims at once are split into the two. This is the shift of shifted-window
-  attention (Swin): exact when the masks are in global coordinates.
+  attention (Swin): exact with masks made from bands (a mask of every
+  window of the field, built in ``__init__``, is refused).
 * ``F.unfold`` of a band (every pixel's k x k neighbourhood: neighbourhood
   attention) with stride 1 and "same" padding along the sharded dim takes
   the neighbours' rows from the halo (zeros at the field's edges, as the
@@ -17,7 +18,8 @@ Rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
   whole windows (:func:`credit_mpi.ops.reband.reband`: every band's end
   rounded to a multiple of the window, the rows of a straddling window moved
   to one owner) before its forward runs, and its outputs moved back to the
-  input's layout after. The forward reads its own input's shape to count its
+  input's layout after (when its inputs hold bands of contiguous rows, not
+  windows in the batch dim). The forward reads its own input's shape to count its
   windows, so the move has to come before that: a reshape into windows
   cannot re-band a band that is not whole windows (its window count was
   computed from the band), which is why this is a rule at the module's
@@ -27,8 +29,7 @@ Rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
   root (whose forward the run calls directly): wrap it, or give its input
   bands of whole windows.
 
-Importing this module registers the rules (``credit_mpi.nn.functions``
-imports it at its end).
+Importing this module registers the rules (:mod:`credit_mpi.nn` imports it).
 """
 
 from __future__ import annotations
@@ -146,16 +147,11 @@ def _enter(tr: Tracker, module: torch.nn.Module, args: tuple) -> tuple[tuple, Ca
     if window is None or tr.paths.get(id(module)) == "<root>":  # the run calls the root's forward without hooks
         return None
     bands = [(i, a, p) for i, a in enumerate(args) if (p := tr.get(a)) is not None]
-    if not bands:
-        return None
-    path = tr._path(module)
-    for _, _, p in bands:
-        if p.outer != 1:
-            raise refusal(path, "its forward (windows of window_size rows)", f"its input holds the bands merged with "
-                          f"another dim ({p.describe()}): whole windows of a band need its rows contiguous")
+    if not bands or any(p.dim == 0 or p.outer != 1 for _, _, p in bands):
+        return None  # windows in the batch dim already (Swin's window attention), or rows that are not contiguous
     if tr.manager is None:
         return args, _dry(tr, bands, window)
-    return _run_enter(tr, args, bands, window, path)
+    return _run_enter(tr, args, bands, window, tr._path(module))
 
 
 def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
