@@ -14,6 +14,7 @@ checkpoints that resume bit for bit (``save_checkpoint``,
 Importing this subpackage imports torch (``import credit_mpi`` does not).
 """
 
+from . import window_rules  # noqa: F401 - registers torch.roll across bands and whole windows (function rules)
 from ._comm import ConversionError
 from .checkpoint import load_checkpoint, save_checkpoint
 from .conv import (

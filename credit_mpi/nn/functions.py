@@ -154,6 +154,7 @@ class Tracker(TorchFunctionMode):
         self.stack: list[tuple[str, bool, tuple | None]] = [(self._path(root), bool(self.trusted), None)]
         self.place: dict[int, tuple[weakref.ref, Sharded]] = {}
         self._locals: list = []
+        self._leaves: dict[int, list[Callable[[Any], Any]]] = {}  # per module: how its module rule ends (a stack)
         self._hooks: list = []
 
     # -- placements ------------------------------------------------------------------------------
@@ -240,7 +241,7 @@ class Tracker(TorchFunctionMode):
         path = self.paths.get(id(module)) or getattr(module, "dp_path", None) or "?"
         return f"{path} ({type(module).__name__})"
 
-    def _pre(self, module: torch.nn.Module, args: tuple) -> None:
+    def _pre(self, module: torch.nn.Module, args: tuple) -> tuple | None:
         if active_tracker() is not self:  # the hooks are global: another thread's modules, or a nested tracker's
             return
         trusted = self._trusts(module)
@@ -249,8 +250,16 @@ class Tracker(TorchFunctionMode):
             local_ctx = base.batch_bands()
             local_ctx.__enter__()
             self._locals.append(local_ctx)
+        new = None
+        if not trusted and not self.trusted:  # a module judged by its forward: its module rules (window_rules)
+            for rule in _MODULE_RULES:
+                if (got := rule(self, module, args)) is not None:
+                    new, leave = got
+                    self._leaves.setdefault(id(module), []).append(leave)
+                    break
         self.stack.append((self._path(module), trusted, (placement,) if local else None))
         self.trusted += trusted
+        return new
 
     def _post(self, module: torch.nn.Module, args: tuple, out: Any) -> Any:
         if active_tracker() is not self:
@@ -259,6 +268,9 @@ class Tracker(TorchFunctionMode):
         self.trusted -= trusted
         if local is not None:
             self._locals.pop().__exit__(None, None, None)
+        leaves = self._leaves.get(id(module)) if not trusted and not self.trusted else None
+        if leaves:
+            out = leaves.pop()(out)
         if out is None:
             return None
         if self.on_layer is not None and isinstance(module, DomainParallelModule) and local is None:
@@ -347,6 +359,16 @@ def _rule(*names: str):
             _RULES[n] = fn
         return fn
     return register
+
+
+_MODULE_RULES: list[Callable] = []
+
+
+def _module_rule(fn: Callable) -> Callable:
+    """Register ``fn(tracker, module, args) -> None | (new args, leave(out) -> out)``: run before the forward of
+    a module that is judged by its forward (the first rule that answers wins; ``leave`` gets its output)."""
+    _MODULE_RULES.append(fn)
+    return fn
 
 
 _POINTWISE = """
@@ -607,7 +629,8 @@ def _index_dims(x: torch.Tensor, index: Any) -> list[tuple[int, Any]]:
     used = sum(1 for i in items if i is not None and i is not Ellipsis and not isinstance(i, bool))
     out, d = [], 0
     for item in items:
-        if item is Ellipsis:
+        if item is Ellipsis:  # every dim it stands for, as a whole slice (the sharded dim may be one of them)
+            out += [(d + i, slice(None)) for i in range(x.ndim - used)]
             d += x.ndim - used
         elif item is None:
             out.append((None, None))
@@ -655,14 +678,13 @@ def _getitem(tr, func, args, kwargs, held):
     return tr.run(func, args, kwargs, p.moved(out_dim))
 
 
-@_rule("flip", "roll", "fliplr", "flipud", "rot90")
+@_rule("flip", "fliplr", "flipud", "rot90")  # roll: credit_mpi.nn.window_rules
 def _flip(tr, func, args, kwargs, held):
     op = _op_name(func)
     x, p = args[0], tr.get(args[0])
-    dims = _dims(_arg(args, kwargs, 2 if op == "roll" else 1, "dims"), x.ndim)
+    dims = _dims(_arg(args, kwargs, 1, "dims"), x.ndim)
     if op in ("fliplr", "flipud", "rot90") or dims is None or p.dim in dims:
-        why = "a cyclic shift across bands has no rule yet" if op == "roll" else "it reverses the sharded dim"
-        raise _Why(f"it moves rows along the sharded dim ({why})")
+        raise _Why("it moves rows along the sharded dim (it reverses the sharded dim)")
     return tr.run(func, args, kwargs, p)
 
 
@@ -907,7 +929,7 @@ class _NoManagerType:
 _NoManager = _NoManagerType()
 
 
-@_rule("multi_head_attention_forward", "unfold", "fold", "grid_sample", "cross_entropy", "mse_loss", "l1_loss")
+@_rule("multi_head_attention_forward", "fold", "grid_sample", "cross_entropy", "mse_loss", "l1_loss")  # unfold: window_rules
 def _refused(tr, func, args, kwargs, held):
     raise _Why("it mixes positions across the sharded dim and has no rule on bands")
 

@@ -1,0 +1,227 @@
+"""Rules for windows across bands: ``torch.roll`` along the sharded dim, and whole windows for a windowed module.
+
+Rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
+
+* ``torch.roll`` of a band along the sharded dim is the cyclic shift of the
+  whole field (:func:`credit_mpi.ops.roll.roll_along`: a band's new rows come
+  from one or more other bands), along the other dims it passes; several
+  dims at once are split into the two. This is the shift of shifted-window
+  attention (Swin): exact with masks made from bands (a mask of every
+  window of the field, built in ``__init__``, is refused).
+* ``F.unfold`` of a band (every pixel's k x k neighbourhood: neighbourhood
+  attention) with stride 1 and "same" padding along the sharded dim takes
+  the neighbours' rows from the halo (zeros at the field's edges, as the
+  padding); ``Tensor.unfold`` along the sharded dim is refused.
+* A module that holds an attribute ``window_size`` (an int, or a sequence
+  whose first entry is along the sharded dim: Swin's blocks, CrossFormer's
+  attention) and is judged by its forward gets its input bands re-banded to
+  whole windows (:func:`credit_mpi.ops.reband.reband`: every band's end
+  rounded to a multiple of the window, the rows of a straddling window moved
+  to one owner) before its forward runs, and its outputs moved back to the
+  input's layout after (when its inputs hold bands of contiguous rows, not
+  windows in the batch dim). The forward reads its own input's shape to count its
+  windows, so the move has to come before that: a reshape into windows
+  cannot re-band a band that is not whole windows (its window count was
+  computed from the band), which is why this is a rule at the module's
+  boundary, not in the reshape. When the bands are whole windows already,
+  nothing moves (one agreement). In ``describe()``'s dry run the same
+  layout holds for the forward of the module. Not for the converted model's
+  root (whose forward the run calls directly): wrap it, or give its input
+  bands of whole windows.
+
+Importing this module registers the rules (:mod:`credit_mpi.nn` imports it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..grid import grid_of
+from . import functions
+from .functions import Sharded, Tracker, _arg, _rule, _Why, refusal
+
+__all__ = ["window_rows"]
+
+
+@_rule("roll")
+def _roll(tr: Tracker, func, args, kwargs, held):
+    """Along the sharded dim: the field's cyclic shift across bands; along other dims: local."""
+    x, p = args[0], tr.get(args[0])
+    if p is None:
+        raise _Why("a band as the shifts")
+    shifts, dims = _arg(args, kwargs, 1, "shifts"), _arg(args, kwargs, 2, "dims")
+    if dims is None or (isinstance(dims, (tuple, list)) and not dims):
+        raise _Why("torch.roll without dims shifts the flattened tensor (every band's rows mixed with the others')")
+    shifts = list(shifts) if isinstance(shifts, (tuple, list)) else [shifts]
+    dims = list(dims) if isinstance(dims, (tuple, list)) else [dims]
+    if len(shifts) != len(dims):
+        return func(*args, **kwargs)  # torch's own error
+    along = sum(int(s) for s, d in zip(shifts, dims, strict=True) if d % x.ndim == p.dim)
+    rest = [(int(s), d) for s, d in zip(shifts, dims, strict=True) if d % x.ndim != p.dim]
+    y = func(x, [s for s, _ in rest], [d for _, d in rest]) if rest else x
+    if along and p.outer != 1:
+        raise _Why(f"it rolls a dim that holds the bands' rows merged with another dim ({p.describe()}: windows in "
+                   f"the batch); roll the field before the window partition")
+    if along and tr.manager is not None:
+        if grid_of(tr.manager, tr.manager.domain_parallel_size)[1] > 1:
+            raise _Why("torch.roll along the sharded dim has no rule on a latitude x longitude domain grid yet")
+        from ..ops.roll import roll_along
+
+        y = roll_along(y, along, p.dim, tr.manager.domain_group, tr.stack[-1][0])
+    elif along:  # the dry run: the field's own roll (the layout stays)
+        y = func(y, along, p.dim)
+    elif y is x:
+        y = func(x, 0, p.dim)  # a roll by nothing is still a new tensor
+    tr.set(y, p)
+    return y
+
+
+@_rule("unfold")
+def _unfold(tr: Tracker, func, args, kwargs, held):
+    """``F.unfold`` (every pixel's k x k neighbourhood: neighbourhood attention) through the halo; ``Tensor.unfold``
+    along another dim passes, along the sharded dim it is refused (the neighbours' rows are missing)."""
+    x, p = args[0], tr.get(args[0])
+    if p is None:
+        raise _Why("a band as unfold's argument")
+    if func is not torch.nn.functional.unfold:  # Tensor.unfold(dimension, size, step): a new last dim, the rest kept
+        if _arg(args, kwargs, 1, "dimension") % x.ndim == p.dim:
+            raise _Why("Tensor.unfold along the sharded dim reads the neighbours' rows (use F.unfold with padding: its "
+                       "rule takes them from the halo)")
+        return tr.run(func, args, kwargs, p)
+    kernel, dilation, padding, stride = (_pair(_arg(args, kwargs, i, n, d)) for i, n, d in
+                                         ((1, "kernel_size", None), (2, "dilation", 1), (3, "padding", 0), (4, "stride", 1)))
+    if x.ndim != 4 or p.dim != 2 or p.outer * p.inner != 1:
+        raise _Why(f"F.unfold of a tensor whose bands are along {p.describe()} has no rule (bands along the rows of "
+                   f"a (batch, channels, rows, columns) tensor)")
+    if stride[0] != 1 or 2 * padding[0] != dilation[0] * (kernel[0] - 1):
+        raise _Why(f"F.unfold with kernel {kernel[0]}, dilation {dilation[0]}, padding {padding[0]}, stride {stride[0]} "
+                   f"along the sharded dim has no rule (only stride 1 and padding (dilation * (kernel - 1)) / 2: "
+                   f"as many neighbourhoods as rows)")
+    width = padding[0]
+    if not tr.rows_ok(x.shape[p.dim], 1, width):
+        raise _Why(f"every band needs at least {width} rows for a halo of {width} rows")
+    rest = {"kernel_size": tuple(kernel), "dilation": tuple(dilation), "stride": tuple(stride)}
+    if tr.manager is not None and width:
+        if grid_of(tr.manager, tr.manager.domain_parallel_size)[1] > 1:
+            raise _Why("F.unfold along the sharded dim has no rule on a latitude x longitude domain grid yet")
+        from ..halo import halo_exchange
+
+        x = halo_exchange(x, width, dim=2, manager=tr.manager, boundary="zero")  # the field's edges: zeros, as padding
+        y = func(x, padding=(0, padding[1]), **rest)
+    else:
+        y = func(x, padding=tuple(padding), **rest)
+    columns = (args[0].shape[3] + 2 * padding[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+    tr.set(y, Sharded(2, 1, columns))  # (batch, channels x k x k, rows x columns): tokens of the band's rows
+    return y
+
+
+def _pair(value: Any) -> list[int]:
+    return [int(v) for v in value] if isinstance(value, (tuple, list)) else [int(value)] * 2
+
+
+# -- whole windows at the boundary of a windowed module ---------------------------------------------
+
+
+def window_rows(module: torch.nn.Module) -> int | None:
+    """The rows of ``module``'s windows along the sharded dim (its ``window_size``: an int or its first entry), or None.
+
+    Not for a module whose ``attn_type`` is ``"long"``: CrossFormer's long-distance attention calls
+    the number of its row groups ``window_size`` (rows at a stride across the field, not a window).
+    """
+    size = getattr(module, "window_size", None)
+    if getattr(module, "attn_type", None) == "long":
+        return None
+    if isinstance(size, (tuple, list)) and size:
+        size = size[0]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+        return None
+    return size
+
+
+def _enter(tr: Tracker, module: torch.nn.Module, args: tuple) -> tuple[tuple, Callable[[Any], Any]] | None:
+    """Re-band the band arguments of a windowed module to whole windows; returns the new args and the way back."""
+    window = window_rows(module)
+    if window is None or tr.paths.get(id(module)) == "<root>":  # the run calls the root's forward without hooks
+        return None
+    bands = [(i, a, p) for i, a in enumerate(args) if (p := tr.get(a)) is not None]
+    if not bands or any(p.dim == 0 or p.outer != 1 for _, _, p in bands):
+        return None  # windows in the batch dim already (Swin's window attention), or rows that are not contiguous
+    if tr.manager is None:
+        return args, _dry(tr, bands, window)
+    return _run_enter(tr, args, bands, window, tr._path(module))
+
+
+def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
+    from ..ops.reband import rebanded
+
+    comm, new_args, layout = tr.manager.domain_group, list(args), None
+    with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
+        for i, a, p in bands:
+            new_args[i], sizes_in, sizes_out = rebanded(a, p.dim, comm, window * p.inner, f"{path}: whole windows")
+            layout = layout or (sizes_out, sizes_in)  # back= (moved, original)
+            tr.set(new_args[i], p)
+    if layout[0] == layout[1]:
+        return tuple(new_args), lambda out: out  # whole windows already: nothing moved, nothing to move back
+
+    def leave(out: Any) -> Any:
+        return _map_bands(tr, out, lambda t, q: _back(tr, t, q, layout, path))
+
+    return tuple(new_args), leave
+
+
+def _back(tr: Tracker, t: torch.Tensor, q: Sharded, layout: tuple, path: str) -> torch.Tensor:
+    from ..ops.reband import reband
+
+    if q.outer != 1:
+        raise refusal(path, "its output", f"it returns the bands merged with another dim ({q.describe()}), "
+                      f"which cannot be moved back to its input's bands")
+    with torch._C.DisableTorchFunction():
+        y = reband(t, q.dim, tr.manager.domain_group, back=layout, path=f"{path}: back from whole windows")
+    tr.set(y, q)
+    return y
+
+
+def _map_bands(tr: Tracker, out: Any, fn: Callable) -> Any:
+    """``out`` with every tensor that holds bands replaced by ``fn(tensor, placement)`` (tuples, lists, dicts)."""
+    if isinstance(out, torch.Tensor):
+        q = tr.get(out)
+        return out if q is None else fn(out, q)
+    if isinstance(out, tuple) and hasattr(out, "_fields"):
+        return type(out)(*(_map_bands(tr, o, fn) for o in out))
+    if isinstance(out, (tuple, list)):
+        return type(out)(_map_bands(tr, o, fn) for o in out)
+    if isinstance(out, dict):
+        return {k: _map_bands(tr, v, fn) for k, v in out.items()}
+    return out
+
+
+def _dry(tr: Tracker, bands: list, window: int) -> Callable[[Any], Any]:
+    """The dry run: the module's forward sees the re-banded layout (at the input's height, and heights that divide it
+    or are multiples of it); the way back restores the input's layout."""
+    from ..ops.reband import whole_windows
+
+    _, a, p = bands[0]
+    rows, old = a.shape[p.dim] // p.inner, tr.band_sizes
+    new = list(whole_windows(list(old(rows)), window))
+
+    def sizes_of(h: int) -> list[int]:
+        if h == rows:
+            return new
+        if h and rows % h == 0 and all(s % (rows // h) == 0 for s in new):
+            return [s // (rows // h) for s in new]
+        if rows and h % rows == 0:
+            return [s * (h // rows) for s in new]
+        return old(h)
+
+    def leave(out: Any) -> Any:
+        tr.band_sizes = old
+        return out
+
+    tr.band_sizes = sizes_of
+    return leave
+
+
+functions._module_rule(_enter)

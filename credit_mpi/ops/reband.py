@@ -1,0 +1,219 @@
+"""Re-banding: a banded tensor moved to another band layout of the same dim (whole windows), differentiable.
+
+Window attention on bands is local when every band holds whole windows. When
+the bands do not line up with the windows (uneven bands, bands that are not
+multiples of the window), the rows of a straddling window are moved to one
+owner: :func:`whole_windows` rounds every band's end to the nearest multiple
+of the window, :func:`reband` moves the rows there (and the way back is
+``reband`` to the original sizes). Its adjoint is the move back of the
+gradient.
+
+The move itself is written once, :func:`move_rows`, for any map "output row
+``j`` of the field is input row ``src(j)``" between two layouts of one dim:
+every rank sends each other rank the rows of its band that rank's output
+needs, in that rank's order (one ``Alltoallv``; rows that stay are copied by
+MPI too), and places what it receives. :mod:`credit_mpi.ops.roll` (the
+cyclic shift) is the same move with another map. A permutation's adjoint is
+its inverse: the same pairs of index lists with sends and receives swapped.
+
+An op of :mod:`credit_mpi.engine`: every rank's rows along the dim travel in
+the agreement (the ``count``), the target layout and the other dims are part
+of what is agreed, so a bad input on one rank is the same exception on
+every rank and every rank knows every band before data moves.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..engine import Op, run
+from ..layout import Layout
+from ..partition import normalize_dim
+from ..validation import Local
+
+__all__ = ["reband", "rebanded", "whole_windows", "move_rows", "plan_moves", "RowMoves"]
+
+_DTYPES = (torch.float32, torch.float64)
+
+
+def whole_windows(sizes: list[int] | tuple[int, ...], window: int) -> tuple[int, ...]:
+    """The band sizes whose ends are those of ``sizes`` rounded to the nearest multiple of ``window`` (ties up).
+
+    The last band still ends at the field's end (a field that is not whole
+    windows keeps its last, partial window on the last band). A band may be
+    left with no rows (no window's middle lies in it).
+    """
+    if window < 1:
+        raise ValueError(f"a window must hold at least one row, got {window}")
+    total, ends, stop = sum(sizes), [], 0
+    for size in sizes:
+        stop += size
+        ends.append(min(total, (2 * stop + window) // (2 * window) * window))
+    ends[-1] = total
+    return tuple(e - s for s, e in zip([0] + ends[:-1], ends, strict=True))
+
+
+class RowMoves(NamedTuple):
+    """One rank's side of a row move: what it sends to, and where it puts what it receives from, every rank."""
+
+    send: tuple[np.ndarray, ...]  # per rank: this band's local input rows that rank's output needs, in its order
+    recv: tuple[np.ndarray, ...]  # per rank: this band's local output rows that come from that rank, in order
+    rows_in: int
+    rows_out: int
+
+    def sent_rows(self, rank: int) -> int:
+        """Rows this band sends to other ranks (``rank``: this band's; what stays is copied, not sent)."""
+        return sum(len(s) for d, s in enumerate(self.send) if d != rank)
+
+    def inverse(self) -> RowMoves:
+        """The move back (the adjoint of a permutation of rows): the same pairs, sends and receives swapped."""
+        return RowMoves(self.recv, self.send, self.rows_out, self.rows_in)
+
+
+def plan_moves(sizes_in: tuple[int, ...], sizes_out: tuple[int, ...], src: Callable[[np.ndarray], np.ndarray],
+               rank: int) -> RowMoves:
+    """``rank``'s :class:`RowMoves` for output row ``j`` (global, layout ``sizes_out``) = input row ``src(j)`` (layout ``sizes_in``)."""
+    lay_in, lay_out = Layout.bands(sizes_in), Layout.bands(sizes_out)
+    starts_in, starts_out = np.array(lay_in.starts()), np.array(lay_out.starts())
+    j = np.arange(sum(sizes_out))
+    s = np.asarray(src(j))
+    own_in = np.searchsorted(starts_in, s, side="right") - 1  # the last of equal starts: empty bands own nothing
+    own_out = np.searchsorted(starts_out, j, side="right") - 1
+    n = len(sizes_in)
+    mine_in, mine_out = own_in == rank, own_out == rank
+    send = tuple(s[mine_in & (own_out == d)] - starts_in[rank] for d in range(n))
+    recv = tuple(j[mine_out & (own_in == d)] - starts_out[rank] for d in range(n))
+    return RowMoves(send, recv, sizes_in[rank], sizes_out[rank])
+
+
+def move_rows(t: torch.Tensor, dim: int, moves: RowMoves, comm: MPI.Comm) -> torch.Tensor:
+    """Apply ``moves`` to ``t`` along ``dim``: one ``Alltoallv`` of the rows every rank needs (collective)."""
+    moved = np.ascontiguousarray(t.detach().movedim(dim, 0).cpu().numpy())
+    inner = math.prod(moved.shape[1:])
+    send = np.ascontiguousarray(moved[np.concatenate(moves.send)])
+    recv = np.empty((sum(len(r) for r in moves.recv),) + moved.shape[1:], moved.dtype)
+    counts_s, counts_r = [len(s) * inner for s in moves.send], [len(r) * inner for r in moves.recv]
+    comm.Alltoallv([send, counts_s], [recv, counts_r])
+    out = np.empty((moves.rows_out,) + moved.shape[1:], moved.dtype)
+    out[np.concatenate(moves.recv)] = recv
+    return torch.from_numpy(out).to(t.device).movedim(0, dim)
+
+
+class _Plan(NamedTuple):
+    dim: int
+    comm: MPI.Comm
+    moves: RowMoves
+    sizes_in: tuple[int, ...] = ()
+    sizes_out: tuple[int, ...] = ()
+
+
+_LAST = threading.local()  # the layouts of this thread's last re-band (rebanded() returns them)
+
+
+def _target(counts: tuple[int, ...], sizes: Any, window: Any, back: Any, path: str) -> tuple[int, ...]:
+    """The target layout: ``sizes``; :func:`whole_windows` of ``counts``; or ``back = (moved, original)``.
+
+    ``back``: the move back of a tensor whose bands are proportional to ``moved`` (a re-banded
+    tensor, or one made from it at another resolution) to the same proportion of ``original``.
+    """
+    if sizes is not None:
+        return tuple(sizes)
+    if window is not None:
+        return whole_windows(counts, window)
+    moved, original = back
+    total, unit = sum(counts), sum(moved)
+    if len(moved) != len(counts) or any(c * unit != m * total for c, m in zip(counts, moved, strict=True)) or \
+            any(o * total % max(unit, 1) for o in original):
+        raise ValueError(f"{path}: the bands {list(counts)} are not those of the re-banded layout {list(moved)} at one "
+                         f"resolution, so they cannot be moved back to the layout {list(original)} (the module changed "
+                         f"the rows of its windows)")
+    return tuple(o * total // max(unit, 1) for o in original)
+
+
+def check_band(t: Any, args: dict) -> tuple[int, tuple]:
+    """A row move's local check: ``t`` a float tensor, ``dim`` one of its dims; returns ``(axis, the other dims)``."""
+    path = args["path"]
+    if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES:
+        raise TypeError(f"{path}: moves float32/float64 tensors, got {getattr(t, 'dtype', type(t).__name__)}")
+    axis = normalize_dim(args["dim"], t.ndim)
+    return axis, tuple(t.shape[:axis]) + tuple(t.shape[axis + 1 :])
+
+
+class Reband(Op):
+    """A band along ``dim`` moved to the layout ``sizes`` (or whole windows of ``window`` rows); adjoint: the move back."""
+
+    name = "reband"
+
+    def key(self, t: Any, args: dict) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return None
+        return (args["path"], args["dim"], args["target"], tuple(t.shape), t.dtype)
+
+    def local(self, t: Any, args: dict) -> Local:
+        axis, rest = check_band(t, args)
+        target = args["target"]
+        if sum(v is not None for v in target) != 1:
+            raise ValueError(f"{args['path']}: give the target layout as one of sizes=, window= or back=, got "
+                             f"{dict(zip(('sizes', 'window', 'back'), target, strict=True))}")
+        return Local(axis, (args["path"], axis, t.ndim, rest, str(t.dtype), target), (), t.shape[axis])
+
+    def plan(self, axis: int, counts: list[int], comm: MPI.Comm, args: dict) -> _Plan:
+        counts = tuple(int(c) for c in counts)
+        sizes = _target(counts, *args["target"], args["path"])
+        if len(sizes) != len(counts) or sum(sizes) != sum(counts) or min(sizes) < 0:
+            raise ValueError(f"{args['path']}: the target band sizes {list(sizes)} are not a layout of the "
+                             f"{sum(counts)} rows of the bands {list(counts)} (one size >= 0 per rank, the same total)")
+        return _Plan(axis, comm, plan_moves(counts, sizes, lambda j: j, comm.Get_rank()), counts, sizes)
+
+    def kernel(self, t: torch.Tensor, p: _Plan) -> torch.Tensor:
+        _LAST.layout = (p.sizes_in, p.sizes_out)
+        if p.sizes_in == p.sizes_out:  # the same layout on every rank (agreed): nothing moves
+            return t.detach().clone()
+        return move_rows(t, p.dim, p.moves, p.comm)
+
+    def adjoint(self, grad: torch.Tensor, p: _Plan) -> torch.Tensor:
+        if p.sizes_in == p.sizes_out:
+            return grad
+        return move_rows(grad, p.dim, p.moves.inverse(), p.comm)
+
+
+_OP = Reband()
+
+
+def reband(t: torch.Tensor, dim: int, comm: MPI.Comm, *, sizes: tuple[int, ...] | None = None,
+           window: int | None = None, back: tuple | None = None, path: str = "reband") -> torch.Tensor:
+    """This rank's band of ``t`` along ``dim`` in another layout of the same rows (collective; differentiable).
+
+    Args:
+        t: This rank's band (float32 or float64); the other dims equal on every rank.
+        dim: The banded dim.
+        comm: The domain's communicator (bands in rank order).
+        sizes: The target layout (one size per rank, the same total), the same on every rank.
+        window: Instead of ``sizes``: :func:`whole_windows` of the current layout (every rank's
+            band ends on a multiple of ``window`` rows).
+        back: Instead: ``(moved, original)``, the layouts of an earlier re-band (:func:`rebanded`);
+            ``t``'s bands (proportional to ``moved``) go back to the same proportion of ``original``.
+        path: Named in errors.
+
+    Raises:
+        TypeError: ``t`` is not a float32/float64 tensor (on every rank alike).
+        ValueError: ``dim`` is not a dim of ``t``, the target is not a layout of the rows, not one of
+            ``sizes``, ``window``, ``back`` given, or the ranks' other dims, dtypes, targets or autograd
+            states differ.
+    """
+    sizes = None if sizes is None else tuple(int(s) for s in sizes)
+    back = None if back is None else (tuple(back[0]), tuple(back[1]))
+    return run(_OP, t, comm, dim=dim, target=(sizes, window, back), path=path)
+
+
+def rebanded(t: torch.Tensor, dim: int, comm: MPI.Comm, window: int, path: str = "reband") -> tuple:
+    """:func:`reband` to whole windows; returns ``(band, sizes before, sizes after)`` (``back=`` takes the two layouts)."""
+    out = reband(t, dim, comm, window=window, path=path)
+    return (out, *_LAST.layout)
