@@ -62,6 +62,8 @@ from .training import (
 )
 from .validate import validate_sharding_constraints
 
+from . import attention_rules  # noqa: E402,F401,I001 - registers the attention rules with functions' judge
+
 __all__ = [
     "convert_to_domain_parallel",
     "HaloExchange",
