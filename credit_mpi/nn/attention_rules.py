@@ -250,6 +250,11 @@ def _counts(tr, n: int) -> list[int]:
     return [int(c) for c in allgather_along(mine, 0, tr.manager.domain_group, _path(tr)).tolist()]
 
 
+def _on(mask: Any, like: torch.Tensor) -> Any:
+    """A mask on ``like``'s device (the dry run's meta device: a mask the forward made on the host)."""
+    return mask.to(like.device) if isinstance(mask, torch.Tensor) and mask.device != like.device else mask
+
+
 def _check_mask(tr, mask: Any) -> None:
     if isinstance(mask, torch.Tensor) and tr.get(mask) is not None:
         raise _Why("its attention mask holds bands (made from the band's rows): build the mask in the field's "
@@ -317,7 +322,7 @@ def _sdpa(tr, func, args, kwargs, held):
     if gqa:
         rest["enable_gqa"] = True
     if tr.manager is None:  # the dry run: global shapes, every layout gives the one-process result
-        out = func(q, k, v, attn_mask=mask, is_causal=causal, **rest)
+        out = func(q, k, v, attn_mask=_on(mask, q), is_causal=causal, **rest)
     else:
         out = _attend(tr, func, q, k, v, mask, bool(causal), rest)
     tr.set(out, places[0])
@@ -383,6 +388,8 @@ def _mha(tr, func, args, kwargs, held):
         a["attn_mask"] = _global_mask(a["attn_mask"], False, sum(counts[:rank]), counts[rank], sum(counts),
                                       a["key"].shape[0], query, _path(tr))
         a["is_causal"] = False  # a hint of the mask's shape: this band's rows of it are not a square causal one
+    if tr.manager is None:  # the dry run (meta): a mask made on the host goes along
+        a["attn_mask"], a["key_padding_mask"] = _on(a["attn_mask"], query), _on(a["key_padding_mask"], query)
     out, weights = func(**a)
     tr.set(out, pq)
     if weights is not None:  # (N, [H,] L, S): this band's query rows, every key

@@ -23,8 +23,9 @@ Policy (every module of the model, the root included, is visited once):
    passes, what mixes rows along it raises ``ConversionError`` naming the
    module's path and the op.
 5. Refused here, on every rank, naming the module's path and
-   ``custom_converters``: attention (``nn.MultiheadAttention``,
-   ``nn.Transformer*``), ``nn.Linear`` when ``shard_dim`` is the last dim,
+   ``custom_converters``: the transformer layers (``nn.Transformer*``;
+   ``nn.MultiheadAttention`` is judged by its forward: exact,
+   :mod:`credit_mpi.nn.attention_rules`), ``nn.Linear`` when ``shard_dim`` is the last dim,
    channel dropout, adaptive max pooling.
 
 On a 2-D latitude x longitude domain grid of more than one column
@@ -91,7 +92,6 @@ POINTWISE: tuple[type, ...] = (
 )
 
 _REFUSED_WHY = {
-    nn.MultiheadAttention: "attention mixes every position with every other one, across bands",
     nn.Transformer: "attention mixes every position with every other one, across bands",
     nn.TransformerEncoder: "attention mixes every position with every other one, across bands",
     nn.TransformerDecoder: "attention mixes every position with every other one, across bands",

@@ -14,11 +14,11 @@ instead (the way back: each rank keeps its own tokens) and the parts it
 receives are equal along ``cat_dim``. The adjoint of either is the other
 (the reverse all-to-all of the gradient).
 
-Per rank and per all-to-all of a tensor of ``N`` tokens and ``d`` features
-(all heads) the forward receives ``(N - n_rank) d / P`` elements: for q, k,
-v and the output ``4 (N - n_rank) d / P``, about ``4 N d / P`` (with the
-factor ``(P - 1) / P`` of the part a rank keeps). :func:`received_elements`
-counts it.
+Per rank, for ``N`` tokens of ``d`` features (all heads) on ``P`` ranks, the
+forward receives ``(N - n_rank) d / P`` elements for each of q, k, v (to
+heads) and ``(P - 1) n_rank d / P`` for the output (back to bands): ``4 N d
+(P - 1) / P^2`` on even bands, about ``4 N d / P`` (the factor ``(P - 1) /
+P`` is the part a rank keeps). :func:`received_elements` counts it.
 """
 
 from __future__ import annotations
