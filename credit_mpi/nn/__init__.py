@@ -14,6 +14,7 @@ checkpoints that resume bit for bit (``save_checkpoint``,
 Importing this subpackage imports torch (``import credit_mpi`` does not).
 """
 
+from . import attention_rules  # noqa: F401 - registers the attention rules with functions' judge
 from ._comm import ConversionError
 from .checkpoint import load_checkpoint, save_checkpoint
 from .conv import (
@@ -61,8 +62,6 @@ from .training import (
     latitude_weights,
 )
 from .validate import validate_sharding_constraints
-
-from . import attention_rules  # noqa: E402,F401,I001 - registers the attention rules with functions' judge
 
 __all__ = [
     "convert_to_domain_parallel",

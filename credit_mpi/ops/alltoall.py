@@ -24,29 +24,25 @@ P`` is the part a rank keeps). :func:`received_elements` counts it.
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..engine import Op, run
+from ..engine import Counter, Op, run
 from ..partition import normalize_dim
 from ..validation import Local
 
 __all__ = ["alltoall", "received_elements"]
 
-_COUNT = threading.local()
+_RECEIVED = Counter()
 _DTYPES = (torch.float32, torch.float64)
 
 
 def received_elements(reset: bool = False) -> int:
     """Elements this thread received from other ranks in :func:`alltoall` forwards since the last reset."""
-    n = getattr(_COUNT, "n", 0)
-    if reset:
-        _COUNT.n = 0
-    return n
+    return _RECEIVED.received(reset)
 
 
 class _Plan(NamedTuple):
@@ -127,7 +123,7 @@ def _exchange(t: torch.Tensor, split: int, cat: int, comm: MPI.Comm, send: tuple
     recvbuf = np.empty(sum(part_elems), sendbuf.dtype)
     comm.Alltoallv([sendbuf, [s * inner for s in send]], [recvbuf, part_elems])
     if count:
-        _COUNT.n = getattr(_COUNT, "n", 0) + sum(part_elems) - part_elems[rank]
+        _RECEIVED.add(sum(part_elems) - part_elems[rank])
     parts, at = [], 0
     for r, n in zip(recv, part_elems, strict=True):
         part_shape = [mine] + shape[1:]

@@ -26,29 +26,27 @@ first, so a bad input on one rank is the same exception on every rank.
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from mpi4py import MPI
+from torch.autograd.function import once_differentiable
 
-from ..engine import Op, run
+from ..autograd import check_backward_thread
+from ..engine import Counter, Op, run
 from ..validation import Local
 
 __all__ = ["ring_attention", "received_elements"]
 
-_COUNT = threading.local()
+_RECEIVED = Counter()
 _DTYPES = (torch.float32, torch.float64)
 _SHIFT = 31  # a rank's count is its query tokens << _SHIFT | its key tokens (one agreed integer)
 
 
 def received_elements(reset: bool = False) -> int:
     """Elements of K and V this thread received in :func:`ring_attention` forwards since the last reset."""
-    n = getattr(_COUNT, "n", 0)
-    if reset:
-        _COUNT.n = 0
-    return n
+    return _RECEIVED.received(reset)
 
 
 class _Plan(NamedTuple):
@@ -103,7 +101,7 @@ class RingAttention(Op):
 
     def kernel(self, x: Any, p: _Plan) -> torch.Tensor:
         q, k, v = x
-        return _function().apply(q, k, v, p, _MaskHolder(self._mask))
+        return _Ring.apply(q, k, v, p, _MaskHolder(self._mask))
 
     def __init__(self, mask: torch.Tensor | None = None) -> None:
         self._mask = mask
@@ -161,7 +159,7 @@ def _shift(comm: MPI.Comm, parts: tuple[torch.Tensor, ...], shapes: list[tuple[i
     recv = np.empty(sum(math.prod(s) for s in shapes), send.dtype)
     comm.Sendrecv(send, (rank + 1) % size, 0, recv, (rank - 1) % size, 0)
     if count:
-        _COUNT.n = getattr(_COUNT, "n", 0) + recv.size
+        _RECEIVED.add(recv.size)
     return _unpack(recv, shapes, like)
 
 
@@ -219,34 +217,23 @@ def _backward(q, k, v, out, lse, grad, p: _Plan, mask):
     return dq, dk, dv
 
 
-_FUNCTION: list = []
+class _Ring(torch.autograd.Function):
+    """The ring's forward (output and log-sum-exp saved) and its exact backward (not twice differentiable)."""
 
+    @staticmethod
+    def forward(ctx, q, k, v, plan, holder):
+        out, lse = _forward(q.detach(), k.detach(), v.detach(), plan, holder.mask)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.mask = plan, holder.mask
+        return out
 
-def _function() -> Any:
-    if _FUNCTION:
-        return _FUNCTION[0]
-    from torch.autograd.function import once_differentiable
-
-    from ..autograd import check_backward_thread
-
-    class _Ring(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, plan, holder):
-            out, lse = _forward(q.detach(), k.detach(), v.detach(), plan, holder.mask)
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.plan, ctx.mask = plan, holder.mask
-            return out
-
-        @staticmethod
-        @once_differentiable
-        def backward(ctx, grad):
-            check_backward_thread()
-            q, k, v, out, lse = ctx.saved_tensors
-            dq, dk, dv = _backward(q, k, v, out, lse, grad.contiguous(), ctx.plan, ctx.mask)
-            return dq, dk, dv, None, None
-
-    _FUNCTION.append(_Ring)
-    return _Ring
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        check_backward_thread()
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, out, lse, grad.contiguous(), ctx.plan, ctx.mask)
+        return dq, dk, dv, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: MPI.Comm, *,
