@@ -70,6 +70,21 @@ class Heads(nn.Module):
         return self.out(o.transpose(-1, -2).reshape(b, c, h, w)) + x
 
 
+class Memory(nn.Module):
+    """Cross-attention of the tokens to a learned global memory (keys and values without bands), causal."""
+
+    def __init__(self, c=4, heads=2, slots=5):
+        super().__init__()
+        self.q, self.kv, self.heads = nn.Conv2d(c, c, 1), nn.Parameter(torch.randn(1, heads, slots, 2 * c // heads)), heads
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q = self.q(x).reshape(b, self.heads, c // self.heads, h * w).transpose(-1, -2)
+        k, v = self.kv.expand(b, -1, -1, -1).chunk(2, dim=-1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return o.transpose(-1, -2).reshape(b, c, h, w) + x
+
+
 class MHA(nn.Module):
     """nn.MultiheadAttention over the tokens, batch_first either way, with the weights and masks it takes."""
 
@@ -107,6 +122,7 @@ CASES = {
     "sdpa": lambda n: Heads(),
     "sdpa_causal": lambda n: Heads(mask="causal", tokens=n),
     "sdpa_bool_mask_3_heads": lambda n: Heads(c=6, heads=3, mask="bool", tokens=n),
+    "sdpa_memory_causal": lambda n: Memory(),
     "mha_batch_first": lambda n: MHA(),
     "mha_causal": lambda n: MHA(batch_first=False, mask="causal", tokens=n),
     "mha_padding": lambda n: MHA(mask="padding", tokens=n),

@@ -20,8 +20,10 @@ every other. These rules make it exact, whichever way a forward spells it:
   the ranks (:func:`~credit_mpi.ops.alltoall.alltoall`, Ulysses), else a ring
   of K/V bands with an online softmax
   (:func:`~credit_mpi.ops.ring.ring_attention`), else (broadcast batch dims,
-  ``enable_gqa``) the K/V gather. ``attn_mask`` in the field's coordinates
-  and ``is_causal`` (global token indices) are exact on every path.
+  ``enable_gqa``) the K/V gather; keys and values without bands (a global
+  memory, the same on every rank) are attended locally. ``attn_mask`` in the
+  field's coordinates and ``is_causal`` (global token indices) are exact on
+  every path.
   ``SDPA_PATH`` forces one (``"alltoall"``, ``"ring"``, ``"gather"``).
 * ``nn.MultiheadAttention`` (its ``F.multi_head_attention_forward``,
   ``batch_first`` either way): key and value gathered (the projection is per
@@ -311,12 +313,15 @@ def _sdpa(tr, func, args, kwargs, held):
     _check_mask(tr, mask)
     if all(p is not None and p.dim < t.ndim - 2 for t, p in zip((q, k, v), places, strict=True)) and len(set(places)) == 1:
         return tr.run(func, args, kwargs, places[0])  # windows (or samples) in the batch dim: each is whole
-    if places[0] is None or places[0].dim != q.ndim - 2 or any(p is None or p.dim != t.ndim - 2 for t, p in zip((k, v), places[1:], strict=True)):
+    memory = places[1] is None and places[2] is None  # keys and values without bands: the same on every rank
+    if places[0] is None or places[0].dim != q.ndim - 2 or not memory and any(
+            p is None or p.dim != t.ndim - 2 for t, p in zip((k, v), places[1:], strict=True)):
         raise _Why("attention with bands in some of q, k, v only, or along their features, has no rule (the "
-                   "tokens, dim -2, of q, k and v must all hold the bands)")
+                   "tokens, dim -2, of q and of k and v must hold the bands; or k and v none: a global memory)")
     if dropout:
         raise _Why(f"dropout_p={dropout} draws its own mask on every band (not one process's draw)")
-    if any(p.outer != 1 for p in places) and (places[1].outer != 1 or places[2].outer != 1 or mask is not None or causal):
+    if any(p is not None and p.outer != 1 for p in places) and (memory is False and (places[1].outer != 1 or places[2].outer != 1)
+                                                              or mask is not None or causal):
         raise _Why("attention across bands of merged windows (outer > 1) has no rule: the tokens of whole rows are needed")
     rest = {"scale": scale} if scale is not None else {}
     if gqa:
@@ -324,15 +329,16 @@ def _sdpa(tr, func, args, kwargs, held):
     if tr.manager is None:  # the dry run: global shapes, every layout gives the one-process result
         out = func(q, k, v, attn_mask=_on(mask, q), is_causal=causal, **rest)
     else:
-        out = _attend(tr, func, q, k, v, mask, bool(causal), rest)
+        out = _attend(tr, func, q, k, v, mask, bool(causal), rest, memory)
     tr.set(out, places[0])
     return out
 
 
-def _attend(tr, func, q, k, v, mask, causal, rest):
+def _attend(tr, func, q, k, v, mask, causal, rest, memory=False):
+    """This band's queries attended to every band's keys (or to a global memory: nothing to move)."""
     comm, path = tr.manager.domain_group, _path(tr)
     ranks, rank = comm.Get_size(), comm.Get_rank()
-    layout = sdpa_path(q, k, v, ranks, bool(rest.get("enable_gqa")), SDPA_PATH)
+    layout = "memory" if memory else sdpa_path(q, k, v, ranks, bool(rest.get("enable_gqa")), SDPA_PATH)
     if layout == "alltoall":
         from ..ops.alltoall import alltoall
 
@@ -347,8 +353,8 @@ def _attend(tr, func, q, k, v, mask, causal, rest):
         from ..ops.ring import ring_attention
 
         return ring_attention(q, k, v, comm, attn_mask=mask, is_causal=causal, scale=rest.get("scale"), path=path)
-    kg = _gather(tr, k, k.ndim - 2)
-    vg = kg if v is k else _gather(tr, v, v.ndim - 2)
+    kg = k if memory else _gather(tr, k, k.ndim - 2)
+    vg = v if memory else kg if v is k else _gather(tr, v, v.ndim - 2)
     if mask is not None or causal:
         counts = _counts(tr, q.shape[-2])
         mask = _global_mask(mask, causal, sum(counts[:rank]), counts[rank], sum(counts), kg.shape[-2], q, path)
