@@ -2,7 +2,8 @@
 
 Every model flattens (lat, lon) into tokens and attends every token to every other one. Each
 case: describe()'s verdict is what the run does, and the run equals one process (float64:
-forward, input gradient, parameter gradients), on domains of 1..W bands, even and uneven.
+forward, input gradient, parameter gradients), on the world's domain (1-4 ranks), even and
+uneven bands.
 The communication volume of each sdpa layout is counted against the theory.
 """
 
@@ -15,7 +16,6 @@ from torch import nn  # noqa: E402
 
 from credit_mpi.nn import ConversionError, attention_rules, convert_to_domain_parallel  # noqa: E402
 
-from .halo_reference import prefix_managers  # noqa: E402
 from .nn_reference import assert_same, run_both, same_error_everywhere  # noqa: E402
 from .verdict_reference import verdict_is_the_run  # noqa: E402
 
@@ -132,9 +132,9 @@ CASES = {
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_attention_is_exact(name, make_manager):
-    with prefix_managers(make_manager) as managers:
-        for d, manager in managers:
-            _verdict(name, CASES[name], d, manager)
+    """On the whole world's domain (CI runs 1, 2, 3 and 4 ranks: every domain size once)."""
+    manager = make_manager()
+    _verdict(name, CASES[name], manager.domain_parallel_size, manager)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -246,3 +246,75 @@ def test_a_mask_added_by_hand_is_refused_on_every_rank(make_manager):
     x = torch.randn(1, 2, 2, W, dtype=torch.float64)
     message = same_error_everywhere(manager.domain_group, lambda: model(x), ConversionError)
     assert "calls add()" in message and "rows along the sharded dim" in message, message
+
+
+# -- the ops themselves ------------------------------------------------------------------------------
+
+
+def _parts(comm, seed=0):
+    """Uneven token bands (3 or 4 tokens a rank) of global q, k, v, and this rank's offset and count."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    sizes = [3 + r % 2 for r in range(size)]
+    g = torch.Generator().manual_seed(seed)
+    n = sum(sizes)
+    q, k = (torch.randn(2, 3, n, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(2, 3, n, 5, generator=g, dtype=torch.float64)
+    return (q, k, v), sum(sizes[:rank]), sizes[rank]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float"])
+def test_ring_attention_is_sdpa(mask, world):
+    """ring_attention of the bands == sdpa of the field: output, dq, dk, dv (uneven bands, masks in global coordinates)."""
+    from credit_mpi.ops.ring import ring_attention
+
+    (q, k, v), o, n = _parts(world)
+    kw = {"is_causal": True} if mask == "causal" else {}
+    if mask in ("bool", "float"):
+        kw["attn_mask"] = _tokens_mask(mask, q.shape[-2], q.device)
+    weight = torch.randn(q.shape[:-1] + (5,), dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    (F.scaled_dot_product_attention(*whole, **kw) * weight).sum().backward()
+    mine = [t[:, :, o : o + n].clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*mine, world, **kw)
+    (out * weight[:, :, o : o + n]).sum().backward()
+    ref = F.scaled_dot_product_attention(q, k, v, **kw)[:, :, o : o + n]
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for got, want in zip(mine, whole, strict=True):
+        torch.testing.assert_close(got.grad, want.grad[:, :, o : o + n], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_alltoall_there_and_back(world):
+    """Token bands -> heads (uneven bands) is the field's heads of this rank; back is the band; the gradient is the reverse."""
+    from credit_mpi.ops.alltoall import alltoall
+
+    size, rank = world.Get_size(), world.Get_rank()
+    (q, _, _), o, n = _parts(world)
+    x = torch.cat([q] * size, dim=1)  # 3 * size heads
+    mine = x[:, :, o : o + n].clone().requires_grad_()
+    heads = alltoall(mine, 1, 2, world)
+    assert torch.equal(heads, x[:, 3 * rank : 3 * rank + 3])
+    back = alltoall(heads, 2, 1, world, keep=n)
+    assert torch.equal(back, mine.detach())
+    weight = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    (heads * weight[:, 3 * rank : 3 * rank + 3]).sum().backward()
+    assert torch.equal(mine.grad, weight[:, :, o : o + n])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bad_calls_of_the_ops_raise_on_every_rank(world):
+    from credit_mpi import DomainParallelError
+    from credit_mpi.ops.alltoall import alltoall
+    from credit_mpi.ops.ring import ring_attention
+
+    size = world.Get_size()
+    (q, k, v), o, n = _parts(world)
+    mine = [t[:, :, o : o + n] for t in (q, k, v)]
+    msg = same_error_everywhere(world, lambda: alltoall(torch.zeros(2, size + 1, 3, dtype=torch.float64), 1, 2, world), ValueError)
+    assert f"size {size + 1} does not split evenly among {size} ranks" in msg
+    msg = same_error_everywhere(world, lambda: ring_attention(*mine, world, attn_mask=torch.ones(2, 2, dtype=torch.bool)), ValueError)
+    assert "not in the field's coordinates" in msg
+    odd = [t[..., : 4 if world.Get_rank() else 3] if i < 2 else t for i, t in enumerate(mine)]  # rank 0's features differ
+    same_error_everywhere(world, lambda: ring_attention(*odd, world), DomainParallelError)
+    assert ring_attention(*mine, world).shape == (2, 3, n, 5)  # still in step
