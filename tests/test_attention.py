@@ -108,6 +108,32 @@ class MHA(nn.Module):
         return o.transpose(1, 2).reshape(b, c, h, w) + x
 
 
+class Encoder(nn.Module):
+    """nn.TransformerEncoder (2 layers, no dropout) or a TransformerDecoderLayer (causal tgt_mask, memory = the tokens)."""
+
+    def __init__(self, c=4, batch_first=True, decoder=False, tokens=0):
+        super().__init__()
+        if decoder:
+            self.body = nn.TransformerDecoderLayer(c, 2, dim_feedforward=8, dropout=0.0, batch_first=batch_first)
+        else:
+            self.body = nn.TransformerEncoder(nn.TransformerEncoderLayer(c, 2, dim_feedforward=8, dropout=0.0,
+                                                                         batch_first=batch_first), 2,
+                                              enable_nested_tensor=False)
+        self.batch_first, self.decoder, self.tokens = batch_first, decoder, tokens
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        t = x.flatten(2).transpose(1, 2)
+        t = t if self.batch_first else t.transpose(0, 1)
+        if self.decoder:
+            mask = nn.Transformer.generate_square_subsequent_mask(self.tokens, device=x.device, dtype=x.dtype)
+            o = self.body(t, t, tgt_mask=mask, tgt_is_causal=True)
+        else:
+            o = self.body(t)
+        o = o if self.batch_first else o.transpose(0, 1)
+        return o.transpose(1, 2).reshape(b, c, h, w) + x
+
+
 def _verdict(name, block, d, manager):
     c = 6 if "3_heads" in name else 4
     for h in (2 * d, 2 * d + (d > 1)):  # even bands, then uneven ones
@@ -126,6 +152,8 @@ CASES = {
     "mha_batch_first": lambda n: MHA(),
     "mha_causal": lambda n: MHA(batch_first=False, mask="causal", tokens=n),
     "mha_padding": lambda n: MHA(mask="padding", tokens=n),
+    "transformer_encoder": lambda n: Encoder(),
+    "transformer_decoder_causal": lambda n: Encoder(batch_first=False, decoder=True, tokens=n),
 }
 
 
@@ -318,3 +346,22 @@ def test_bad_calls_of_the_ops_raise_on_every_rank(world):
     odd = [t[..., : 4 if world.Get_rank() else 3] if i < 2 else t for i, t in enumerate(mine)]  # rank 0's features differ
     same_error_everywhere(world, lambda: ring_attention(*odd, world), DomainParallelError)
     assert ring_attention(*mine, world).shape == (2, 3, n, 5)  # still in step
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_transformer_layer_with_dropout_in_training_is_refused_on_every_rank(make_manager):
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, batch_first=True)  # dropout 0.1
+
+        def forward(self, x):
+            return self.layer(x.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(x.shape)
+
+    manager = make_manager()
+    model = convert_to_domain_parallel(Layer().double(), manager)
+    x = torch.randn(1, 4, 2, W, dtype=torch.float64)
+    message = same_error_everywhere(manager.domain_group, lambda: model(x), ConversionError)
+    assert "dropout=0.1 in training" in message, message
+    model.eval()
+    assert model(x).shape == x.shape  # in eval: no dropout, exact (the verdict cases above)
