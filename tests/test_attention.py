@@ -194,6 +194,16 @@ def _moved(path: str, manager, heads: int, c: int, h: int, monkeypatch) -> int:
     return counter.received_elements(reset=True)
 
 
+def _mha_moved(manager, c: int, rows: int, monkeypatch) -> int:
+    from credit_mpi.ops import allgather_along
+
+    model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, c, 1), MHA(c=c, heads=2)).double(), manager)
+    allgather_along.received_elements(reset=True)
+    with torch.no_grad():
+        model(torch.randn(1, 2, rows, W, dtype=torch.float64))
+    return allgather_along.received_elements(reset=True)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_each_layout_moves_what_the_theory_says(make_manager, monkeypatch):
     """Elements received per rank in the forward, for N tokens of d features (all heads) on P ranks.
@@ -211,6 +221,7 @@ def test_each_layout_moves_what_the_theory_says(make_manager, monkeypatch):
         assert _moved("ring", manager, p, c, h, monkeypatch) == 2 * (n - mine) * c
         # q, k, v: (N - n_rank) d / P each; the output back: this band's tokens from the P - 1 others
         assert _moved("alltoall", manager, p, c, h, monkeypatch) == (3 * (n - mine) + (p - 1) * mine) * c // p
+        assert _mha_moved(manager, c, rows, monkeypatch) == (n - mine) * c  # self-attention: one gather of E = c
         if h % p == 0:
             assert 2 * (n - mine) * c == 2 * n * c * (p - 1) // p
             assert (3 * (n - mine) + (p - 1) * mine) * c // p == 4 * n * c * (p - 1) // p**2
