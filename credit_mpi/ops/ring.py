@@ -43,10 +43,7 @@ _RECEIVED = Counter()
 _DTYPES = (torch.float32, torch.float64)
 _SHIFT = 31  # a rank's count is its query tokens << _SHIFT | its key tokens (one agreed integer)
 
-
-def received_elements(reset: bool = False) -> int:
-    """Elements of K and V this thread received in :func:`ring_attention` forwards since the last reset."""
-    return _RECEIVED.received(reset)
+received_elements = _RECEIVED.received  # elements of ring_attention forwards received from other ranks (this thread; reset=True)
 
 
 class _Plan(NamedTuple):
