@@ -284,7 +284,7 @@ def test_a_mask_added_by_hand_is_refused_on_every_rank(make_manager):
     model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 4, 1), AddedMask()).double(), manager)
     x = torch.randn(1, 2, 2, W, dtype=torch.float64)
     message = same_error_everywhere(manager.domain_group, lambda: model(x), ConversionError)
-    assert "calls add()" in message and "rows along the sharded dim" in message, message
+    assert "calls add()" in message and "rows along the sharded dim" in message and "attn_mask=" in message, message
 
 
 # -- the ops themselves ------------------------------------------------------------------------------

@@ -127,7 +127,13 @@ def _carrying(names, carry) -> None:
         base = fx._RULES[name]
 
         def rule(tr, func, args, kwargs, held, base=base):
-            out = base(tr, func, args, kwargs, held)
+            try:
+                out = base(tr, func, args, kwargs, held)
+            except _Why as why:
+                if any(global_dims(tr, t) for t in _tensors((args, kwargs))):
+                    raise _Why(f"{why}; the scores' rows are this band's queries: a mask in the field's coordinates "
+                               f"is exact as attn_mask= of F.scaled_dot_product_attention") from None
+                raise
             carry(tr, func, args, kwargs, out)
             return out
 
