@@ -24,6 +24,7 @@ one line, ``return run(MyOp(), x, comm, ...)``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable
 from typing import Any, ClassVar
 
@@ -31,7 +32,24 @@ from mpi4py import MPI
 
 from .validation import Local, agree_cached, register_operation
 
-__all__ = ["Op", "run", "records_grad"]
+__all__ = ["Op", "run", "records_grad", "Counter"]
+
+
+class Counter:
+    """Elements an op's forwards received from other ranks, per thread: the volume a test compares with the theory."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def add(self, n: int) -> None:
+        self._local.n = getattr(self._local, "n", 0) + int(n)
+
+    def received(self, reset: bool = False) -> int:
+        """The count since the last reset (``reset=True``: start again from zero)."""
+        n = getattr(self._local, "n", 0)
+        if reset:
+            self._local.n = 0
+        return n
 
 
 class Op:

@@ -36,6 +36,14 @@ class Attention(nn.Module):
         return (v @ a.transpose(1, 2)).reshape(b, c, h, w) + x
 
 
+class Gram(nn.Module):
+    """A sum over the tokens of every band with a tensor that is not every band's tokens: refused."""
+
+    def forward(self, x):
+        t = x.flatten(2)
+        return (t @ t.transpose(1, 2)).sum() * x
+
+
 class Skip(nn.Module):
     """A UNet level whose decoder resizes to the skip's shape in its own forward (smp's decoder)."""
 
@@ -151,7 +159,7 @@ CASES = {
     "global_attention": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), GlobalAttention(4)), 2, 3, 1),
 }
 # what the run must do (True: exact wherever the plan says so; the verdict equals the run in every case)
-NEVER_EXACT = {"attention", "coord_attention"}
+NEVER_EXACT = {"coord_attention"}  # the attention case runs exactly (credit_mpi.nn.attention_rules)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -174,11 +182,11 @@ def _verdict_case(name, build, c, width, unit, d, manager):
 def test_refusals_name_the_module_and_the_op(make_manager):
     manager = make_manager()
     if True:
-        model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Attention(4)).double(), manager)
+        model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Gram()).double(), manager)
         x = torch.randn(1, 2, 3, 3, dtype=torch.float64)
-        with pytest.raises(ConversionError, match=r"1 \(Attention\) calls matmul\(\).*attention across bands"):
+        with pytest.raises(ConversionError, match=r"1 \(Gram\) calls matmul\(\).*contracts the sharded dim"):
             model(x)
-        plan = describe(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Attention(4)).double(), (1, 2, 8, 3), 2)
+        plan = describe(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Gram()).double(), (1, 2, 8, 3), 2)
         assert not plan.exact and plan.rows[-1].kind == "matmul()" and "does NOT run exactly" in str(plan)
         coord = describe(CoordAttention().double(), (1, 2, 8, 4), 2)
         assert coord.rows[-1].kind == "cat()" and "replicated" in coord.rows[-1].note, str(coord)
@@ -224,10 +232,12 @@ def test_einops_on_uneven_bands_raises_on_every_rank(make_manager):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_global_attention_moves_what_the_theory_says(make_manager):
+def test_global_attention_moves_what_the_theory_says(make_manager, monkeypatch):
     """K and V gathered: per rank 2 (N - N_rank) d elements received, 2 N d (P - 1) / P on even bands."""
+    from credit_mpi.nn import attention_rules
     from credit_mpi.ops.allgather_along import received_elements
 
+    monkeypatch.setattr(attention_rules, "SDPA_PATH", "gather")  # tests/test_attention.py: every layout
     manager = make_manager()
     d = manager.domain_parallel_size
     b, c, h, w = 1, 4, 4 * d, 3

@@ -15,6 +15,7 @@ Importing this subpackage imports torch (``import credit_mpi`` does not).
 """
 
 from . import window_rules  # noqa: F401 - registers torch.roll across bands and whole windows (function rules)
+from . import attention_rules  # noqa: F401 - registers the attention rules with functions' judge
 from ._comm import ConversionError
 from .checkpoint import load_checkpoint, save_checkpoint
 from .conv import (

@@ -23,9 +23,10 @@ Policy (every module of the model, the root included, is visited once):
    passes, what mixes rows along it raises ``ConversionError`` naming the
    module's path and the op.
 5. Refused here, on every rank, naming the module's path and
-   ``custom_converters``: attention (``nn.MultiheadAttention``,
-   ``nn.Transformer*``), ``nn.Linear`` when ``shard_dim`` is the last dim,
-   channel dropout, adaptive max pooling.
+   ``custom_converters``: ``nn.Linear`` when ``shard_dim`` is the last dim,
+   channel dropout, adaptive max pooling. (Attention, ``nn.MultiheadAttention``
+   and ``nn.Transformer*``, is judged by its forward as in 4.: exact,
+   :mod:`credit_mpi.nn.attention_rules`.)
 
 On a 2-D latitude x longitude domain grid of more than one column
 (``domain_grid=(rows, cols)``, ``cols > 1``) the last two dims of every layer
@@ -91,12 +92,6 @@ POINTWISE: tuple[type, ...] = (
 )
 
 _REFUSED_WHY = {
-    nn.MultiheadAttention: "attention mixes every position with every other one, across bands",
-    nn.Transformer: "attention mixes every position with every other one, across bands",
-    nn.TransformerEncoder: "attention mixes every position with every other one, across bands",
-    nn.TransformerDecoder: "attention mixes every position with every other one, across bands",
-    nn.TransformerEncoderLayer: "attention mixes every position with every other one, across bands",
-    nn.TransformerDecoderLayer: "attention mixes every position with every other one, across bands",
     nn.Dropout2d: "it drops whole channels, and every band would draw its own mask",
     nn.Dropout3d: "it drops whole channels, and every band would draw its own mask",
     nn.AdaptiveMaxPool1d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",

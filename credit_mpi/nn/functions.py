@@ -16,9 +16,9 @@ that holds bands and judges each torch function applied to one:
   an integer factor (the :class:`~credit_mpi.nn.DomainParallelInterpolate`
   layer), ``pixel_shuffle`` (output rows ``[r a, r b)`` from input rows
   ``[a, b)``), ``pixel_unshuffle`` and a reshape into windows when every
-  band is a whole number of them; ``F.scaled_dot_product_attention`` over
-  the tokens of every band (keys and values gathered:
-  :func:`credit_mpi.ops.allgather_along.allgather_along`);
+  band is a whole number of them; full attention over the tokens of every
+  band (:mod:`credit_mpi.nn.attention_rules`: ``F.scaled_dot_product_attention``,
+  ``nn.MultiheadAttention``, ``softmax(q k^T) v`` by matmul or einsum);
 * everything else that touches the sharded dim raises ``ConversionError``
   naming the module's path and the op. At run time the converted model's
   :class:`~credit_mpi.nn.base.ForwardGuard` makes it every rank's exception;
@@ -800,8 +800,8 @@ def _matmul(tr, func, args, kwargs, held):
         if q is None:
             continue
         if (role == "a" and q.dim == t.ndim - 1) or (role == "b" and q.dim == t.ndim - 2):
-            raise _Why("it contracts the sharded dim (a sum over rows of every band: attention or a dense layer "
-                       "across bands has no rule yet)")
+            raise _Why("it contracts the sharded dim with a tensor that does not hold every band's tokens (a sum "
+                       "over rows of every band: a dense layer across bands has no rule)")
         outs.add((q.dim + ndim - t.ndim, q.outer, q.inner))
     for t in (a, b):  # a batch partner that is not a band
         if tr.get(t) is None:
@@ -810,8 +810,8 @@ def _matmul(tr, func, args, kwargs, held):
                 if d < ndim - 2 and k >= 0 and t.shape[k] != 1:
                     raise _Why("it pairs a band with a tensor that is not one along the sharded (batch) dim")
     if len(outs) > 1:
-        raise _Why("both operands hold bands in different dims of the product (q k^T over tokens of every band: "
-                   "attention across bands has no rule yet)")
+        raise _Why("both operands hold bands in different dims of the product, and neither is the tokens of "
+                   "whole rows to gather")
     d, outer, inner = outs.pop()
     return tr.run(func, args, kwargs, Sharded(d, outer, inner))
 
@@ -835,35 +835,6 @@ def _einsum(tr, func, args, kwargs, held):
         if tr.get(t) is None and letter in spec and t.shape[spec.index(letter)] != 1:
             raise _Why("it pairs a band with a tensor that is not one along the sharded dim")
     return tr.run(func, args, kwargs, Sharded(out.index(letter), outer, inner))
-
-
-@_rule("scaled_dot_product_attention")
-def _sdpa(tr, func, args, kwargs, held):
-    """Attention: windows in the batch dim pass; queries on token bands attend to every band's keys.
-
-    The exact rule for tokens of every band (q, k, v with their tokens, dim -2, on bands; no mask,
-    not causal, no dropout): K and V gathered from every rank (:func:`credit_mpi.ops.allgather_along.allgather_along`,
-    backward the reduce-scatter of their gradients), this rank's queries attended to all of them.
-    """
-    q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
-    places = [tr.get(t) for t in (q, k, v)]
-    if all(p is not None and p.dim < t.ndim - 2 for t, p in zip((q, k, v), places, strict=True)) and len(set(places)) == 1:
-        return tr.run(func, args, kwargs, places[0])  # windows (or samples) in the batch dim: each is whole
-    tokens = [tr.as_band(t, p) if p is not None and p.dim == t.ndim - 2 else None for t, p in zip((q, k, v), places, strict=True)]
-    if None in tokens:
-        raise _Why("attention with bands in some of q, k, v only, or along their features, has no rule")
-    mask, dropout, causal = _arg(args, kwargs, 3, "attn_mask"), _arg(args, kwargs, 4, "dropout_p", 0.0), _arg(args, kwargs, 5, "is_causal", False)
-    if mask is not None or dropout or causal:
-        raise _Why("attention across bands with a mask, dropout or is_causal has no rule yet (masks in global coordinates)")
-    if tr.manager is not None:
-        from ..ops.allgather_along import allgather_along
-
-        comm, path = tr.manager.domain_group, tr.stack[-1][0]
-        k, v = allgather_along(k, -2, comm, path), allgather_along(v, -2, comm, path)
-    rest = {n: kwargs[n] for n in ("scale", "enable_gqa") if n in kwargs}
-    out = func(q, k, v, **rest)
-    tr.set(out, tokens[0])
-    return out
 
 
 @_rule("embedding")
@@ -929,7 +900,7 @@ class _NoManagerType:
 _NoManager = _NoManagerType()
 
 
-@_rule("multi_head_attention_forward", "fold", "grid_sample", "cross_entropy", "mse_loss", "l1_loss")  # unfold: window_rules
+@_rule("fold", "grid_sample", "cross_entropy", "mse_loss", "l1_loss")  # unfold: window_rules; multi_head_attention_forward: attention_rules
 def _refused(tr, func, args, kwargs, held):
     raise _Why("it mixes positions across the sharded dim and has no rule on bands")
 

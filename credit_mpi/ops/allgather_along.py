@@ -17,29 +17,25 @@ first, so a bad input on one rank is the same exception on every rank.
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..engine import Op, run
+from ..engine import Counter, Op, run
 from ..partition import normalize_dim
 from ..validation import Local
 
 __all__ = ["allgather_along", "received_elements"]
 
-_COUNT = threading.local()
+_RECEIVED = Counter()
 _DTYPES = (torch.float32, torch.float64)
 
 
 def received_elements(reset: bool = False) -> int:
     """Elements this thread received in :func:`allgather_along` forwards since the last reset (the communication volume)."""
-    n = getattr(_COUNT, "n", 0)
-    if reset:
-        _COUNT.n = 0
-    return n
+    return _RECEIVED.received(reset)
 
 
 class _Plan(NamedTuple):
@@ -74,7 +70,7 @@ class AllgatherAlong(Op):
         inner = math.prod(moved.shape[1:])
         recv = np.empty((sum(p.counts),) + moved.shape[1:], moved.dtype)
         p.comm.Allgatherv(moved, [recv, [c * inner for c in p.counts]])
-        _COUNT.n = getattr(_COUNT, "n", 0) + (sum(p.counts) - p.counts[p.comm.Get_rank()]) * inner
+        _RECEIVED.add((sum(p.counts) - p.counts[p.comm.Get_rank()]) * inner)
         return torch.from_numpy(recv).to(t.device).movedim(0, p.dim)
 
     def adjoint(self, grad: torch.Tensor, p: _Plan) -> torch.Tensor:
