@@ -43,6 +43,7 @@ class CountingComm(MPI.Intracomm):
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.phase = None
         self.counts: dict = {}
+        self.sends = 0  # point-to-point messages, every phase
 
     def _add(self, nbytes: int, agreement: bool = False) -> None:
         if self.phase is None:
@@ -55,6 +56,7 @@ class CountingComm(MPI.Intracomm):
 
     def Isend(self, buf, dest, tag=0):  # noqa: N802 - mpi4py's names
         self._add(_nbytes(buf))
+        self.sends += 1
         return super().Isend(buf, dest, tag)
 
     def Allgather(self, sendbuf, recvbuf):  # noqa: N802
@@ -69,9 +71,13 @@ class CountingComm(MPI.Intracomm):
         self._add(_nbytes(recvbuf if sendbuf is MPI.IN_PLACE else sendbuf) * self._others())
         return super().Allreduce(sendbuf, recvbuf, op)
 
+    def Reduce_scatter(self, sendbuf, recvbuf, recvcounts=None, op=MPI.SUM):  # noqa: N802
+        self._add(_nbytes(sendbuf) - _nbytes(recvbuf))  # the other ranks' parts of this rank's buffer
+        return super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
+
     def __getattribute__(self, name):
         if name in ("Send", "Ssend", "Sendrecv", "Irecv_init", "Send_init", "Iallgather", "Alltoallv", "Alltoallw", "Bcast",
-                    "Reduce_scatter", "Ialltoallw", "Neighbor_alltoallw"):
+                    "Ialltoallw", "Neighbor_alltoallw"):
             raise AssertionError(f"the counting communicator does not count {name}: add it")
         return super().__getattribute__(name)
 
@@ -101,12 +107,21 @@ def _model() -> nn.Module:
 
 
 def _step(model, x, comm, paths) -> None:
-    """One forward (each layer's calls counted under its path) and backward ("backward")."""
-    hooks = []
+    """One forward (each layer's calls counted under its path, the innermost) and backward ("backward")."""
+    hooks, stack = [], ["forward"]
+
+    def enter(path):
+        stack.append(path)
+        comm.phase = path
+
+    def leave():
+        stack.pop()
+        comm.phase = stack[-1]
+
     for path, m in model.named_modules():
         if path in paths:
-            hooks.append(m.register_forward_pre_hook(lambda _m, _a, p=path: setattr(comm, "phase", p)))
-            hooks.append(m.register_forward_hook(lambda _m, _a, _o: setattr(comm, "phase", "forward")))
+            hooks.append(m.register_forward_pre_hook(lambda _m, _a, p=path: enter(p)))
+            hooks.append(m.register_forward_hook(lambda _m, _a, _o: leave()))
     try:
         comm.phase = "forward"
         out = model(x)
@@ -118,18 +133,25 @@ def _step(model, x, comm, paths) -> None:
             h.remove()
 
 
+def _attention() -> nn.Module:
+    """A convolution, then attention over every band's tokens (K and V gathered: ``allgather_along``)."""
+    from .test_function_rules import GlobalAttention
+
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), GlobalAttention(4)).double()
+
+
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("requires_grad", [False, True])
-def test_describe_traffic_equals_what_the_run_sends(requires_grad, make_manager):
+@pytest.mark.parametrize(("build", "requires_grad"), [(_model, False), (_model, True), (_attention, False)])
+def test_describe_traffic_equals_what_the_run_sends(build, requires_grad, make_manager):
     with prefix_managers(make_manager) as managers:
         for d, manager in managers:
             if d == 1:
                 continue
             for rows in (8 * d, 8 * d + 3):  # even and uneven bands (describe assumes array_split, as here)
                 shape = (1, 2, rows, 6)
-                plan = describe(_model(), shape, d, requires_grad=requires_grad)
+                plan = describe(build(), shape, d, requires_grad=requires_grad)
                 assert plan.exact and plan.traffic is not None, str(plan)
-                model = convert_to_domain_parallel(_model(), manager)
+                model = convert_to_domain_parallel(build(), manager)
                 a, b = band(rows, manager)
                 x = torch.randn(shape, dtype=torch.float64).narrow(2, a, b - a).contiguous().requires_grad_(requires_grad)
                 paths = {r.path for r in plan.rows}
@@ -162,3 +184,27 @@ def test_describe_prints_the_traffic():
     first = plan.rows[0].traffic  # the input needs no gradient: the first conv sends its halo forward only
     assert [t.backward_messages for t in first] == [0, 0, 0] and [t.forward_messages for t in first] == [1, 2, 1]
     assert describe(_model(), (1, 2, 24, 6), 1).traffic == (Traffic(),)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_benchmarks_local_pad_sends_no_halo(make_manager):
+    """bench_model's baseline (credit_mpi.cli.bench_model.local_halos): the same shapes, no point-to-point message."""
+    from credit_mpi.cli.bench_model import local_halos
+
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            if d == 1:
+                continue
+            shape = (1, 2, 8 * d + 3, 6)
+            model = convert_to_domain_parallel(_model(), manager)
+            a, b = band(shape[2], manager)
+            x = torch.randn(shape, dtype=torch.float64).narrow(2, a, b - a).contiguous().requires_grad_()
+            with counting(manager) as comm:
+                real = model(x)
+                assert comm.sends
+                comm.sends = 0
+                with local_halos():
+                    out = model(x)
+                    out.sum().backward()
+                assert comm.sends == 0 and out.shape == real.shape
+            torch.testing.assert_close(model(x), real, rtol=0, atol=0)  # restored

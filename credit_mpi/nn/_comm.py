@@ -34,8 +34,8 @@ from ..blocks import decode_block, encode_block, grid_comm
 from ..grid import grid_coords, grid_of
 from ..halo import _agreed_plan, _exchange_agreed
 from ..halo2d import Plan2d
-from ..manager import domain_of
 from ..layout import Layout
+from ..manager import domain_of
 from ..partition import check_halo_width
 from ..transport.moves import MpiMoves
 from ..validation import DomainParallelError, Local, agree_cached, comm_label

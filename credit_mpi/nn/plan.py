@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..grid import check_grid, grid_of
 from ..partition import band_sizes, check_halo_width, normalize_dim
@@ -32,9 +33,9 @@ from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
 from .functions import Tracker
 from .replicated import is_replicated, replicated
-from .traffic import AGREEMENT_BYTES, Traffic, layer_traffic
+from .traffic import AGREEMENT_BYTES, Traffic, gather_traffic, layer_traffic
 
-__all__ = ["describe", "Plan", "PlanRow", "GridPlan", "Traffic"]
+__all__ = ["describe", "Plan", "PlanRow", "GridPlan"]
 
 
 @dataclass(frozen=True)
@@ -251,10 +252,22 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
     def adopt(rows: int, sizes: list[int]) -> bool:
         return list(layouts.setdefault(rows, list(sizes))) == list(sizes)
 
+    def gathered(tracker, q, k, v):
+        """Attention over every band's tokens (the run gathers K and V): a row of its own, in the calling module."""
+        places = [tracker.get(t) for t in (q, k, v)]
+        if grid or domain_size == 1 or any(p is None or p.dim != t.ndim - 2 for t, p in zip((q, k, v), places, strict=True)):
+            return  # windows in the batch dim (no gather); the rule itself refuses the rest
+        p = places[1]
+        counts = [p.inner * s for s in sizes_of(k.shape[-2] // p.inner)]
+        path = tracker.stack[-1][0].rsplit(" (", 1)[0]  # "path (Type)": the module's path, as the layers' rows
+        plan.rows.append(PlanRow(path, "scaled_dot_product_attention()", k.shape[-2], q.shape[-2],
+                                 tuple(counts), tuple(counts), 0, 0, 1, 1, True, "K and V gathered (allgather_along)",
+                                 tuple(gather_traffic((k, v), counts, domain_size))))
+
     try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.functions)
         # grad on (meta tensors: no memory, no compute): a layer sees whether its input requires grad
         with torch.enable_grad(), Tracker(dry, shard_dim, None, sizes_of, record, judge=domain_size > 1,
-                                          adopt_layout=adopt) as tracker:
+                                          adopt_layout=adopt) as tracker, _Attention(tracker, gathered):
             dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
             x = torch.empty(input_shape, device="meta", dtype=dtype, requires_grad=requires_grad)
             tracker.mark_inputs(x)
@@ -265,6 +278,21 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         path, op, why = exc.refused
         plan.rows.append(PlanRow(path, op, 0, 0, (), (), 0, 0, 1, 0, False, f"refused: {why}"))
     return plan
+
+
+class _Attention(TorchFunctionMode):
+    """In the dry run, above the :class:`Tracker`: ``on_call(tracker, q, k, v)`` before each attention it judges."""
+
+    def __init__(self, tracker: Tracker, on_call) -> None:
+        super().__init__()
+        self.tracker, self.on_call = tracker, on_call
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+            named = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(("query", "key", "value"))]
+            self.on_call(self.tracker, *named)
+        return func(*args, **kwargs)
 
 
 def _halo_problem(sizes: list[int], width: int, boundary: str | None, axis: int) -> str | None:

@@ -137,3 +137,23 @@ def _rule(mod, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
     if type(mod).__name__.endswith("Dropout"):
         return lambda rank: Traffic()  # the identity (eval, p=0) after dp_local: no agreement
     return None
+
+
+def gather_traffic(tensors, counts: list[int], n: int) -> list[Traffic]:
+    """Every rank's :class:`Traffic` of :func:`credit_mpi.ops.allgather_along.allgather_along` of each of ``tensors`` along dim -2.
+
+    ``tensors`` are global (the dry run's: ``counts[r]`` of their ``N``
+    tokens on rank ``r``); forward one ``Allgatherv`` and one agreement
+    each, backward (a tensor that requires grad) one ``Reduce_scatter`` of
+    the gradient: the other ranks' tokens go to them.
+    """
+    out = []
+    for rank in range(n):
+        t = Traffic()
+        for x in tensors:
+            token = math.prod(x.shape) // x.shape[-2] * x.element_size()
+            mine, others = counts[rank] * token, (sum(counts) - counts[rank]) * token
+            back = (others, 1) if x.requires_grad else (0, 0)
+            t = t + Traffic(mine * (n - 1), 1, *back, 1)
+        out.append(t)
+    return out
