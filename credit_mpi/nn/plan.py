@@ -62,7 +62,7 @@ class PlanRow:
     min_rows: int
     exact: bool
     note: str = ""
-    traffic: tuple[Traffic, ...] | None = None
+    traffic: tuple[Traffic, ...] | None = field(default=None, compare=False)  # rows compare by their geometry
 
 
 @dataclass
@@ -238,7 +238,7 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         def traffic(width: int) -> tuple[Traffic, ...] | None:
             return _tuple(layer_traffic(mod, tuple(x.shape), tuple(out.shape), x.dtype, normalize_dim(shard_dim, x.ndim),
                                         domain_size, width, x.requires_grad,
-                                        any(p.requires_grad for p in mod.parameters(recurse=False))))
+                                        bool(getattr(getattr(mod, "weight", None), "requires_grad", False))))
 
         plan.rows.append(_row(mod, tuple(x.shape), tuple(out.shape), layouts, domain_size, shard_dim, grid,
                               None if grid else traffic))

@@ -9,7 +9,10 @@ bytes, forward and, when the input requires grad, backward (the halo
 gradients sent home); a transposed convolution's overlap-add the same of its
 output rows (backward whenever its weight requires grad); a norm's
 statistics one ``Allgather`` forward and one backward (Group / Instance /
-LayerNorm) or an ``Allreduce`` backward (BatchNorm, a global mean).
+LayerNorm) or an ``Allreduce`` backward (BatchNorm, a global mean; BatchNorm's
+over the domain group, as in a job without data-parallel ranks); attention
+over every band's tokens one gather of K and one of V
+(:func:`gather_traffic`).
 
 Bytes of a collective are the bytes of this rank's data that the other ranks
 receive (an ``Allgather`` of ``b`` bytes: ``b x (n - 1)``; an ``Allreduce``:
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..partition import halo_neighbors
-from . import conv, norm, resample
+from . import conv, dropout, norm, resample
 
 __all__ = ["Traffic", "AGREEMENT_BYTES", "layer_traffic"]
 
@@ -134,7 +137,7 @@ def _rule(mod, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
             return lambda rank: Traffic(agreements=1)
         c = shape_in[1] * acc
         return stats(3 * c, 3 * c, True)
-    if type(mod).__name__.endswith("Dropout"):
+    if isinstance(mod, dropout._DropoutMixin):
         return lambda rank: Traffic()  # the identity (eval, p=0) after dp_local: no agreement
     return None
 
