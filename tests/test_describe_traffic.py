@@ -93,7 +93,7 @@ def counting(manager):
         manager._domain_group = real
 
 
-def _model() -> nn.Module:
+def _model(shape=None) -> nn.Module:
     """Convolutions (kernel 3 and 5, stride 2, circular), a norm, pooling, upsampling and an overlapping transposed conv."""
     return nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1),
@@ -133,15 +133,28 @@ def _step(model, x, comm, paths) -> None:
             h.remove()
 
 
-def _attention() -> nn.Module:
+def _attention(shape=None) -> nn.Module:
     """A convolution, then attention over every band's tokens (K and V gathered: ``allgather_along``)."""
     from .test_function_rules import GlobalAttention
 
     return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), GlobalAttention(4)).double()
 
 
+def _norms(shape) -> nn.Module:
+    """Every norm (BatchNorm, InstanceNorm, LayerNorm over the field), average pooling and a global mean (then replicated)."""
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.InstanceNorm2d(4, affine=True),
+        nn.LayerNorm(tuple(shape[-2:])),
+        nn.AvgPool2d(3, 2, 1),
+        nn.AdaptiveAvgPool2d((1, None)),
+        nn.Conv2d(4, 2, 1),  # on the replicated mean: computed locally, after one agreement
+    ).double()
+
+
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize(("build", "requires_grad"), [(_model, False), (_model, True), (_attention, False)])
+@pytest.mark.parametrize(("build", "requires_grad"), [(_model, False), (_model, True), (_attention, False), (_norms, True)])
 def test_describe_traffic_equals_what_the_run_sends(build, requires_grad, make_manager):
     with prefix_managers(make_manager) as managers:
         for d, manager in managers:
@@ -149,9 +162,9 @@ def test_describe_traffic_equals_what_the_run_sends(build, requires_grad, make_m
                 continue
             for rows in (8 * d, 8 * d + 3):  # even and uneven bands (describe assumes array_split, as here)
                 shape = (1, 2, rows, 6)
-                plan = describe(build(), shape, d, requires_grad=requires_grad)
+                plan = describe(build(shape), shape, d, requires_grad=requires_grad)
                 assert plan.exact and plan.traffic is not None, str(plan)
-                model = convert_to_domain_parallel(build(), manager)
+                model = convert_to_domain_parallel(build(shape), manager)
                 a, b = band(rows, manager)
                 x = torch.randn(shape, dtype=torch.float64).narrow(2, a, b - a).contiguous().requires_grad_(requires_grad)
                 paths = {r.path for r in plan.rows}

@@ -97,6 +97,20 @@ def test_a_transposed_conv_agrees_once_per_call(make_manager):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_transposed_weight_frozen_on_one_rank_raises_on_every_rank(make_manager):
+    """Whether the overlap-add's backward runs (the weight's requires_grad too) is part of the layer's agreement."""
+    from credit_mpi.nn import convert_to_domain_parallel
+
+    from .nn_reference import same_error_everywhere
+
+    for d, manager, x in _domains(make_manager):
+        model = convert_to_domain_parallel(nn.Sequential(nn.ConvTranspose2d(2, 2, 3, padding=1)).double(), manager)
+        model[0].weight.requires_grad_(manager.domain_rank != d - 1)
+        message = same_error_everywhere(manager.domain_group, lambda m=model, x=x: m(x), ValueError)
+        assert "weight requires_grad" in message
+
+
+@pytest.mark.mpi(min_size=2)
 def test_on_a_domain_grid_a_layer_agrees_once_per_call(make_manager):
     """On a 1 x n grid (longitude blocks) a conv and a transposed conv make one agreement per call, as on bands."""
     from credit_mpi.nn import convert_to_domain_parallel
