@@ -235,13 +235,14 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
                                      (h_in,) * domain_size, (h_out,) * domain_size, 0, 0, 1, 0, True,
                                      "replicated input: computed locally", traffic))
             return None
-        def traffic(width: int) -> tuple[Traffic, ...] | None:
+
+        def traffic_of(width: int) -> tuple[Traffic, ...] | None:
             return _tuple(layer_traffic(mod, tuple(x.shape), tuple(out.shape), x.dtype, normalize_dim(shard_dim, x.ndim),
                                         domain_size, width, x.requires_grad,
                                         bool(getattr(getattr(mod, "weight", None), "requires_grad", False))))
 
         plan.rows.append(_row(mod, tuple(x.shape), tuple(out.shape), layouts, domain_size, shard_dim, grid,
-                              None if grid else traffic))
+                              None if grid else traffic_of))
         if isinstance(mod, resample._AdaptiveAvgMixin) and _global_mean(x.shape, out.shape, axis):
             return replicated(out)  # as the run: what is computed from it alone is replicated too
         return None
@@ -255,8 +256,8 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
     def gathered(tracker, q, k, v):
         """Attention over every band's tokens (the run gathers K and V): a row of its own, in the calling module."""
         places = [tracker.get(t) for t in (q, k, v)]
-        if grid or domain_size == 1 or any(p is None or p.dim != t.ndim - 2 for t, p in zip((q, k, v), places, strict=True)):
-            return  # windows in the batch dim (no gather); the rule itself refuses the rest
+        if grid or domain_size == 1 or tracker.trusted or any(p is None or p.dim != t.ndim - 2 for t, p in zip((q, k, v), places, strict=True)):
+            return  # inside a trusted module (not judged), windows in the batch dim (no gather); the rule refuses the rest
         p = places[1]
         counts = [p.inner * s for s in sizes_of(k.shape[-2] // p.inner)]
         path = tracker.stack[-1][0].rsplit(" (", 1)[0]  # "path (Type)": the module's path, as the layers' rows
