@@ -8,8 +8,9 @@ saved_tensors_hooks) against the bound 1.1 x (one process / d) + the halo
 rows, the slowest rank's median step time (forward, backward,
 reduce_gradients) and its ratio to one rank's, and the communication share
 (1 - the unconverted model's step on the band alone / the converted step),
-and the step with the convolutions' halos overlapped (credit_mpi.nn.conv.OVERLAP)
-against that local step.
+the step with the convolutions' halos overlapped (credit_mpi.nn.conv.OVERLAP)
+against that local step, and both steps against the converted step with every halo
+replaced by a local pad of the same shape (credit_mpi.cli.bench_model.local_halos).
 The measurements live in credit_mpi/cli/bench_model.py.
 """
 
@@ -69,6 +70,7 @@ def plot(rows, path) -> None:
     mem.legend()
     step.bar([str(r) for r in ranks], [r["step_s"] for r in rows], label="step")
     step.bar([str(r) for r in ranks], [r["overlap_s"] for r in rows], label="step, overlap", alpha=0.7)
+    step.bar([str(r) for r in ranks], [r["pad_s"] for r in rows], label="halos a local pad", alpha=0.6)
     step.bar([str(r) for r in ranks], [r["local_s"] for r in rows], label="compute alone", alpha=0.6)
     step.set(xlabel="ranks", ylabel="s", title="step time")
     step.legend()

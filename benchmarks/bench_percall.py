@@ -18,7 +18,11 @@ machine's noise falls on every method alike):
 * ``gather``: ``gather_tensor(x)`` returning a new array each call against
   raw ``Allgather`` into a reused buffer (the issue's floor), raw
   ``Allgather`` into a fresh buffer, ``gather_tensor(x, out=...)`` and the
-  reference's ``all_gather`` + ``torch.cat`` (gloo).
+  reference's ``all_gather`` + ``torch.cat`` (gloo);
+* ``gather 2d``: each rank's band is a block of the most nearly square
+  domain grid (1x2 on 2 ranks, 2x2 on 4): ``gather_tensor(x, (-2, -1))``
+  against one raw ``Alltoallw`` of the same bytes into a reused buffer
+  (every rank's block straight into its place through a subarray type).
 
 Every method's result is checked against the others before timing. The
 MPI methods are timed interleaved with each other, the gloo method in blocks
@@ -80,6 +84,37 @@ def raw_halo_module(comm, w=1):
     return RawHalo.apply
 
 
+def raw_alltoallw_gather(comm, x, grid):
+    """Every rank's block ``x`` (equal blocks, row-major ranks of ``grid``) into a reused global buffer: one ``Alltoallw``."""
+    rows, cols = grid
+    n = comm.Get_size()
+    b, c, h, w = x.shape
+    out = np.empty((b, c, rows * h, cols * w), x.dtype)
+    whole = MPI.FLOAT if x.dtype == np.float32 else MPI.DOUBLE
+    types = [whole.Create_subarray(out.shape, x.shape, (0, 0, (r // cols) * h, (r % cols) * w)).Commit() for r in range(n)]
+    send = [x, [x.size] * n, [0] * n, [whole] * n]
+    recv = [out, [1] * n, [0] * n, types]
+
+    def run():
+        comm.Alltoallw(send, recv)
+        return out
+
+    return run
+
+
+def gather_2d_cases(x, size):
+    """``gather 2d``'s methods, on a manager of the most nearly square grid (returned: the caller frees it)."""
+    from credit_mpi import DomainParallelManager, gather_tensor
+
+    grid = bench.square_grid(size)
+    manager = DomainParallelManager(None, size, domain_grid=grid)
+    cases = {
+        "credit": lambda: gather_tensor(x, (-2, -1), manager=manager),
+        "raw": raw_alltoallw_gather(manager.domain_group, x, grid),
+    }
+    return cases, manager
+
+
 def time_cases(comm, cases, repeats, number):
     """Interleaved blocks, rotating order: {name: [slowest rank's mean seconds per call, per block]}."""
     for fn in cases.values():
@@ -115,7 +150,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--sizes", default=",".join(SHAPES), help="comma-separated subset of " + ", ".join(SHAPES))
-    parser.add_argument("--ops", default="halo,halo fwd+bwd,gather")
+    parser.add_argument("--ops", default="halo,halo fwd+bwd,gather,gather 2d")
     parser.add_argument("--number", type=int, default=0, help="calls per timed block (default: about 30 MB of band per block, 3 to 200)")
     parser.add_argument("--json", default=None, help="write the raw times here (rank 0)")
     args = parser.parse_args(argv)
@@ -164,6 +199,9 @@ def main(argv=None) -> int:
                     "credit out=": lambda x=x, out=out: gather_tensor(x, manager=manager, out=out),
                     "gloo": bench.gloo_all_gather_cat(xt, -2, group),
                 }
+            grid_manager = None
+            if "gather 2d" in ops:
+                rows["gather 2d"], grid_manager = gather_2d_cases(x, size)
             for op, cases in rows.items():
                 _verify(op, cases, comm)
                 # MPI methods interleaved with each other; gloo after them (its threads would
@@ -178,6 +216,8 @@ def main(argv=None) -> int:
                     cells = "  ".join(f"{n} {m * 1e6:8.1f} us" for n, m in med.items())
                     ratios = "  ".join(f"{n}/credit {m / med['credit']:.2f}" for n, m in med.items() if n != "credit")
                     print(f"{op:13s} {label:8s} {cells}   credit/raw {med['credit'] / med['raw']:.2f}  {ratios}", flush=True)
+            if grid_manager is not None:
+                grid_manager.free()
         dist.barrier(group)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:

@@ -141,6 +141,12 @@ def _exchange_agreed(x: Any, halo_width: int, dim: int, manager: Any, boundary: 
     and boundary, and every band's rows: ``sizes``). The plan is remembered
     per call shape, as :func:`halo_exchange`'s.
     """
+    plan = _agreed_plan(x, halo_width, dim, manager, boundary, sizes)
+    return _autograd().halo_autograd(x, plan) if plan.autograd else halo_kernel(x, plan)
+
+
+def _agreed_plan(x: Any, halo_width: int, dim: int, manager: Any, boundary: str, sizes: tuple[int, ...]) -> _Plan:
+    """The plan of :func:`_exchange_agreed` (private; remembered per call shape): its ``apply`` and ``adjoint``."""
     key = (id(live_domain_comm(manager)), _call_key(x, halo_width, dim, boundary, "mpi"), sizes)
     plan = _AGREED_PLANS.get(key) if key[1] is not None else None
     if plan is None:
@@ -149,7 +155,7 @@ def _exchange_agreed(x: Any, halo_width: int, dim: int, manager: Any, boundary: 
             _AGREED_PLANS[key] = plan
             while len(_AGREED_PLANS) > 256:
                 _AGREED_PLANS.pop(next(iter(_AGREED_PLANS)))
-    return _autograd().halo_autograd(x, plan) if plan.autograd else halo_kernel(x, plan)
+    return plan
 
 
 _AGREED_PLANS: dict = {}  # (id(comm), call key, sizes) -> plan; dropped by manager.free() through on_forget

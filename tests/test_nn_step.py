@@ -72,6 +72,60 @@ def test_a_converted_conv_agrees_once_per_call(make_manager):
         assert counts[1] - counts[0] == 2, counts
 
 
+def _agreements_per_layer(build, x, k: int) -> int:
+    """The agreements one more layer of ``build()`` adds to a forward and backward (plans remembered)."""
+    counts = []
+    for layers in (1, 1 + k):
+        model = build(layers)
+        model(x).sum().backward()  # plans remembered
+        counts.append(_agreements(lambda m=model, x=x: m(x).sum().backward()))
+    return (counts[1] - counts[0]) // k
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_transposed_conv_agrees_once_per_call(make_manager):
+    """The overlap-add's exchange takes the layer's agreement (forward and backward: none of its own)."""
+    from credit_mpi.nn import convert_to_domain_parallel
+
+    def build(layers, manager):
+        convs = [nn.ConvTranspose2d(2, 2, 3, padding=1) for _ in range(layers)]  # an overlap of one row
+        return convert_to_domain_parallel(nn.Sequential(*convs).double(), manager)
+
+    for _, manager, x in _domains(make_manager):
+        for grad in (True, False):  # the input's gradient, or the weight's only
+            assert _agreements_per_layer(lambda n, m=manager: build(n, m), x.detach().requires_grad_(grad), 2) == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_transposed_weight_frozen_on_one_rank_raises_on_every_rank(make_manager):
+    """Whether the overlap-add's backward runs (the weight's requires_grad too) is part of the layer's agreement."""
+    from credit_mpi.nn import convert_to_domain_parallel
+
+    from .nn_reference import same_error_everywhere
+
+    for d, manager, x in _domains(make_manager):
+        model = convert_to_domain_parallel(nn.Sequential(nn.ConvTranspose2d(2, 2, 3, padding=1)).double(), manager)
+        model[0].weight.requires_grad_(manager.domain_rank != d - 1)
+        message = same_error_everywhere(manager.domain_group, lambda m=model, x=x: m(x), ValueError)
+        assert "weight requires_grad" in message
+
+
+@pytest.mark.mpi(min_size=2)
+def test_on_a_domain_grid_a_layer_agrees_once_per_call(make_manager):
+    """On a 1 x n grid (longitude blocks) a conv and a transposed conv make one agreement per call, as on bands."""
+    from credit_mpi.nn import convert_to_domain_parallel
+
+    world = MPI.COMM_WORLD
+    n = world.Get_size()
+    manager = make_manager(n, domain_grid=(1, n))
+    x = torch.randn(1, 2, 5, 4 * n, dtype=torch.float64).narrow(3, 4 * manager.domain_rank, 4).contiguous().requires_grad_()
+    for layer in (lambda: nn.Conv2d(2, 2, 3, padding=1, padding_mode="circular"), lambda: nn.ConvTranspose2d(2, 2, 3, padding=1)):
+        def build(layers, make=layer):
+            return convert_to_domain_parallel(nn.Sequential(*[make() for _ in range(layers)]).double(), manager)
+
+        assert _agreements_per_layer(build, x, 2) == 1
+
+
 @pytest.mark.mpi(min_size=2)
 def test_grad_mode_or_requires_grad_on_one_rank_raises_on_every_rank(make_manager):
     """What the skipped halo agreement checked (autograd records the exchange, or not) the layer's still does."""

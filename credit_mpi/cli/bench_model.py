@@ -9,7 +9,8 @@ not timed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 
@@ -71,6 +72,33 @@ def halo_row_bytes(model: Any, x: Any, domain_size: int) -> int:
     return sum(halos[p] * row.get(p, 0) for p in halos)
 
 
+@contextlib.contextmanager
+def local_halos() -> Iterator[None]:
+    """Within: the converted layers' halos are a local zero pad of the same shape (no message; a benchmark's baseline).
+
+    The layers still agree and their norms still gather statistics: the
+    step differs from the real one by the halo messages alone (what
+    overlapping them can hide). Transposed convolutions drop their overlap
+    instead of adding it to the neighbours. Every rank alike (no result is exact).
+    """
+    import torch.nn.functional as F
+
+    from ..nn import _comm, conv
+
+    def pad(x, width, axis, manager, boundary, sizes):
+        return F.pad(x, [0, 0] * (x.ndim - 1 - axis) + [width, width])
+
+    def drop(y, rows, width, axis, manager, sizes):
+        return y.narrow(axis, width, rows)
+
+    saved = _comm._exchange_agreed, conv.overlap_add
+    _comm._exchange_agreed, conv.overlap_add = pad, drop
+    try:
+        yield
+    finally:
+        _comm._exchange_agreed, conv.overlap_add = saved
+
+
 def _step(model: Any, x: Any, count: int) -> Any:
     """One training step's compute: forward, a loss (this band's share of a global mean square), backward."""
     out = model(x)
@@ -99,7 +127,11 @@ def measure(build: Callable[[], Any], shape: tuple[int, ...], sizes: Iterable[in
     (the same shapes, no communication, halos replaced by its own padding):
     ``comm_share`` = 1 - local_s / step_s, the part of the step that the
     communication (and its waiting) costs; ``overlap_s`` the step with
-    ``credit_mpi.nn.conv.OVERLAP`` on, ``overlap_vs_local`` = overlap_s / local_s.
+    ``credit_mpi.nn.conv.OVERLAP`` on, ``overlap_vs_local`` = overlap_s / local_s;
+    ``pad_s`` the converted step with every halo a local pad of the same shape
+    (:func:`local_halos`: agreements and statistics still run), and
+    ``overlap_vs_pad`` / ``step_vs_pad`` the steps with and without overlap over it:
+    what the halo messages cost, overlapped or not.
     """
     import statistics
     import time
@@ -130,24 +162,27 @@ def measure(build: Callable[[], Any], shape: tuple[int, ...], sizes: Iterable[in
         x = xg.narrow(-2, a, b - a).contiguous()
         saved, out = saved_activation_bytes(lambda m=model, x=x: m(x.clone().requires_grad_()), model.parameters())
         out.sum().backward()
-        times = {"step": [], "overlap": [], "local": []}
-        for _ in range(iters):  # interleaved: the machine's load changes alike for all three
-            for name, m in (("step", model), ("overlap", model), ("local", ref)):
+        times = {"step": [], "overlap": [], "pad": [], "local": []}
+        for _ in range(iters):  # interleaved: the machine's load changes alike for all four
+            for name, m in (("step", model), ("overlap", model), ("pad", model), ("local", ref)):
                 conv.OVERLAP = name == "overlap"  # every rank alike (the layers agree on it)
-                sub.Barrier()
-                t0 = time.perf_counter()
-                _step(m, x.clone().requires_grad_(), count)
-                if m is model:
-                    credit_mpi.reduce_gradients(list(model.parameters()), manager)
-                times[name].append(time.perf_counter() - t0)
+                with local_halos() if name == "pad" else contextlib.nullcontext():
+                    sub.Barrier()
+                    t0 = time.perf_counter()
+                    _step(m, x.clone().requires_grad_(), count)
+                    if m is model:
+                        credit_mpi.reduce_gradients(list(model.parameters()), manager)
+                    times[name].append(time.perf_counter() - t0)
                 m.zero_grad()
         conv.OVERLAP = False
-        step, overlap, local = (sub.allreduce(statistics.median(times[k]), op=MPI.MAX) for k in ("step", "overlap", "local"))
+        step, overlap, pad, local = (sub.allreduce(statistics.median(times[k]), op=MPI.MAX)
+                                     for k in ("step", "overlap", "pad", "local"))
         saved = sub.allreduce(saved, op=MPI.MAX)
         halo = halo_row_bytes(build(), xg, d)
         rows.append({"ranks": d, "saved_mib": saved / 2**20, "bound_mib": (1.1 * one / d + halo) / 2**20,
                      "halo_mib": halo / 2**20, "step_s": step, "overlap_s": overlap, "local_s": local,
-                     "comm_share": 1 - local / step, "overlap_vs_local": overlap / local})
+                     "pad_s": pad, "comm_share": 1 - local / step, "overlap_vs_local": overlap / local,
+                     "overlap_vs_pad": overlap / pad, "step_vs_pad": step / pad})
         manager.free()
         sub.Free()
         _wait_idle(world)
@@ -157,11 +192,12 @@ def measure(build: Callable[[], Any], shape: tuple[int, ...], sizes: Iterable[in
 def table(rows: list[dict]) -> str:
     """The rows of :func:`measure` as a text table, with each step time as a ratio to one rank's."""
     head = (f"{'ranks':>5}  {'saved MiB/rank':>14}  {'bound MiB':>9}  {'halo MiB':>8}  {'step s':>7}  {'x 1 rank':>8}  "
-            f"{'comm share':>10}  {'overlap s':>9}  {'overlap / local':>15}")
+            f"{'comm share':>10}  {'overlap s':>9}  {'overlap / local':>15}  {'pad s':>7}  {'step / pad':>10}  {'overlap / pad':>13}")
     base = rows[0]["step_s"]
     lines = [head] + [
         f"{r['ranks']:>5}  {r['saved_mib']:>14.1f}  {r['bound_mib']:>9.1f}  {r['halo_mib']:>8.2f}  {r['step_s']:>7.3f}  "
-        f"{r['step_s'] / base:>8.2f}  {100 * r['comm_share']:>9.0f}%  {r['overlap_s']:>9.3f}  {r['overlap_vs_local']:>15.2f}"
+        f"{r['step_s'] / base:>8.2f}  {100 * r['comm_share']:>9.0f}%  {r['overlap_s']:>9.3f}  {r['overlap_vs_local']:>15.2f}  "
+        f"{r['pad_s']:>7.3f}  {r['step_vs_pad']:>10.3f}  {r['overlap_vs_pad']:>13.3f}"
         for r in rows
     ]
     return "\n".join(lines)

@@ -3,7 +3,7 @@
 ``convert_to_domain_parallel(model, manager)`` replaces each layer that mixes
 rows along the sharded dim by a ``DomainParallel*`` wrapper (same parameters,
 same ``state_dict`` keys) and refuses what it has no rule for;
-``describe(model, input_shape, domain_size)`` prints the plan (halo rows,
+``describe(model, input_shape, domain_size)`` prints the plan (halo rows, what each rank sends,
 stride alignment, minimum band height) before any data moves.
 
 The training-loop helpers (latitude weights, the band-share loss, global
@@ -54,6 +54,7 @@ from .resample import (
     DomainParallelMaxPool3d,
     DomainParallelUpsample,
 )
+from .traffic import Traffic
 from .training import (
     LatitudeWeightedMSELoss,
     clip_grad_norm_,
@@ -72,6 +73,7 @@ __all__ = [
     "validate_sharding_constraints",
     "Plan",
     "PlanRow",
+    "Traffic",
     "GridPlan",
     "ConversionError",
     "DomainParallelConv1d",

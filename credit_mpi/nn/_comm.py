@@ -29,12 +29,15 @@ from mpi4py import MPI
 from torch.autograd.function import once_differentiable
 
 from .._printing import settled_comm
-from ..autograd import check_backward_thread
-from ..blocks import decode_block, encode_block
+from ..autograd import check_backward_thread, halo_autograd
+from ..blocks import decode_block, encode_block, grid_comm
 from ..grid import grid_coords, grid_of
-from ..halo import _exchange_agreed, halo_exchange
+from ..halo import _agreed_plan, _exchange_agreed
+from ..halo2d import Plan2d
 from ..layout import Layout
+from ..manager import domain_of
 from ..partition import check_halo_width
+from ..transport.moves import MpiMoves
 from ..validation import DomainParallelError, Local, agree_cached, comm_label
 from ..validation import agree as agree_once
 
@@ -266,33 +269,36 @@ def allgather_stats(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
 
 
 class _OverlapAdd(torch.autograd.Function):
+    """The adjoint of an agreed halo exchange (its ``plan``): forward ``plan.adjoint``, backward ``plan.apply``."""
+
     @staticmethod
-    def forward(ctx, y, rows, width, axis, manager):
-        ctx.width, ctx.axis, ctx.manager = width, axis, manager
-        shape = list(y.shape)
-        shape[axis] = rows
-        with torch.enable_grad():
-            z = torch.zeros(shape, dtype=y.dtype, device=y.device, requires_grad=True)
-            padded = halo_exchange(z, width, axis, manager, check=False)
-            (out,) = torch.autograd.grad(padded, z, y)
-        return out
+    def forward(ctx, y, plan):
+        ctx.plan = plan
+        return plan.adjoint(y.detach())
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
+        check_backward_thread()
         # the adjoint of the adjoint: the plain exchange (no grad of its own: double backward is refused)
-        return halo_exchange(grad.detach().contiguous(), ctx.width, ctx.axis, ctx.manager, check=False), None, None, None, None
+        return ctx.plan.apply(grad.detach().contiguous()), None
 
 
 @_eager
-def overlap_add(y: torch.Tensor, rows: int, width: int, axis: int, manager: Any) -> torch.Tensor:
+def overlap_add(y: torch.Tensor, rows: int, width: int, axis: int, manager: Any, sizes: tuple[int, ...]) -> torch.Tensor:
     """``y`` holds ``rows + 2*width`` rows (``width`` before and after the own ``rows``): add the outer ones to the neighbours'.
 
     The adjoint of :func:`credit_mpi.halo_exchange` with a zero boundary
-    (rows beyond the global edges are dropped). Collective over the domain
-    group; differentiable once.
+    (rows beyond the global edges are dropped). ``sizes`` are every rank's
+    own rows, agreed by the caller (a transposed layer's one agreement
+    covers the exchange's). Collective over the domain group; differentiable once.
     """
-    return _OverlapAdd.apply(y, rows, width, axis, manager)
+    if not width:
+        return y
+    plan = _agreed_plan(y.detach().narrow(axis, width, rows), width, axis, manager, "zero", tuple(sizes))
+    if torch.is_grad_enabled() and y.requires_grad:  # agreed by the layer (its input and weight): every rank or none
+        return _OverlapAdd.apply(y, plan)
+    return plan.adjoint(y)
 
 
 # --------------------------------------------------------------------------- the 2-D domain grid
@@ -403,7 +409,10 @@ def fetch_block(
     ay, ax = blocks.axes
     hy, hx = width
     exchange = tuple("zero" if b == "replicate" else b for b in boundary)
-    padded = halo_exchange(x, (hy, hx), (ay, ax), manager, boundary=exchange, check=False) if hy or hx else x
+    padded = x
+    if hy or hx:
+        plan = _grid_plan(x, blocks.heights, blocks.widths, (hy, hx), (ay, ax), manager, exchange)
+        padded = halo_autograd(x, plan) if plan.autograd else plan.apply(x)
     spans = (
         (ay, lat, blocks.y0, hy, sum(blocks.heights), boundary[0]),
         (ax, lon, blocks.x0, hx, sum(blocks.widths), boundary[1]),
@@ -417,34 +426,39 @@ def fetch_block(
     return padded
 
 
-class _OverlapAdd2d(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, own, width, axes, manager):
-        ctx.width, ctx.axes, ctx.manager = width, axes, manager
-        shape = list(y.shape)
-        shape[axes[0]], shape[axes[1]] = own
-        with torch.enable_grad():
-            z = torch.zeros(shape, dtype=y.dtype, device=y.device, requires_grad=True)
-            padded = halo_exchange(z, width, axes, manager, boundary=("zero", "zero"), check=False)
-            (out,) = torch.autograd.grad(padded, z, y)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        check_backward_thread()
-        # the adjoint of the adjoint: the plain exchange (no grad of its own: double backward is refused)
-        g = grad.detach().contiguous()
-        return halo_exchange(g, ctx.width, ctx.axes, ctx.manager, boundary=("zero", "zero"), check=False), None, None, None, None
-
-
 @_eager
-def overlap_add_2d(y: torch.Tensor, own: tuple[int, int], width: tuple[int, int], axes: tuple[int, int], manager: Any) -> torch.Tensor:
+def overlap_add_2d(y: torch.Tensor, own: tuple[int, int], width: tuple[int, int], axes: tuple[int, int], manager: Any,
+                   heights: tuple[int, ...], widths: tuple[int, ...]) -> torch.Tensor:
     """The 2-D :func:`overlap_add`: ``y`` holds this block's ``own`` (rows, cols) plus ``width`` (hy, hx) on every side.
 
     The outer rows, columns and corners are added to the neighbours' blocks
     (the adjoint of the 2-D halo exchange with zero boundaries: what falls
-    beyond the global edges is dropped). Collective over the domain grid;
-    differentiable once.
+    beyond the global edges is dropped). ``heights`` / ``widths`` are every
+    block's own rows / columns, agreed by the caller. Collective over the
+    domain grid; differentiable once.
     """
-    return _OverlapAdd2d.apply(y, tuple(own), tuple(width), tuple(axes), manager)
+    if not any(width):
+        return y
+    block = y.detach().narrow(axes[0], width[0], own[0]).narrow(axes[1], width[1], own[1])
+    plan = _grid_plan(block, heights, widths, width, axes, manager, ("zero", "zero"))
+    if torch.is_grad_enabled() and y.requires_grad:  # agreed by the layer: every rank or none
+        return _OverlapAdd.apply(y, plan)
+    return plan.adjoint(y)
+
+
+def _grid_plan(x: torch.Tensor, heights, widths, width: tuple[int, int], axes: tuple[int, int], manager: Any,
+               boundary: tuple[str, str]) -> Plan2d:
+    """The 2-D halo exchange's plan for blocks the caller's agreement settled (no agreement of its own).
+
+    The layer's agreement covers what the exchange's would: every block's
+    rows and columns, the dtype, device, every other dim and the autograd
+    state (the halo widths are checked here against the agreed blocks).
+    """
+    check_halo_width(list(heights), width[0], boundary[0], axes[0])  # agreed sizes: every rank raises alike
+    check_halo_width(list(widths), width[1], boundary[1], axes[1])
+    domain = domain_of(manager)
+    grid = grid_of(manager, domain.size)
+    comm = grid_comm(domain)
+    row, col = grid_coords(domain.rank, grid)
+    return Plan2d(comm, grid, row, col, axes[0], axes[1], width[0], width[1], boundary[0], boundary[1], tuple(x.shape),
+                  tuple(heights), tuple(widths), bool(torch.is_grad_enabled() and x.requires_grad), None, MpiMoves(comm))

@@ -202,7 +202,7 @@ class _ConvTransposeMixin(DomainParallelModule):
                 raise ValueError(f"{self.dp_path}: padding_mode={self.padding_mode!r} (torch supports only 'zeros')")
             return self.dp_spatial_axis(t, nd, type(self).__name__)
 
-        bands = agree(x, axis_of, manager.domain_group, self.dp_path, mode=self.dp_mode())
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path, self._records, mode=self.dp_mode())
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         lay = transposed_layout(self, bands.sizes, sd)
@@ -218,10 +218,14 @@ class _ConvTransposeMixin(DomainParallelModule):
         after = (band.out_stop + w) - band.in_hi
         pad = [0, 0] * (x.ndim - 1 - axis) + [before, after]
         y = F.pad(y, pad)
-        out = overlap_add(y, band.out_rows, w, axis, manager)
+        out = overlap_add(y, band.out_rows, w, axis, manager, lay.out_sizes)
         if self.bias is not None:
             out = out + self.bias.view([-1] + [1] * nd).to(out.dtype)  # autocast: a bf16 output stays bf16
         return out
+
+    def _records(self) -> tuple[str, bool]:
+        """Part of the agreement: whether the overlap-add's backward runs (the weight's requires_grad decides it too)."""
+        return "weight requires_grad", bool(self.weight.requires_grad)
 
     def _grid_forward(self, x: torch.Tensor, output_size: list[int] | None) -> torch.Tensor:
         """On a 2-D grid: this block's full contribution, the overlap added to the neighbouring blocks (corners too)."""
@@ -234,7 +238,7 @@ class _ConvTransposeMixin(DomainParallelModule):
                 raise ValueError(f"{self.dp_path}: padding_mode={self.padding_mode!r} (torch supports only 'zeros')")
             return self.dp_grid_axes(t, nd, type(self).__name__)
 
-        blocks = agree_blocks(x, axes_of, manager, self.dp_path, mode=self.dp_mode())
+        blocks = agree_blocks(x, axes_of, manager, self.dp_path, self._records, mode=self.dp_mode())
         ay, ax = blocks.axes
         sy, sx = ay - (x.ndim - nd), ax - (x.ndim - nd)
         lays = (transposed_layout(self, blocks.heights, sy), transposed_layout(self, blocks.widths, sx))
@@ -253,7 +257,7 @@ class _ConvTransposeMixin(DomainParallelModule):
                by.in_lo - (by.out_start - wy), (by.out_stop + wy) - by.in_hi]
         own, width = (by.out_rows, bx.out_rows), (wy, wx)
         y = F.pad(y, pad)
-        out = overlap_add_2d(y, tuple(own), tuple(width), (ay, ax), manager)
+        out = overlap_add_2d(y, tuple(own), tuple(width), (ay, ax), manager, lays[0].out_sizes, lays[1].out_sizes)
         if self.bias is not None:
             out = out + self.bias.view([-1] + [1] * nd).to(out.dtype)  # autocast: a bf16 output stays bf16
         return out

@@ -7,6 +7,12 @@ of the sharded dim over ``domain_size`` ranks) through the layers' ownership
 rules (:mod:`credit_mpi.nn.geometry`). Tensors are matched by their global
 height along the sharded dim (a UNet's skip connection and the upsampled path
 must have the same height, and then must have the same layout).
+
+Each row also carries what every rank sends in that layer call, forward and
+backward, and its agreements (:mod:`credit_mpi.nn.traffic`): the dry run
+tracks which tensors require grad (the parameters do; the input when
+``requires_grad``), so a layer whose input needs no gradient sends nothing
+backward, as in the run.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..grid import check_grid, grid_of
 from ..partition import band_sizes, check_halo_width, normalize_dim
@@ -26,6 +33,7 @@ from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
 from .functions import Tracker
 from .replicated import is_replicated, replicated
+from .traffic import AGREEMENT_BYTES, Traffic, gather_traffic, layer_traffic
 
 __all__ = ["describe", "Plan", "PlanRow", "GridPlan"]
 
@@ -37,7 +45,9 @@ class PlanRow:
     ``halo_before``/``halo_after`` are the most rows any band reads from its
     neighbours (for transposed layers: the output rows it adds to them);
     ``stride`` the offset alignment that keeps layouts matched; ``min_rows``
-    the band height every rank needs; ``exact`` whether the layout runs.
+    the band height every rank needs; ``exact`` whether the layout runs;
+    ``traffic`` what each rank sends in this call (one :class:`Traffic` per
+    rank; None for a layer without a traffic rule, and on a 2-D grid).
     """
 
     path: str
@@ -52,6 +62,7 @@ class PlanRow:
     min_rows: int
     exact: bool
     note: str = ""
+    traffic: tuple[Traffic, ...] | None = field(default=None, compare=False)  # rows compare by their geometry
 
 
 @dataclass
@@ -67,13 +78,32 @@ class Plan:
         """True when every layer runs exactly on this layout."""
         return all(r.exact for r in self.rows)
 
+    @property
+    def traffic(self) -> tuple[Traffic, ...] | None:
+        """What each rank sends in one forward and backward (every layer, and the forward's last agreement).
+
+        None when a layer has no traffic rule (or on a refused layer).
+        """
+        if any(r.traffic is None for r in self.rows):
+            return None
+        end = Traffic(agreements=1) if self.domain_size > 1 else Traffic()
+        total = [end] * self.domain_size
+        for r in self.rows:
+            total = [a + b for a, b in zip(total, r.traffic, strict=True)]
+        return tuple(total)
+
     def __str__(self) -> str:
-        head = ("layer", "type", "rows in->out", "halo -/+", "stride", "min rows", "exact", "note")
+        head = ("layer", "type", "rows in->out", "halo -/+", "stride", "min rows", "exact", "sends fwd/bwd",
+                "msgs fwd/bwd", "agree", "note")
         lines = [
             (r.path, r.kind, f"{r.rows_in}->{r.rows_out}", f"{r.halo_before}/{r.halo_after}", str(r.stride),
-             str(r.min_rows), "yes" if r.exact else "NO", r.note)
+             str(r.min_rows), "yes" if r.exact else "NO", *_traffic_cells(r.traffic), r.note)
             for r in self.rows
         ]
+        total = self.traffic
+        if total is not None and self.rows:
+            lines.append(("total", "", "", "", "", "", "", *_traffic_cells(total),
+                          f"the most any rank sends; agreements: {AGREEMENT_BYTES} B x (ranks - 1) each"))
         widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         out = [f"plan for input {tuple(self.input_shape)} on {self.domain_size} band(s): "
@@ -110,9 +140,27 @@ class GridPlan:
         return f"{head}\nlatitude ({rows} block row(s), dim -2):\n{lat}\nlongitude ({cols} block column(s), dim -1):\n{lon}"
 
 
+def _traffic_cells(traffic: tuple[Traffic, ...] | None) -> tuple[str, str, str]:
+    """The table's traffic cells: the most any rank sends, forward/backward (bytes, messages), and agreements."""
+    if traffic is None:
+        return "?", "?", "?"
+    if not traffic:
+        return "0/0", "0/0", "0"
+    most = [max(t.as_tuple()[i] for t in traffic) for i in range(5)]
+    return f"{_size(most[0])}/{_size(most[2])}", f"{most[1]}/{most[3]}", str(most[4])
+
+
+def _size(n: int) -> str:
+    """Bytes as B / KiB / MiB (three significant digits)."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
 def describe(model: nn.Module, input_shape: tuple[int, ...], domain_size: int | None = None, manager=None,
              shard_dim: int = -2, *, domain_grid: tuple[int, int] | None = None,
-             custom_converters: dict | None = None) -> Plan | GridPlan:
+             custom_converters: dict | None = None, requires_grad: bool = False) -> Plan | GridPlan:
     """The plan of ``model`` (converted or not) for a global input of ``input_shape`` on ``domain_size`` bands.
 
     Args:
@@ -124,10 +172,13 @@ def describe(model: nn.Module, input_shape: tuple[int, ...], domain_size: int | 
         domain_grid: ``(rows, cols)`` of a latitude x longitude domain grid (default: the manager's).
         custom_converters: What :func:`~credit_mpi.nn.convert_to_domain_parallel` takes (the plan is
             that of the model converted with them).
+        requires_grad: Whether the input requires grad (the backward traffic of the layers before the
+            first one with parameters: a batch of data needs no gradient, the default).
 
     Returns:
-        A :class:`Plan` (``print(plan)`` shows the table; ``plan.exact``; ``plan.rows``); on a grid of
-        more than one column a :class:`GridPlan` (one plan per grid dim).
+        A :class:`Plan` (``print(plan)`` shows the table; ``plan.exact``; ``plan.rows``; ``plan.traffic``:
+        what each rank sends in one step, see :mod:`credit_mpi.nn.traffic`); on a grid of more than one
+        column a :class:`GridPlan` (one plan per grid dim, no traffic yet).
 
     Raises:
         ConversionError: the model has a module without a rule (on a grid: without a block rule).
@@ -148,12 +199,12 @@ def describe(model: nn.Module, input_shape: tuple[int, ...], domain_size: int | 
                                  f"must be -2 (latitude), got {shard_dim}")
             standin = SimpleNamespace(domain_parallel_size=grid[0] * grid[1], domain_grid=grid)
             _convert(copy.deepcopy(model, _memo(model, manager)).to("meta"), "", standin, shard_dim, custom)  # refusals only
-            return GridPlan(grid, _plan(model, input_shape, grid[0], manager, -2, custom, grid),
-                            _plan(model, input_shape, grid[1], manager, -1, custom, grid))
+            return GridPlan(grid, _plan(model, input_shape, grid[0], manager, -2, custom, requires_grad, grid),
+                            _plan(model, input_shape, grid[1], manager, -1, custom, requires_grad, grid))
         domain_size = grid[0] if domain_size is None else domain_size
     if domain_size is None:
         domain_size = manager.domain_parallel_size if manager is not None else 1
-    return _plan(model, input_shape, domain_size, manager, shard_dim, custom)
+    return _plan(model, input_shape, domain_size, manager, shard_dim, custom, requires_grad)
 
 
 def _memo(model: nn.Module, manager) -> dict:
@@ -166,7 +217,7 @@ def _memo(model: nn.Module, manager) -> dict:
 
 
 def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, manager, shard_dim: int, custom: dict,
-          grid: tuple[int, int] | None = None) -> Plan:
+          requires_grad: bool = False, grid: tuple[int, int] | None = None) -> Plan:
     # no manager anywhere, the root's forward guard included: the dry run makes no MPI call
     dry = guard_forward(_convert(copy.deepcopy(model, _memo(model, manager)), "", None, shard_dim, custom), None)
     dry = dry.to("meta")
@@ -179,11 +230,19 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         whole = is_replicated(x)
         if whole:  # a replicated input (a global mean's, on every rank): the layer computes on it locally
             h_in, h_out = x.shape[axis - len(input_shape)], out.shape[axis - len(input_shape)]
+            traffic = None if grid else _tuple(layer_traffic(mod, (), (), x.dtype, 0, domain_size, 0, False, False, local=True))
             plan.rows.append(PlanRow(mod.dp_path, type(mod).__name__.replace("DomainParallel", ""), h_in, h_out,
                                      (h_in,) * domain_size, (h_out,) * domain_size, 0, 0, 1, 0, True,
-                                     "replicated input: computed locally"))
+                                     "replicated input: computed locally", traffic))
             return None
-        plan.rows.append(_row(mod, tuple(x.shape), tuple(out.shape), layouts, domain_size, shard_dim, grid))
+
+        def traffic_of(width: int) -> tuple[Traffic, ...] | None:
+            return _tuple(layer_traffic(mod, tuple(x.shape), tuple(out.shape), x.dtype, normalize_dim(shard_dim, x.ndim),
+                                        domain_size, width, x.requires_grad,
+                                        bool(getattr(getattr(mod, "weight", None), "requires_grad", False))))
+
+        plan.rows.append(_row(mod, tuple(x.shape), tuple(out.shape), layouts, domain_size, shard_dim, grid,
+                              None if grid else traffic_of))
         if isinstance(mod, resample._AdaptiveAvgMixin) and _global_mean(x.shape, out.shape, axis):
             return replicated(out)  # as the run: what is computed from it alone is replicated too
         return None
@@ -194,11 +253,24 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
     def adopt(rows: int, sizes: list[int]) -> bool:
         return list(layouts.setdefault(rows, list(sizes))) == list(sizes)
 
+    def gathered(tracker, q, k, v):
+        """Attention over every band's tokens (the run gathers K and V): a row of its own, in the calling module."""
+        places = [tracker.get(t) for t in (q, k, v)]
+        if grid or domain_size == 1 or tracker.trusted or any(p is None or p.dim != t.ndim - 2 for t, p in zip((q, k, v), places, strict=True)):
+            return  # inside a trusted module (not judged), windows in the batch dim (no gather); the rule refuses the rest
+        p = places[1]
+        counts = [p.inner * s for s in sizes_of(k.shape[-2] // p.inner)]
+        path = tracker.stack[-1][0].rsplit(" (", 1)[0]  # "path (Type)": the module's path, as the layers' rows
+        plan.rows.append(PlanRow(path, "scaled_dot_product_attention()", k.shape[-2], q.shape[-2],
+                                 tuple(counts), tuple(counts), 0, 0, 1, 1, True, "K and V gathered (allgather_along)",
+                                 tuple(gather_traffic((k, v), counts, domain_size))))
+
     try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.functions)
-        with torch.no_grad(), Tracker(dry, shard_dim, None, sizes_of, record, judge=domain_size > 1,
-                                         adopt_layout=adopt) as tracker:
+        # grad on (meta tensors: no memory, no compute): a layer sees whether its input requires grad
+        with torch.enable_grad(), Tracker(dry, shard_dim, None, sizes_of, record, judge=domain_size > 1,
+                                          adopt_layout=adopt) as tracker, _Attention(tracker, gathered):
             dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
-            x = torch.empty(input_shape, device="meta", dtype=dtype)
+            x = torch.empty(input_shape, device="meta", dtype=dtype, requires_grad=requires_grad)
             tracker.mark_inputs(x)
             dry(x)
     except ConversionError as exc:  # a function without a rule: the run raises this on every rank
@@ -207,6 +279,21 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         path, op, why = exc.refused
         plan.rows.append(PlanRow(path, op, 0, 0, (), (), 0, 0, 1, 0, False, f"refused: {why}"))
     return plan
+
+
+class _Attention(TorchFunctionMode):
+    """In the dry run, above the :class:`Tracker`: ``on_call(tracker, q, k, v)`` before each attention it judges."""
+
+    def __init__(self, tracker: Tracker, on_call) -> None:
+        super().__init__()
+        self.tracker, self.on_call = tracker, on_call
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+            named = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(("query", "key", "value"))]
+            self.on_call(self.tracker, *named)
+        return func(*args, **kwargs)
 
 
 def _halo_problem(sizes: list[int], width: int, boundary: str | None, axis: int) -> str | None:
@@ -236,7 +323,12 @@ def _global_mean(shape_in, shape_out, axis: int) -> bool:
     return len(shape_in) >= -ax and shape_out[ax] == 1 and shape_in[ax] > 1
 
 
-def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None) -> PlanRow:
+def _tuple(traffic: list[Traffic] | None) -> tuple[Traffic, ...] | None:
+    return None if traffic is None else tuple(traffic)
+
+
+def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None, traffic=None) -> PlanRow:
+    """The plan row of one layer call; ``traffic(width)`` its per-rank traffic for the layout's halo ``width`` (exact rows)."""
     ax = normalize_dim(shard_dim, len(shape_in))
     h_in, h_out = shape_in[ax], shape_out[ax]
     note = ""
@@ -273,7 +365,8 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None) -> PlanRow:
         return PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(sizes), 0, 0, 1, 1, False, refused)
     if lay is None:
         exact = all(s > 0 for s in sizes)
-        row = PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(out_sizes), 0, 0, 1, 1, exact, note)
+        row = PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(out_sizes), 0, 0, 1, 1, exact, note,
+                      traffic(0) if exact and traffic else None)
     else:
         out_sizes = lay.out_sizes
         before = max(max(b.before for b in lay.bands), 0)
@@ -285,7 +378,7 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None) -> PlanRow:
         elif stride > 1 and any(o % stride for o in geometry.offsets_of(sizes)):
             note += f"offsets {geometry.offsets_of(sizes)} not multiples of {stride}: exact, but a transposed layer will not restore them"
         row = PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(out_sizes), before, after, stride,
-                      lay.min_rows, exact, note)
+                      lay.min_rows, exact, note, traffic(lay.width) if exact and traffic else None)
     if note.startswith("global mean"):
         return row  # replicated, not a band layout
     if h_out in layouts and layouts[h_out] != list(out_sizes) and h_out != 1:

@@ -1,0 +1,162 @@
+"""What each rank sends in one call of a converted layer (issue 26, item 3): the numbers behind ``describe()``.
+
+Computed from a layer's global input and output shapes and every band's rows
+(the dry run of :func:`credit_mpi.nn.describe`), by the rules the layers
+run: a halo is one message per neighbour (none past a zero / reflect edge;
+the first and last bands exchange with ``circular`` padding) of
+``width x (the dims before the sharded one) x (the dims after it) x itemsize``
+bytes, forward and, when the input requires grad, backward (the halo
+gradients sent home); a transposed convolution's overlap-add the same of its
+output rows (backward whenever its weight requires grad); a norm's
+statistics one ``Allgather`` forward and one backward (Group / Instance /
+LayerNorm) or an ``Allreduce`` backward (BatchNorm, a global mean; BatchNorm's
+over the domain group, as in a job without data-parallel ranks); attention
+over every band's tokens one gather of K and one of V
+(:func:`gather_traffic`).
+
+Bytes of a collective are the bytes of this rank's data that the other ranks
+receive (an ``Allgather`` of ``b`` bytes: ``b x (n - 1)``; an ``Allreduce``:
+its buffer ``x (n - 1)``), what a direct delivery moves, whatever tree or
+ring the MPI library uses; one collective call is one message. Agreements
+(one fixed-size ``Allgather`` of :data:`AGREEMENT_BYTES` per rank at the
+start of each layer call, and one at the end of the forward) are counted
+apart: their count is the fixed cost per layer that a latency-bound step
+pays. The numbers are those of a step after the first (the first call of a
+layer shape also exchanges its band table once).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..partition import halo_neighbors
+from . import conv, dropout, norm, resample
+
+__all__ = ["Traffic", "AGREEMENT_BYTES", "layer_traffic"]
+
+#: The bytes each rank contributes to one agreement (:func:`credit_mpi.validation.agree`: five int64).
+AGREEMENT_BYTES = 40
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one rank sends in one layer call (or a whole step): bytes and messages forward and backward, agreements."""
+
+    forward_bytes: int = 0
+    forward_messages: int = 0
+    backward_bytes: int = 0
+    backward_messages: int = 0
+    agreements: int = 0
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
+
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        return (self.forward_bytes, self.forward_messages, self.backward_bytes, self.backward_messages, self.agreements)
+
+
+def _halo(rank: int, n: int, width: int, rows_bytes: int, periodic: bool) -> tuple[int, int]:
+    """``(bytes, messages)`` one band sends in one halo exchange (or its adjoint) of ``rows_bytes`` per row."""
+    if not width or not rows_bytes:
+        return 0, 0
+    messages = sum(nb is not None for nb in halo_neighbors(rank, n, periodic))
+    return messages * width * rows_bytes, messages
+
+
+def _row_bytes(shape: tuple[int, ...], axis: int, itemsize: int) -> int:
+    """Bytes of one row along ``axis`` (all the dims before it times all the dims after it)."""
+    return math.prod(shape[:axis]) * math.prod(shape[axis + 1 :]) * itemsize
+
+
+def _acc_itemsize(dtype: torch.dtype) -> int:
+    """The statistics' itemsize: float64 for float64 input, float32 otherwise (:mod:`credit_mpi.nn.norm`)."""
+    return 8 if dtype == torch.float64 else 4
+
+
+def layer_traffic(mod, shape_in: tuple[int, ...], shape_out: tuple[int, ...], dtype: torch.dtype, axis: int,
+                  n: int, width: int, grad: bool, weight_grad: bool, local: bool = False) -> list[Traffic] | None:
+    """Every rank's :class:`Traffic` of one call of ``mod`` on ``n`` bands (None: a layer this has no rule for).
+
+    ``width`` is the layer's agreed halo (its layout's), ``grad`` whether its
+    input requires grad, ``weight_grad`` whether its weight does, ``local``
+    a layer that runs on a replicated input (one agreement, no data).
+    """
+    if n <= 1:
+        return [Traffic()] * n
+    if local:
+        return [Traffic(agreements=0 if isinstance(mod, norm._BatchNormMixin) else 1)] * n
+    rule = _rule(mod, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad)
+    return None if rule is None else [rule(r) for r in range(n)]
+
+
+def _rule(mod, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
+    """``rank -> Traffic`` for ``mod``'s kind, or None."""
+    item = torch.empty((), dtype=dtype).element_size()
+    acc = _acc_itemsize(dtype)
+
+    def halo(rows_bytes: int, periodic: bool, backward: bool):
+        def at(rank: int) -> Traffic:
+            b, m = _halo(rank, n, width, rows_bytes, periodic)
+            return Traffic(b, m, *((b, m) if backward else (0, 0)), 1)
+
+        return at
+
+    def stats(forward: int, backward: int, reduce_backward: bool):
+        """An Allgather of ``forward`` bytes; backward an Allgather (or an Allreduce of every rank's) of ``backward``."""
+        back = (backward * (n if reduce_backward else 1) * (n - 1), 1) if backward and grad else (0, 0)
+        t = Traffic(forward * (n - 1), 1, *back, 1)
+        return lambda rank: t
+
+    if isinstance(mod, conv._ConvMixin):
+        return halo(_row_bytes(shape_in, axis, item), mod.padding_mode == "circular", grad)
+    if isinstance(mod, conv._ConvTransposeMixin):
+        return halo(_row_bytes(shape_out, axis, item), False, grad or weight_grad)
+    if isinstance(mod, (resample._PoolMixin, resample._InterpolateMixin)):
+        return halo(_row_bytes(shape_in, axis, item), False, grad)
+    if isinstance(mod, resample._AdaptiveAvgMixin):
+        if shape_out[axis] == 1 and shape_in[axis] > 1:  # the global mean: sums gathered, an Allreduce backward
+            b = math.prod(shape_out) * acc
+            return stats(b, b, True)
+        return halo(_row_bytes(shape_in, axis, item), False, grad)  # width 0 when the sharded dim is kept
+    if isinstance(mod, (norm.DomainParallelGroupNorm, norm._InstanceNormMixin)):
+        if isinstance(mod, norm._InstanceNormMixin) and not mod.training and mod.track_running_stats:
+            return lambda rank: Traffic()  # the running statistics: pointwise, no agreement
+        groups = shape_in[0] * (mod.num_groups if isinstance(mod, norm.DomainParallelGroupNorm) else shape_in[1])
+        return stats(3 * groups * acc, 2 * groups * acc, False)
+    if isinstance(mod, norm.DomainParallelLayerNorm):
+        k = len(mod.normalized_shape)
+        if axis < len(shape_in) - k:
+            return lambda rank: Traffic()  # the sharded dim is not normalised: the local module
+        groups = math.prod(shape_in[: len(shape_in) - k])
+        return stats(3 * groups * acc, 2 * groups * acc, False)
+    if isinstance(mod, norm._BatchNormMixin):
+        if not mod.training and mod.track_running_stats:
+            return lambda rank: Traffic(agreements=1)
+        c = shape_in[1] * acc
+        return stats(3 * c, 3 * c, True)
+    if isinstance(mod, dropout._DropoutMixin):
+        return lambda rank: Traffic()  # the identity (eval, p=0) after dp_local: no agreement
+    return None
+
+
+def gather_traffic(tensors, counts: list[int], n: int) -> list[Traffic]:
+    """Every rank's :class:`Traffic` of :func:`credit_mpi.ops.allgather_along.allgather_along` of each of ``tensors`` along dim -2.
+
+    ``tensors`` are global (the dry run's: ``counts[r]`` of their ``N``
+    tokens on rank ``r``); forward one ``Allgatherv`` and one agreement
+    each, backward (a tensor that requires grad) one ``Reduce_scatter`` of
+    the gradient: the other ranks' tokens go to them.
+    """
+    out = []
+    for rank in range(n):
+        t = Traffic()
+        for x in tensors:
+            token = math.prod(x.shape) // x.shape[-2] * x.element_size()
+            mine, others = counts[rank] * token, (sum(counts) - counts[rank]) * token
+            back = (others, 1) if x.requires_grad else (0, 0)
+            t = t + Traffic(mine * (n - 1), 1, *back, 1)
+        out.append(t)
+    return out
