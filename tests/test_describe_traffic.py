@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -71,12 +72,21 @@ class CountingComm(MPI.Intracomm):
         self._add(_nbytes(recvbuf if sendbuf is MPI.IN_PLACE else sendbuf) * self._others())
         return super().Allreduce(sendbuf, recvbuf, op)
 
+    def Alltoallv(self, sendbuf, recvbuf):  # noqa: N802 - [array, counts]: the counts to the other ranks
+        counts = list(sendbuf[1])
+        self._add((sum(counts) - counts[self.Get_rank()]) * np.asarray(sendbuf[0]).itemsize)
+        return super().Alltoallv(sendbuf, recvbuf)
+
+    def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=MPI.ANY_SOURCE, recvtag=MPI.ANY_TAG, status=None):  # noqa: N802
+        self._add(_nbytes(sendbuf))
+        return super().Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
+
     def Reduce_scatter(self, sendbuf, recvbuf, recvcounts=None, op=MPI.SUM):  # noqa: N802
         self._add(_nbytes(sendbuf) - _nbytes(recvbuf))  # the other ranks' parts of this rank's buffer
         return super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
 
     def __getattribute__(self, name):
-        if name in ("Send", "Ssend", "Sendrecv", "Irecv_init", "Send_init", "Iallgather", "Alltoallv", "Alltoallw", "Bcast",
+        if name in ("Send", "Ssend", "Irecv_init", "Send_init", "Iallgather", "Alltoallw", "Bcast",
                     "Ialltoallw", "Neighbor_alltoallw"):
             raise AssertionError(f"the counting communicator does not count {name}: add it")
         return super().__getattribute__(name)
@@ -154,8 +164,15 @@ def _norms(shape) -> nn.Module:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize(("build", "requires_grad"), [(_model, False), (_model, True), (_attention, False), (_norms, True)])
-def test_describe_traffic_equals_what_the_run_sends(build, requires_grad, make_manager):
+@pytest.mark.parametrize(("build", "requires_grad", "sdpa"), [
+    (_model, False, "auto"), (_model, True, "auto"),
+    (_attention, False, "auto"), (_attention, True, "auto"),  # 2 heads: all-to-all on 2 ranks, the ring on 3 and 4
+    (_attention, True, "gather"), (_norms, True, "auto"),
+])
+def test_describe_traffic_equals_what_the_run_sends(build, requires_grad, sdpa, make_manager, monkeypatch):
+    from credit_mpi.nn import attention_rules
+
+    monkeypatch.setattr(attention_rules, "SDPA_PATH", sdpa)
     with prefix_managers(make_manager) as managers:
         for d, manager in managers:
             if d == 1:

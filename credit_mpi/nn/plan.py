@@ -27,15 +27,23 @@ from torch.overrides import TorchFunctionMode
 
 from ..grid import check_grid, grid_of
 from ..partition import band_sizes, check_halo_width, normalize_dim
-from . import conv, dropout, geometry, norm, resample
+from . import attention_rules, conv, dropout, geometry, norm, resample
 from ._comm import ConversionError
 from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
 from .functions import Tracker
 from .replicated import is_replicated, replicated
-from .traffic import AGREEMENT_BYTES, Traffic, gather_traffic, layer_traffic
+from .attention_rules import sdpa_path
+from .traffic import AGREEMENT_BYTES, Traffic, alltoall_traffic, gather_traffic, layer_traffic, ring_traffic
 
 __all__ = ["describe", "Plan", "PlanRow", "GridPlan"]
+
+# The layouts of attention across bands (credit_mpi.nn.attention_rules.sdpa_path): what describe() says, its traffic.
+_ATTENTION_LAYOUTS = {
+    "gather": ("K and V gathered (allgather_along)", gather_traffic),
+    "alltoall": ("all-to-all to heads and back (ops.alltoall)", alltoall_traffic),
+    "ring": ("a ring of K/V bands (ops.ring)", ring_traffic),
+}
 
 
 @dataclass(frozen=True)
@@ -253,7 +261,7 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
     def adopt(rows: int, sizes: list[int]) -> bool:
         return list(layouts.setdefault(rows, list(sizes))) == list(sizes)
 
-    def gathered(tracker, q, k, v):
+    def gathered(tracker, q, k, v, gqa=False):
         """Attention over every band's tokens (the run gathers K and V): a row of its own, in the calling module."""
         places = [tracker.get(t) for t in (q, k, v)]
         if grid or domain_size == 1 or tracker.trusted or any(p is None or p.dim != t.ndim - 2 for t, p in zip((q, k, v), places, strict=True)):
@@ -261,9 +269,14 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         p = places[1]
         counts = [p.inner * s for s in sizes_of(k.shape[-2] // p.inner)]
         path = tracker.stack[-1][0].rsplit(" (", 1)[0]  # "path (Type)": the module's path, as the layers' rows
+        layout = sdpa_path(q, k, v, domain_size, gqa, attention_rules.SDPA_PATH)  # as the run decides it
+        how, traffic = _ATTENTION_LAYOUTS[layout]
+        if layout == "gather":
+            moved = traffic((k,) if v is k else (k, v), counts, domain_size)
+        else:
+            moved = traffic(q, k, v, counts, domain_size)
         plan.rows.append(PlanRow(path, "scaled_dot_product_attention()", k.shape[-2], q.shape[-2],
-                                 tuple(counts), tuple(counts), 0, 0, 1, 1, True, "K and V gathered (allgather_along)",
-                                 tuple(gather_traffic((k, v), counts, domain_size))))
+                                 tuple(counts), tuple(counts), 0, 0, 1, 1, True, how, tuple(moved)))
 
     try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.functions)
         # grad on (meta tensors: no memory, no compute): a layer sees whether its input requires grad
@@ -292,7 +305,7 @@ class _Attention(TorchFunctionMode):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") == "scaled_dot_product_attention":
             named = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(("query", "key", "value"))]
-            self.on_call(self.tracker, *named)
+            self.on_call(self.tracker, *named, bool(args[7] if len(args) > 7 else kwargs.get("enable_gqa", False)))
         return func(*args, **kwargs)
 
 

@@ -11,8 +11,8 @@ output rows (backward whenever its weight requires grad); a norm's
 statistics one ``Allgather`` forward and one backward (Group / Instance /
 LayerNorm) or an ``Allreduce`` backward (BatchNorm, a global mean; BatchNorm's
 over the domain group, as in a job without data-parallel ranks); attention
-over every band's tokens one gather of K and one of V
-(:func:`gather_traffic`).
+over every band's tokens as the layout it runs in (:func:`gather_traffic`:
+K and V gathered; :func:`alltoall_traffic`: heads; :func:`ring_traffic`).
 
 Bytes of a collective are the bytes of this rank's data that the other ranks
 receive (an ``Allgather`` of ``b`` bytes: ``b x (n - 1)``; an ``Allreduce``:
@@ -35,7 +35,7 @@ import torch
 from ..partition import halo_neighbors
 from . import conv, dropout, norm, resample
 
-__all__ = ["Traffic", "AGREEMENT_BYTES", "layer_traffic"]
+__all__ = ["Traffic", "AGREEMENT_BYTES", "layer_traffic", "gather_traffic", "alltoall_traffic", "ring_traffic"]
 
 #: The bytes each rank contributes to one agreement (:func:`credit_mpi.validation.agree`: five int64).
 AGREEMENT_BYTES = 40
@@ -142,6 +142,11 @@ def _rule(mod, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
     return None
 
 
+def _token_bytes(x) -> int:
+    """Bytes of one token (dim -2) of the dry run's global ``x``."""
+    return math.prod(x.shape) // x.shape[-2] * x.element_size()
+
+
 def gather_traffic(tensors, counts: list[int], n: int) -> list[Traffic]:
     """Every rank's :class:`Traffic` of :func:`credit_mpi.ops.allgather_along.allgather_along` of each of ``tensors`` along dim -2.
 
@@ -154,9 +159,54 @@ def gather_traffic(tensors, counts: list[int], n: int) -> list[Traffic]:
     for rank in range(n):
         t = Traffic()
         for x in tensors:
-            token = math.prod(x.shape) // x.shape[-2] * x.element_size()
+            token = _token_bytes(x)
             mine, others = counts[rank] * token, (sum(counts) - counts[rank]) * token
             back = (others, 1) if x.requires_grad else (0, 0)
             t = t + Traffic(mine * (n - 1), 1, *back, 1)
         out.append(t)
+    return out
+
+
+def alltoall_traffic(q, k, v, counts: list[int], n: int) -> list[Traffic]:
+    """Every rank's :class:`Traffic` of attention by all-to-all to heads (:mod:`credit_mpi.ops.alltoall`).
+
+    q, k (and v unless it is k) go from token bands to a head-sharded layout
+    (this rank's tokens of the other ranks' heads: ``n_r T (P - 1) / P``
+    bytes), the output comes back (the other ranks' tokens of this rank's
+    heads: ``(N - n_r) T_out / P``); one ``Alltoallv`` and one agreement each;
+    backward the reverse of each, for what requires grad.
+    """
+    total = sum(counts)
+    grad = any(t.requires_grad for t in (q, k, v))
+    inputs = (q, k) if v is k else (q, k, v)
+    t_out = _token_bytes(q) // q.shape[-1] * v.shape[-1]
+    out = []
+    for rank in range(n):
+        mine, others = counts[rank], total - counts[rank]
+        t = Traffic()
+        for x in inputs:
+            token = _token_bytes(x)
+            back = (others * token // n, 1) if x.requires_grad else (0, 0)
+            t = t + Traffic(mine * token * (n - 1) // n, 1, *back, 1)
+        back = (mine * t_out * (n - 1) // n, 1) if grad else (0, 0)
+        out.append(t + Traffic(others * t_out // n, 1, *back, 1))
+    return out
+
+
+def ring_traffic(q, k, v, counts: list[int], n: int) -> list[Traffic]:
+    """Every rank's :class:`Traffic` of ring attention (:mod:`credit_mpi.ops.ring`).
+
+    Forward: ``P - 1`` ``Sendrecv`` to the right neighbour, each the K/V band
+    held (every band but the right neighbour's: ``(N - n_{r+1})`` tokens of
+    K and V); backward (anything requires grad) the bands go round again with
+    their gradients (twice the bytes), then the gradients of the band held
+    (the right neighbour's) go home: ``P`` messages. One agreement.
+    """
+    total, kv = sum(counts), _token_bytes(k) + _token_bytes(v)
+    grad = any(t.requires_grad for t in (q, k, v))
+    out = []
+    for rank in range(n):
+        held = total - counts[(rank + 1) % n]
+        back = (2 * kv * held + kv * counts[(rank + 1) % n], n) if grad else (0, 0)
+        out.append(Traffic(kv * held, n - 1, *back, 1))
     return out
