@@ -14,8 +14,10 @@ checkpoints that resume bit for bit (``save_checkpoint``,
 Importing this subpackage imports torch (``import credit_mpi`` does not).
 """
 
-from . import window_rules  # noqa: F401 - registers torch.roll across bands and whole windows (function rules)
-from . import attention_rules  # noqa: F401 - registers the attention rules with functions' judge
+from . import (
+    attention_rules,  # noqa: F401 - registers the attention rules with functions' judge
+    window_rules,  # noqa: F401 - registers torch.roll across bands and whole windows (function rules)
+)
 from ._comm import ConversionError
 from .checkpoint import load_checkpoint, save_checkpoint
 from .conv import (

@@ -29,11 +29,11 @@ from ..grid import check_grid, grid_of
 from ..partition import band_sizes, check_halo_width, normalize_dim
 from . import attention_rules, conv, dropout, geometry, norm, resample
 from ._comm import ConversionError
+from .attention_rules import sdpa_path
 from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
 from .functions import Tracker
 from .replicated import is_replicated, replicated
-from .attention_rules import sdpa_path
 from .traffic import AGREEMENT_BYTES, Traffic, alltoall_traffic, gather_traffic, layer_traffic, ring_traffic
 
 __all__ = ["describe", "Plan", "PlanRow", "GridPlan"]
