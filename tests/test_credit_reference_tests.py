@@ -1,6 +1,6 @@
 """NCAR CREDIT's own ``tests/test_domain_parallel.py``, run against credit_mpi through an import alias.
 
-The file is CREDIT's, copied verbatim into ``tests/credit_test_domain_parallel.py`` (with its
+The file is CREDIT's, copied verbatim into ``tests/third_party/credit_test_domain_parallel.py`` (with its
 license header: CI has no network to fetch it); ``CREDIT_TESTS=/path/to/test_domain_parallel.py``
 runs another copy instead (e.g. one read from a fetched miles-credit checkout). It is loaded
 inside :func:`credit_mpi.nn.compat.credit_alias` (``credit.domain_parallel.*`` resolve to
@@ -30,7 +30,7 @@ from credit_mpi.nn import compat  # noqa: E402
 
 from .nn_reference import bands_of  # noqa: E402
 
-SOURCE = Path(os.environ.get("CREDIT_TESTS") or Path(__file__).with_name("credit_test_domain_parallel.py"))
+SOURCE = Path(os.environ.get("CREDIT_TESTS") or Path(__file__).parent / "third_party" / "credit_test_domain_parallel.py")
 
 
 def _load(path: Path) -> tuple[types.ModuleType, list[str]]:

@@ -110,7 +110,19 @@ def _edge_pad(manager: Any, x: torch.Tensor, before: int, after: int, dim: int, 
     return F.pad(x, tuple(pad), mode=mode)
 
 
-class DomainParallelPeriodicConv2d(nn.Module):
+class _WrapsConv:
+    """CREDIT's wrappers expose their conv's ``weight`` and ``bias``."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.conv.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.conv.bias
+
+
+class DomainParallelPeriodicConv2d(_WrapsConv, nn.Module):
     """CREDIT's ``DomainParallelPeriodicConv2d(periodic_conv, shard_dim=-2)``: a ``PeriodicConv2d`` on bands.
 
     ``PeriodicConv2d`` pads the longitude circularly and the latitude by reflection, then runs a
@@ -140,16 +152,8 @@ class DomainParallelPeriodicConv2d(nn.Module):
         x = F.pad(x, (self.padding, self.padding, 0, 0), mode="circular")  # longitude: whole on every band
         return self.conv(self.halo_exchange(x))
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.conv.weight
 
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.conv.bias
-
-
-class DomainParallelCrossEmbedBranch(nn.Module):
+class DomainParallelCrossEmbedBranch(_WrapsConv, nn.Module):
     """CREDIT's ``DomainParallelCrossEmbedBranch(branch, shard_dim=-2)``: a ``ZeroPad2d`` + ``Conv2d`` branch on bands.
 
     The ``ZeroPad2d`` pads the longitude as it is and the latitude at the field's edges only (the
@@ -172,14 +176,6 @@ class DomainParallelCrossEmbedBranch(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.pad(x, (*self.w_padding, 0, 0))
         return self.conv(_edge_pad(self.conv.dp_manager, x, *self.h_padding, self.shard_dim))
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.conv.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.conv.bias
 
 
 def DomainParallelInterpolate(size, mode: str = "bilinear", shard_dim: int = -2) -> resample.DomainParallelInterpolate:  # noqa: N802

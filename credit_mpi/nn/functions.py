@@ -591,11 +591,15 @@ def _reshaped(tr: Tracker, shape_in: tuple, p: Sharded, shape_out: tuple, reques
                 raise _Why(f"it splits the sharded dim into windows of {window} rows, and not every band is a "
                            f"whole number{many} of windows (choose band sizes that are multiples of {window})")
             return Sharded(j, size * window // rows, 1)
+    found = []
     for j, size in enumerate(shape_out):
         pj, sj = math.prod(shape_out[:j]), math.prod(shape_out[j + 1 :])
         if before % pj == 0 and after % sj == 0 and size == (before // pj) * rows * (after // sj) and (size != 1 or rows == 1):
-            _check_follows(requested, j, shape_in, shape_out)
-            return Sharded(j, before // pj, after // sj)
+            found.append(Sharded(j, before // pj, after // sj))
+    if found:  # a band of one row fits several dims: the one whose size the forward read from the band
+        best = next((f for f in found if requested is not None and _follows_band(requested[f.dim])), found[0])
+        _check_follows(requested, best.dim, shape_in, shape_out)
+        return best
     raise _Why(f"a reshape of {tuple(shape_in)} (bands along {p.describe()}) to {tuple(shape_out)} does not keep "
                f"the band's rows whole (a band of one window, or a size stored for the whole field?)")
 
@@ -611,7 +615,14 @@ def _check_follows(requested: list | None, j: int, shape_in: tuple, shape_out: t
 
 
 def _requested(func, x: torch.Tensor, args: tuple, kwargs: dict) -> list | None:
-    """The output sizes a reshape was given explicitly (``view``/``reshape``/``unflatten``), None for the others."""
+    """The output sizes a reshape was given explicitly (``view``/``reshape``/``unflatten``), None for the others.
+
+    None under ``torch.compile`` too: a traced forward's sizes are plain ints (the marks do not
+    survive tracing), so a compiled band is judged without them (a stored size then fails the
+    reshape itself on the band).
+    """
+    if torch.compiler.is_compiling():
+        return None
     op = _op_name(func)
     if op in ("reshape", "view"):
         shape = list(args[1:]) if len(args) > 1 else list(kwargs.get("shape", kwargs.get("size", ())))
