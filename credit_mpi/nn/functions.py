@@ -185,8 +185,11 @@ class Tracker(TorchFunctionMode):
                  on_layer: Callable[[Any, tuple, Any], Any] | None = None, judge: bool = True,
                  adopt_layout: Callable[[int, list[int]], bool] | None = None) -> None:
         super().__init__()
-        self.shard_dim, self.manager, self.band_sizes, self.on_layer = shard_dim, manager, band_sizes, on_layer
-        self.adopt_layout = adopt_layout
+        self.shard_dim, self.manager, self.on_layer = shard_dim, manager, on_layer
+        # heights as plain ints: an Extent (a size read from a band) hashes apart from its int
+        self.band_sizes = None if band_sizes is None else (lambda rows: band_sizes(int(rows)))
+        self.adopt_layout = None if adopt_layout is None else (
+            lambda rows, sizes: adopt_layout(int(rows), [int(v) for v in sizes]))
         self.paths = {id(m): (name or "<root>") for name, m in root.named_modules()}
         # the root's forward is called directly (no module hooks): a layer as the root is trusted here
         self.trusted = int(self._trusts(root) or not judge)
