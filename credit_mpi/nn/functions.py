@@ -16,9 +16,16 @@ that holds bands and judges each torch function applied to one:
   an integer factor (the :class:`~credit_mpi.nn.DomainParallelInterpolate`
   layer), ``pixel_shuffle`` (output rows ``[r a, r b)`` from input rows
   ``[a, b)``), ``pixel_unshuffle`` and a reshape into windows when every
-  band is a whole number of them; ``F.scaled_dot_product_attention`` over
+  band is a whole number of them; ``F.batch_norm`` in training (the
+  statistics of the whole field, through the BatchNorm layer: timm's
+  ``BatchNormAct2d`` calls it itself); ``F.scaled_dot_product_attention`` over
   the tokens of every band (keys and values gathered:
   :func:`credit_mpi.ops.allgather_along.allgather_along`);
+* a reshape's sizes along the band must follow the band: ``x.shape`` of a
+  band gives its size along the sharded dim as an :class:`Extent` (what is
+  computed from it stays one), so a size stored for the whole field is told
+  from one read from the band in the dry run (which sees the field) as on
+  every band;
 * everything else that touches the sharded dim raises ``ConversionError``
   naming the module's path and the op. At run time the converted model's
   :class:`~credit_mpi.nn.base.ForwardGuard` makes it every rank's exception;
