@@ -85,8 +85,8 @@ CASES = {
     "wxformer": (lambda: _wxformer(), lambda d: (1, 3, 1, 32, 32)),
     "nextgen_wxformer": (lambda: _nextgen(), lambda d: (1, 3, 1, 32, 32)),
     "fuxi": (lambda: _fuxi(), lambda d: (1, 3, 2, 8 * d, 16)),
-    "unet": (lambda: _unet(8 * _D), lambda d: (1, 3, 1, 8 * d, 8)),  # even bands of whole 8-row blocks: exact
-    "unet_uneven": (lambda: _unet(8 * _D + 8), lambda d: (1, 3, 1, 8 * d + 8, 8)),  # exact where describe() says so
+    "unet": (lambda: _unet(8 * _D), lambda d: (1, 3, 1, 8 * d, 16)),  # even bands of whole 8-row blocks: exact
+    "unet_uneven": (lambda: _unet(8 * _D + 8), lambda d: (1, 3, 1, 8 * d + 8, 16)),  # exact where describe() says so
 }
 # the run may refuse a later op than describe() (see verdict_is_the_run)
 LATER_OP = {"attention_global", "crossformer", "wxformer"}
@@ -133,7 +133,7 @@ def _fuxi():
 
 def _unet(height):
     return EveryParameter(TIMM[1].SegmentationModel(
-        image_height=height, image_width=8, frames=1, channels=1, surface_channels=1, input_only_channels=0, levels=2,
+        image_height=height, image_width=16, frames=1, channels=1, surface_channels=1, input_only_channels=0, levels=2,
         architecture={"name": "unet", "encoder_name": "timm-regnetx_002", "encoder_weights": None, "encoder_depth": 3,
                       "decoder_channels": (32, 16, 16)},
     ))
