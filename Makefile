@@ -29,11 +29,13 @@ $(VENV)/.demo-installed: pyproject.toml
 	touch $@
 
 # Everything else: torch (see TORCH / TORCH_INDEX above), the test, io, plot and credit extras, and NCAR
-# CREDIT's models without their requirements (tests/test_credit_models.py; they would swap the torch build).
+# CREDIT's models without their requirements (tests/test_credit_models.py; they would swap the torch build),
+# with timm and segmentation-models-pytorch for FuXi and the smp UNet, also without theirs (torchvision:
+# the tests stand in for the parts they import and never use).
 $(VENV)/.installed: $(VENV)/.demo-installed
 	$(PY) -m pip install "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e ".[$(EXTRAS)]"
-	$(PY) -m pip install --no-deps "miles-credit==2026.2.0"
+	$(PY) -m pip install --no-deps "miles-credit==2026.2.0" "timm==1.0.31" "segmentation-models-pytorch==0.6.0"
 	touch $@
 
 install: $(VENV)/.installed

@@ -551,6 +551,9 @@ def domain_of(manager: Any = None) -> Domain:
     if isinstance(manager, DomainParallelManager):
         manager._live(manager._domain_group)  # raises once freed
         return Domain(manager.domain_parallel_size, manager._domain_rank, manager)
+    size = getattr(manager, "domain_parallel_size", None)
+    if type(size) is int and size == 1:  # one band: rank 0, whatever domain_rank is (CREDIT's stand-ins set none)
+        return Domain(1, 0, manager)
     for name in ("domain_parallel_size", "domain_rank"):
         if not hasattr(manager, name):
             raise TypeError(

@@ -7,43 +7,36 @@ says it does not: never silently wrong.
 
 ``credit.postblock.gen1`` (imported by the model modules for the optional post block, which these
 configurations do not build) needs torchvision and torch_harmonics, whose wheels do not load beside
-the CPU torch this project pins: a stand-in that refuses to build a PostBlock takes its place.
+the CPU torch this project pins: a stand-in that refuses to build a PostBlock takes its place. FuXi
+and the smp UNet need ``timm`` and ``segmentation_models_pytorch`` (installed ``--no-deps``), which
+import torchvision at import time for names these models never use (transforms, torchvision's own
+encoders): a stand-in package whose every class refuses to be built takes its place when the real
+one does not import. The UNet uses a timm encoder (``timm-regnetx_002``, no weights).
+
+The heavy cases (whole models) run on 1, 2 and 4 ranks only, each domain size once over those jobs:
+d bands in the d-rank job, 3 bands in the 4-rank one (the light cases run every domain size up to
+the world size).
 """
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
+from mpi4py import MPI
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("einops")
 pytest.importorskip("credit")
 
+from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe  # noqa: E402
+
+from .credit_stand_ins import credit_models, timm_models  # noqa: E402
 from .halo_reference import prefix_managers  # noqa: E402
+from .nn_reference import same_error_everywhere  # noqa: E402
 from .verdict_reference import verdict_is_the_run  # noqa: E402
 
+crossformer, wxformer = credit_models()
+TIMM = timm_models()
 
-def _credit_models():
-    try:
-        import credit.postblock.gen1  # noqa: F401
-    except ImportError:
-        stand_in = types.ModuleType("credit.postblock.gen1")
-
-        class PostBlock:  # the configurations below never build one
-            def __init__(self, *args, **kwargs):
-                raise RuntimeError("credit.postblock.gen1 stand-in: the post block is not part of these tests")
-
-        stand_in.PostBlock = PostBlock
-        sys.modules["credit.postblock.gen1"] = stand_in
-    from credit.models import crossformer
-    from credit.models.wxformer import crossformer as wxformer
-
-    return crossformer, wxformer
-
-
-crossformer, wxformer = _credit_models()
 
 class EveryParameter(torch.nn.Module):
     """``model`` with every parameter in the graph (CrossFormer holds some its forward does not use: no grad to compare)."""
@@ -81,18 +74,158 @@ CASES = {
     "feedforward": (lambda: crossformer.FeedForward(4, 2), lambda d: (1, 4, 3 * d + 1, 4)),
     "attention_global": (lambda: crossformer.Attention(8, attn_type="long", window_size=2, dim_head=4), lambda d: (1, 8, 4 * d, 4)),
     "attention_local": (lambda: crossformer.Attention(8, attn_type="short", window_size=2, dim_head=4), lambda d: (1, 8, 4 * d, 4)),
+    # a band of exactly one window (the window count read from x.shape: H // window): exact
+    "attention_local_one_window": (lambda: crossformer.Attention(8, attn_type="short", window_size=2, dim_head=4),
+                                   lambda d: (1, 8, 2 * d, 4)),
     # the whole model: refused at its long-distance attention (rows grouped at a stride across the globe)
     "crossformer": (_crossformer, lambda d: (1, 3, 1, 32, 32)),
+    # reshapes to its stored global patches_resolution: refused, by describe() and by the run
+    "cube_embedding": (lambda: crossformer.CubeEmbedding((1, 4 * _D, 8), (1, 2, 2), 3, 8), lambda d: (1, 3, 1, 4 * d, 8)),
+    "debugger": (lambda: _debugger(), lambda d: (1, 3, 1, 3 * d + 1, 8)),
+    "upblock_ps": (lambda: wxformer.UpBlockPS(4, 4, 2), lambda d: (1, 4, 4 * d + 1, 4)),
+    "wxformer": (lambda: _wxformer(), lambda d: (1, 3, 1, 32, 32)),
+    "nextgen_wxformer": (lambda: _nextgen(), lambda d: (1, 3, 1, 32, 32)),
+    "fuxi": (lambda: _fuxi(), lambda d: (1, 3, 2, 8 * d, 16)),
+    "unet": (lambda: _unet(8 * _D), lambda d: (1, 3, 1, 8 * d, 16)),  # even bands of whole 8-row blocks: exact
+    "unet_uneven": (lambda: _unet(8 * _D + 8), lambda d: (1, 3, 1, 8 * d + 8, 16)),  # exact where describe() says so
 }
 # the run may refuse a later op than describe() (see verdict_is_the_run)
-LATER_OP = {"attention_global", "crossformer"}
+LATER_OP = {"attention_global", "crossformer", "wxformer"}
+# whole models: on 1, 2 and 4 ranks only, each domain size once (see the module docstring)
+HEAVY = {"crossformer", "wxformer", "nextgen_wxformer", "fuxi", "unet", "unet_uneven"}
+NEEDS_TIMM = {"fuxi", "unet", "unet_uneven"}
+_D = 1  # the domain size of the case being built (models that store the field's size take it from here)
+
+
+def _debugger():
+    from credit.models.debugger_model import DebuggerModel
+
+    return DebuggerModel(image_height=3 * _D + 1, image_width=8, frames=1, channels=1, surface_channels=1,
+                         input_only_channels=0, levels=2)
+
+
+def _wxformer():
+    return EveryParameter(wxformer.CrossFormer(
+        image_height=32, image_width=32, frames=1, channels=1, surface_channels=1, input_only_channels=0, levels=2,
+        dim=(4, 8, 16, 32), depth=(1, 1, 1, 1), dim_head=4, global_window_size=(2, 1, 1, 1), local_window_size=2,
+        cross_embed_kernel_sizes=((2, 4), (2, 4), (2, 4), (2, 4)), cross_embed_strides=(2, 2, 2, 2),
+        use_spectral_norm=False,
+    ))
+
+
+def _nextgen():
+    from credit.models.wxformer import wxformer_next
+
+    return EveryParameter(wxformer_next.NextGenWXFormer(
+        image_height=32, image_width=32, frames=1, channels=1, surface_channels=1, input_only_channels=0, levels=2,
+        dim=(4, 8, 16, 32), depth=(1, 1, 1, 1), dim_head=4, global_window_size=(2, 1, 1, 1), local_window_size=2,
+        cross_embed_kernel_sizes=((2, 4), (2, 4), (2, 4), (2, 4)), cross_embed_strides=(2, 2, 2, 2),
+        use_spectral_norm=False, col_attn_heads=1, num_spectral_nodes=4,
+    ))
+
+
+def _fuxi():
+    return EveryParameter(TIMM[0].Fuxi(
+        image_height=8 * _D, patch_height=2, image_width=16, patch_width=2, levels=2, frames=2, frame_patch_size=2,
+        dim=8, num_groups=2, channels=1, surface_channels=1, num_heads=2, depth=1, window_size=2,
+        use_spectral_norm=False, interp=False,
+    ))
+
+
+def _unet(height):
+    return EveryParameter(TIMM[1].SegmentationModel(
+        image_height=height, image_width=16, frames=1, channels=1, surface_channels=1, input_only_channels=0, levels=2,
+        architecture={"name": "unet", "encoder_name": "timm-regnetx_002", "encoder_weights": None, "encoder_depth": 3,
+                      "decoder_channels": (32, 16, 16)},
+    ))
+
+
+def _skip_unless_runs_here(name):
+    if name in NEEDS_TIMM and TIMM is None:
+        pytest.skip("needs timm and segmentation_models_pytorch (pip install --no-deps, see the Makefile)")
+    if name in HEAVY and MPI.COMM_WORLD.Get_size() not in (1, 2, 4):
+        pytest.skip("a whole model: runs on 1, 2 and 4 ranks (the 4-rank job covers 3 bands)")
+
+
+def _verdict(name, build, shape, manager):
+    """describe()'s verdict is the run's; a model refused at conversion (a module type) is refused on every rank."""
+    try:
+        describe(build().double(), shape, manager.domain_parallel_size)
+    except ConversionError as exc:
+        message = same_error_everywhere(manager.domain_group, lambda: convert_to_domain_parallel(build().double(), manager),
+                                        ConversionError)
+        assert message == str(exc), (message, str(exc))
+        assert "custom_converters" in message, message
+        return
+    verdict_is_the_run(name, build, shape, manager, seed=5, same_op=name not in LATER_OP)
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_credit_model_exact_or_refused_on_every_rank(name, make_manager):
+    global _D
+    _skip_unless_runs_here(name)
     build, shape_of = CASES[name]
     with prefix_managers(make_manager) as managers:
         for d, manager in managers:
+            if name in HEAVY and d != MPI.COMM_WORLD.Get_size() and (d, MPI.COMM_WORLD.Get_size()) != (3, 4):
+                continue  # each domain size once over the 1, 2, 4-rank jobs (3 bands in the 4-rank one)
             torch.manual_seed(0)
-            verdict_is_the_run(name, build, shape_of(d), manager, seed=5, same_op=name not in LATER_OP)
+            _D = d
+            try:
+                _verdict(name, build, shape_of(d), manager)
+            finally:
+                _D = 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_stored_global_size_is_refused_by_describe_and_by_the_run(make_manager):
+    """CubeEmbedding reshapes to the patch grid it stored for the whole field: describe() refuses it as the run does."""
+    manager = make_manager(MPI.COMM_WORLD.Get_size())
+    d = manager.domain_parallel_size
+    height = 4 * d + 2  # uneven where the domain allows
+
+    def build():
+        return crossformer.CubeEmbedding((1, height, 8), (1, 2, 2), 3, 8).double()
+
+    plan = describe(build(), (1, 3, 1, height, 8), d)
+    (row,) = [r for r in plan.rows if not r.exact]
+    assert row.kind == "reshape()" and "stored for the whole field" in row.note and "x.shape" in row.note, row
+    from .nn_reference import bands_of
+
+    start, stop = bands_of(height, manager)
+    x = torch.randn(1, 3, 1, height, 8, dtype=torch.float64)[..., start:stop, :]
+    model = convert_to_domain_parallel(build(), manager)
+    message = same_error_everywhere(manager.domain_group, lambda: model(x), ConversionError)
+    assert "<root> (CubeEmbedding)" in message and "reshape()" in message and "x.shape" in message, message
+
+
+@pytest.mark.mpi(min_size=3)
+def test_rank_local_einops_error_is_every_ranks_exception(make_manager):
+    """Uneven bands (3, 3, 2 rows) and windows of 2: einops raises on the ranks of 3 rows only; every rank raises."""
+
+    world = MPI.COMM_WORLD
+    comm = world.Split(0 if world.Get_rank() < 3 else MPI.UNDEFINED, world.Get_rank())
+    if comm == MPI.COMM_NULL:
+        return
+    try:
+        manager = make_manager(3, comm=comm)
+        torch.manual_seed(0)
+        model = convert_to_domain_parallel(crossformer.Attention(8, attn_type="short", window_size=2, dim_head=4).double(), manager)
+        rows = [3, 3, 2][manager.domain_rank]
+        x = torch.randn(1, 8, rows, 4, dtype=torch.float64)
+        try:
+            model(x)
+        except Exception as exc:  # noqa: BLE001 - compared on every rank below
+            raised = exc
+        else:
+            raised = None
+        mine = (type(raised).__name__, str(raised))
+        every = comm.allgather(mine)
+        assert raised is not None and len(set(every)) == 1, every
+        assert "rank(s) 0, 1" in mine[1] and "rearrange" in mine[1] and "divide axis of length 3" in mine[1], mine
+        # the model still runs afterwards (nobody was left inside a collective)
+        ok = convert_to_domain_parallel(crossformer.Attention(8, attn_type="short", window_size=2, dim_head=4).double(), manager)
+        assert ok(torch.randn(1, 8, 2, 4, dtype=torch.float64)).shape == (1, 8, 2, 4)
+    finally:
+        comm.Free()

@@ -3,7 +3,8 @@
 Policy (every module of the model, the root included, is visited once):
 
 1. ``custom_converters`` first: ``{ModuleType: fn(module, manager, shard_dim) -> replacement}``
-   (matched on the exact type, then on its base classes). :func:`keep_local`
+   (matched on the exact type, then on its base classes; CREDIT's one-argument ``fn(module)``
+   works too, its layers getting this manager). :func:`keep_local`
    as the function marks a type as local (the user vouches that it never
    mixes rows along the sharded dim).
 2. The table (exact types): convolutions, transposed convolutions,
@@ -41,6 +42,7 @@ every rank) and moves no data.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -176,6 +178,28 @@ def check_custom(custom_converters: dict | None) -> dict:
     return custom
 
 
+def _call_custom(fn: Callable, module: nn.Module, manager, shard_dim: int) -> Any:
+    """``fn(module, manager, shard_dim)``, or CREDIT's ``fn(module)`` when ``fn`` takes one argument.
+
+    A CREDIT-style factory builds its layers without a manager (``DomainParallelConv2d(conv)``:
+    the global one, or none yet): the layers it returns get this conversion's manager (a module
+    with ``dp_adopt_manager(manager)`` is given it that way).
+    """
+    try:
+        inspect.signature(fn).bind(module, manager, shard_dim)
+    except TypeError:
+        out = fn(module)
+        for m in out.modules() if isinstance(out, nn.Module) else ():
+            if isinstance(m, DomainParallelModule) and m.dp_manager is None:
+                m.dp_manager = manager
+            elif callable(getattr(m, "dp_adopt_manager", None)):  # credit_mpi.nn.compat's layers
+                m.dp_adopt_manager(manager)
+        return out
+    except ValueError:  # no signature to read (a builtin): credit_mpi's three arguments
+        pass
+    return fn(module, manager, shard_dim)
+
+
 def _custom_for(module: nn.Module, custom: dict) -> Callable | None:
     for cls in type(module).__mro__:
         if cls in custom:
@@ -187,7 +211,7 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
     label = path or "<root>"
     fn = _custom_for(module, custom)
     if fn is not None:
-        out = fn(module, manager, shard_dim)
+        out = _call_custom(fn, module, manager, shard_dim)
         if not isinstance(out, nn.Module):
             raise TypeError(f"the custom converter for {type(module).__name__} at {label} returned {type(out).__name__}, not an nn.Module")
         out._dp_trusted = True  # the user's rule: its forward is not judged function by function

@@ -16,9 +16,16 @@ that holds bands and judges each torch function applied to one:
   an integer factor (the :class:`~credit_mpi.nn.DomainParallelInterpolate`
   layer), ``pixel_shuffle`` (output rows ``[r a, r b)`` from input rows
   ``[a, b)``), ``pixel_unshuffle`` and a reshape into windows when every
-  band is a whole number of them; full attention over the tokens of every
+  band is a whole number of them; ``F.batch_norm`` in training (the
+  statistics of the whole field, through the BatchNorm layer: timm's
+  ``BatchNormAct2d`` calls it itself); full attention over the tokens of every
   band (:mod:`credit_mpi.nn.attention_rules`: ``F.scaled_dot_product_attention``,
   ``nn.MultiheadAttention``, ``softmax(q k^T) v`` by matmul or einsum);
+* a reshape's sizes along the band must follow the band: ``x.shape`` of a
+  band gives its size along the sharded dim as an :class:`Extent` (what is
+  computed from it stays one), so a size stored for the whole field is told
+  from one read from the band in the dry run (which sees the field) as on
+  every band;
 * everything else that touches the sharded dim raises ``ConversionError``
   naming the module's path and the op. At run time the converted model's
   :class:`~credit_mpi.nn.base.ForwardGuard` makes it every rank's exception;
@@ -57,7 +64,7 @@ from ._comm import ConversionError
 from .base import DomainParallelModule
 from .replicated import is_replicated
 
-__all__ = ["Sharded", "Tracker", "refusal", "active_tracker"]
+__all__ = ["Sharded", "Extent", "Tracker", "refusal", "active_tracker"]
 
 _STATE = threading.local()
 
@@ -82,6 +89,45 @@ class Sharded:
         if self.outer == 1 and self.inner == 1:
             return f"dim {self.dim}"
         return f"dim {self.dim} (merged: {self.outer} x rows x {self.inner})"
+
+
+class Extent(int):
+    """A size read from a band's shape along the band (``H = x.shape[-2]`` in a forward), and what is computed from it.
+
+    The dry run sees the whole field's sizes, so ``x.reshape(B, C, H, W)`` with ``H`` read from
+    ``x.shape`` and ``x.reshape(B, C, *self.stored_resolution)`` look the same there, while on a
+    band the first fits and the second does not. ``x.shape`` and ``x.size()`` of a band return
+    the band's dim as an ``Extent``; arithmetic keeps the mark (``H // 2``, ``H * W``), so a
+    reshape can tell a size that follows the band from one stored for the whole field, in the
+    dry run and on every band alike. Its hash differs from the int's so that caches keyed by
+    shapes (einops' recipes) do not hand back sizes computed from plain ints.
+    """
+
+    __slots__ = ()
+
+    def __hash__(self) -> int:
+        return hash(("credit_mpi.Extent", int(self)))
+
+
+def _keeps_mark(name: str):
+    method = getattr(int, name)
+
+    def op(self, *other):
+        out = method(self, *other)
+        return Extent(out) if type(out) is int else out
+
+    op.__name__ = name
+    return op
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__",
+              "__rfloordiv__", "__mod__", "__rmod__", "__neg__", "__pos__", "__abs__"):
+    setattr(Extent, _name, _keeps_mark(_name))
+
+
+def _follows_band(size: Any) -> bool:
+    """A requested reshape size that follows the band: ``-1`` or an :class:`Extent`."""
+    return isinstance(size, Extent) or (isinstance(size, int) and size == -1)
 
 
 def refusal(path: str, op: str, why: str) -> ConversionError:
@@ -146,8 +192,11 @@ class Tracker(TorchFunctionMode):
                  on_layer: Callable[[Any, tuple, Any], Any] | None = None, judge: bool = True,
                  adopt_layout: Callable[[int, list[int]], bool] | None = None) -> None:
         super().__init__()
-        self.shard_dim, self.manager, self.band_sizes, self.on_layer = shard_dim, manager, band_sizes, on_layer
-        self.adopt_layout = adopt_layout
+        self.shard_dim, self.manager, self.on_layer = shard_dim, manager, on_layer
+        # heights as plain ints: an Extent (a size read from a band) hashes apart from its int
+        self.band_sizes = None if band_sizes is None else (lambda rows: band_sizes(int(rows)))
+        self.adopt_layout = None if adopt_layout is None else (
+            lambda rows, sizes: adopt_layout(int(rows), [int(v) for v in sizes]))
         self.paths = {id(m): (name or "<root>") for name, m in root.named_modules()}
         # the root's forward is called directly (no module hooks): a layer as the root is trusted here
         self.trusted = int(self._trusts(root) or not judge)
@@ -274,7 +323,11 @@ class Tracker(TorchFunctionMode):
         if out is None:
             return None
         if self.on_layer is not None and isinstance(module, DomainParallelModule) and local is None:
-            new = self.on_layer(module, args, out)
+            self.trusted += 1  # the plan's own code: its shapes are plain ints, nothing of it judged
+            try:
+                new = self.on_layer(module, args, out)
+            finally:
+                self.trusted -= 1
             out = out if new is None else new
         if trusted and not self.trusted:  # a layer's output: a band along the sharded dim (or replicated)
             for t in _tensors(out):
@@ -438,10 +491,42 @@ def _dropout(tr, func, args, kwargs, held):
 
 @_rule("batch_norm")
 def _batch_norm(tr, func, args, kwargs, held):
+    """Running statistics (eval): pointwise. Batch statistics: the exact layer's (global over every band).
+
+    A subclass of ``nn.BatchNorm2d`` with its own forward (timm's ``BatchNormAct2d``, which the type
+    table does not replace) calls ``F.batch_norm`` itself: the statistics are taken by a
+    :class:`~credit_mpi.nn.DomainParallelBatchNorm2d` that shares the caller's buffers and parameters.
+    """
+    x, p = args[0], tr.get(args[0])
+    running_mean, running_var = _arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var")
+    weight, bias = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")
     training = _arg(args, kwargs, 5, "training", False)
-    if training or _arg(args, kwargs, 1, "running_mean") is None:
-        raise _Why("batch statistics over the band alone (use nn.BatchNorm*, which the converter replaces)")
-    return tr.run(func, args, kwargs, held[0][1])
+    if not training and running_mean is not None:
+        return tr.run(func, args, kwargs, held[0][1])
+    if p is None or p.dim < 2 or p.outer * p.inner != 1 or x.ndim > 5:
+        raise _Why("batch statistics of a tensor whose bands are not along a spatial dim (use nn.BatchNorm*)")
+    layer = _batch_norm_layer(x, running_mean, running_var, weight, bias, float(_arg(args, kwargs, 6, "momentum", 0.1)),
+                              float(_arg(args, kwargs, 7, "eps", 1e-5)), p.dim - x.ndim)
+    layer.dp_manager = tr.manager
+    layer.dp_path = f"{tr.stack[-1][0]}: batch_norm"
+    return layer(x)  # the tracker's module hooks: a layer of the plan, its output a band
+
+
+def _batch_norm_layer(x, running_mean, running_var, weight, bias, momentum: float, eps: float, shard_dim: int):
+    """A DomainParallelBatchNorm{1,2,3}d in training mode over ``F.batch_norm``'s own tensors (no copy)."""
+    from . import norm
+
+    cls = {2: norm.DomainParallelBatchNorm1d, 3: norm.DomainParallelBatchNorm1d, 4: norm.DomainParallelBatchNorm2d,
+           5: norm.DomainParallelBatchNorm3d}[x.ndim]
+    layer = cls.__new__(cls)
+    torch.nn.Module.__init__(layer)
+    layer.num_features, layer.eps, layer.momentum = x.shape[1], eps, momentum
+    layer.affine, layer.track_running_stats = weight is not None, running_mean is not None
+    layer._parameters.update(weight=weight, bias=bias)
+    counter = torch.zeros((), dtype=torch.long, device=x.device) if running_mean is not None else None
+    layer._buffers.update(running_mean=running_mean, running_var=running_var, num_batches_tracked=counter)
+    layer.dp_shard_dim = shard_dim
+    return layer
 
 
 @_rule("layer_norm", "rms_norm")
@@ -506,34 +591,80 @@ def _along(tr, func, args, kwargs, held):
 _RESHAPES = "reshape view view_as reshape_as flatten unflatten squeeze unsqueeze ravel".split()
 
 
-def _reshaped(tr: Tracker, shape_in: tuple, p: Sharded, shape_out: tuple) -> Sharded:
+def _reshaped(tr: Tracker, shape_in: tuple, p: Sharded, shape_out: tuple, requested: list | None = None) -> Sharded:
     """The placement after a reshape, or _Why when the band's rows do not stay whole.
 
     In flat-index terms the band's rows are the digits of strides ``[after, after * rows)``. A split
-    into windows (an output dim of stride ``after * window``, ``1 < window < rows``, holding the
-    window count) is looked for first: a band of one window is refused (its count dim of size one
-    could not be told from a dim of whole rows), so the dry run asks every band for two windows.
-    Otherwise an output dim that holds those digits whole carries the band (merged with its neighbours).
+    into windows (an output dim of stride ``after * window``, ``1 < window <= rows``, holding the
+    window count) is looked for first. ``requested`` (the sizes the forward asked for, when it gave
+    them) tells a window count that follows the band (``H // w`` read from ``x.shape``, or ``-1``:
+    an :class:`Extent`) over a window size fixed in the model (``w``): only such a count may be one window per
+    band (a count dim of size one is otherwise indistinguishable from a dim of whole rows, so
+    without ``requested`` every band must hold two windows). Otherwise an output dim that holds
+    those digits whole carries the band (merged with its neighbours); a size the forward gave for
+    it must follow the band too, else it was stored for the whole field, which the bands do not fit.
     """
     rows = shape_in[p.dim] // (p.outer * p.inner)
     before = math.prod(shape_in[: p.dim]) * p.outer  # blocks outside the rows
     after = p.inner * math.prod(shape_in[p.dim + 1 :])  # elements inside one row
     for j, size in enumerate(shape_out):  # rows split into windows: whole windows on every band
         stride = math.prod(shape_out[j + 1 :])
-        if stride % after or not 1 < stride // after < rows:
+        # a count read from the band (H // w) over a window size fixed in the model (w)
+        follows = (requested is not None and j + 1 < len(shape_out) and _follows_band(requested[j])
+                   and not _follows_band(requested[j + 1]))
+        if stride % after or not 1 < stride // after <= rows or (stride // after == rows and not follows):
             continue
         window = stride // after
         if rows % window == 0 and (size * stride) % (after * rows) == 0 and size * window % rows == 0:
-            if not tr.rows_ok(rows, window, 2):
+            _check_follows(requested, j, shape_in, shape_out)
+            least = 1 if follows else 2
+            if not tr.rows_ok(rows, window, least):
+                many = "" if least == 1 else " (at least two: the window count is not read from x.shape)"
                 raise _Why(f"it splits the sharded dim into windows of {window} rows, and not every band is a "
-                           f"whole number (at least two) of windows (choose band sizes that are multiples of {window})")
+                           f"whole number{many} of windows (choose band sizes that are multiples of {window})")
             return Sharded(j, size * window // rows, 1)
+    found = []
     for j, size in enumerate(shape_out):
         pj, sj = math.prod(shape_out[:j]), math.prod(shape_out[j + 1 :])
         if before % pj == 0 and after % sj == 0 and size == (before // pj) * rows * (after // sj) and (size != 1 or rows == 1):
-            return Sharded(j, before // pj, after // sj)
+            found.append(Sharded(j, before // pj, after // sj))
+    if found:  # a band of one row fits several dims: the one whose size the forward read from the band
+        best = next((f for f in found if requested is not None and _follows_band(requested[f.dim])), found[0])
+        _check_follows(requested, best.dim, shape_in, shape_out)
+        return best
     raise _Why(f"a reshape of {tuple(shape_in)} (bands along {p.describe()}) to {tuple(shape_out)} does not keep "
                f"the band's rows whole (a band of one window, or a size stored for the whole field?)")
+
+
+def _check_follows(requested: list | None, j: int, shape_in: tuple, shape_out: tuple) -> None:
+    """The size the forward asked for along the band's dim ``j`` must follow the band (-1 or read from its shape)."""
+    if requested is None or _follows_band(requested[j]):
+        return
+    raise _Why(f"it reshapes {tuple(shape_in)} to {tuple(int(v) for v in requested)}, and the size {int(requested[j])} "
+               f"along the dim that holds the bands (dim {j}) is not computed from the band's shape: a size stored "
+               f"for the whole field (e.g. set in __init__ from the image size), which no band has. Compute it "
+               f"from x.shape in the forward (or pass -1)")
+
+
+def _requested(func, x: torch.Tensor, args: tuple, kwargs: dict) -> list | None:
+    """The output sizes a reshape was given explicitly (``view``/``reshape``/``unflatten``), None for the others.
+
+    None under ``torch.compile`` too: a traced forward's sizes are plain ints (the marks do not
+    survive tracing), so a compiled band is judged without them (a stored size then fails the
+    reshape itself on the band).
+    """
+    if torch.compiler.is_compiling():
+        return None
+    op = _op_name(func)
+    if op in ("reshape", "view"):
+        shape = list(args[1:]) if len(args) > 1 else list(kwargs.get("shape", kwargs.get("size", ())))
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+            shape = list(shape[0])
+        return shape if shape and all(isinstance(v, int) for v in shape) else None
+    if op == "unflatten":
+        dim, sizes = normalize_dim(int(_arg(args, kwargs, 1, "dim")), x.ndim), list(_arg(args, kwargs, 2, "sizes"))
+        return [Extent(v) for v in x.shape[:dim]] + sizes + [Extent(v) for v in x.shape[dim + 1 :]]
+    return None
 
 
 @_rule(*_RESHAPES)
@@ -541,13 +672,26 @@ def _reshape(tr, func, args, kwargs, held):
     x, p = args[0], tr.get(args[0])
     if p is None:
         raise _Why("a band as the shape of another tensor")
+    requested = _requested(func, x, args, kwargs)
     try:
         out = func(*args, **kwargs)
     except RuntimeError as exc:
         raise _Why(f"the reshape does not fit this band ({exc}); a size stored for the whole field? compute it "
                    f"from x.shape in the forward") from None
-    tr.set(out, _reshaped(tr, tuple(x.shape), p, tuple(out.shape)))
+    tr.set(out, _reshaped(tr, tuple(x.shape), p, tuple(out.shape), requested))
     return out
+
+
+@_rule("shape", "size")
+def _shape(tr, func, args, kwargs, held):
+    """The band's size along its dim is an :class:`Extent` (what a reshape computed from it is told from stored sizes)."""
+    x, p = args[0], tr.get(args[0])
+    out = func(*args, **kwargs)
+    if p is None:
+        return out
+    if isinstance(out, int):
+        return Extent(out) if normalize_dim(int(_arg(args, kwargs, 1, "dim")), x.ndim) == p.dim else out
+    return torch.Size([Extent(v) if i == p.dim else v for i, v in enumerate(out)])
 
 
 _PERMUTES = "transpose swapaxes swapdims permute movedim moveaxis t adjoint T mT H mH".split()
