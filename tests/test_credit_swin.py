@@ -69,6 +69,9 @@ class Bhwc(nn.Module):
         self.conv = nn.Conv2d(2, 4, 3, padding=1)
         self.block = swin.SwinTransformerV2CrBlock(dim=4, num_heads=2, feat_size=(h, w), window_size=(2, 2),
                                                    shift_size=(shift, shift), mlp_ratio=1.0)
+        for m in self.block.modules():  # timm's Mlp keeps CREDIT's meta-MLP dropout (p=0.125, fixed in its code):
+            if isinstance(m, nn.Dropout):  # a random draw is no one-process reference; with the stand-in it is absent
+                m.p = 0.0
 
     def forward(self, x):
         return swin.bhwc_to_bchw(self.block(swin.bchw_to_bhwc(self.conv(x))))

@@ -414,3 +414,10 @@ def test_example_train_unet_matches_one_process():
     dp = 2 if size == 4 else 1
     lat = 24 if size == 3 else 16  # stride-aligned band offsets for the skip connection
     assert module.main(["--steps", "3", "--data-parallel", str(dp), "--lat", str(lat), "--lon", "16"]) == 0
+
+
+def test_describe_accepts_dropout_in_training_on_one_band():
+    """One band is one process: its dropout draw is the one-process draw (as the run, which judges nothing there)."""
+    model = nn.Sequential(nn.Conv2d(1, 1, 3, padding=1), nn.Dropout(0.5))
+    assert describe(model, (1, 1, 8, 4), 1).exact
+    assert not describe(model, (1, 1, 8, 4), 2).exact

@@ -373,7 +373,8 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None, traffic=Non
             lay = geometry.resample_layout(sizes, h_out, resample._support(resample.adaptive_matrix(h_in, h_out)))
     elif isinstance(mod, (norm.DomainParallelGroupNorm, norm._InstanceNormMixin, norm._BatchNormMixin, norm.DomainParallelLayerNorm)):
         note += "global statistics: one allgather"
-    refused = _refused_on_grid(mod, grid) or (dropout.dropout_refusal(mod) if isinstance(mod, dropout._DropoutMixin) else "")
+    drops = isinstance(mod, dropout._DropoutMixin) and (n > 1 or grid is not None)  # one band: the one process's draw
+    refused = _refused_on_grid(mod, grid) or (dropout.dropout_refusal(mod) if drops else "")
     if refused:
         return PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(sizes), 0, 0, 1, 1, False, refused)
     if lay is None:
