@@ -28,6 +28,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from . import agreement
 from .agreement import (  # noqa: F401 - the agreement's names, re-exported (the package imports them from here)
     _AGREED,
     AGREED_ENTRIES,
@@ -51,23 +52,14 @@ from .agreement import (  # noqa: F401 - the agreement's names, re-exported (the
 from .engine import run
 from .ops.collective import COLLECTIVE
 
-__all__ = [
-    "DomainParallelError",
-    "Local",
-    "agree",
-    "agree_cached",
-    "forget_agreements",
-    "on_forget",
-    "remembered",
-    "repeat_remembered",
+__all__ = [  # the agreement's names, re-exported, and this module's own
+    *agreement.__all__,
     "allgather_or_raise",
     "raise_on_all",
-    "comm_label",
     "check_int",
     "check_root",
     "check_bands_fit",
     "check_transport",
-    "register_operation",
 ]
 
 

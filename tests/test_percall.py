@@ -238,9 +238,10 @@ def test_a_repeated_call_skips_the_planning_but_a_change_is_still_seen(make_mana
     """
     from credit_mpi import engine
 
-    planned = []  # the engine's slow path: agree (settle the table received) and plan
-    original = engine.agree_cached
-    monkeypatch.setattr(engine, "agree_cached", lambda *a, **k: planned.append(1) or original(*a, **k))
+    planned = []  # the engine's slow path of this op: agree (settle the table received) and plan
+    original, name = engine.agree_cached, "halo_exchange" if op == "halo" else "gather_tensor"
+    monkeypatch.setattr(engine, "agree_cached", lambda comm, operation, *a, **k: (operation == name and planned.append(1))
+                        or original(comm, operation, *a, **k))
     manager = make_manager()
     d, rank = manager.domain_parallel_size, manager.domain_rank
     g = np.random.default_rng(5).standard_normal((2, 3, 4 * d, 5))
@@ -252,7 +253,7 @@ def test_a_repeated_call_skips_the_planning_but_a_change_is_still_seen(make_mana
     expected = pad_numpy(g, 1, 2, "zero")[:, :, 4 * rank : 4 * rank + 6] if op == "halo" else g
     for _ in range(4):
         np.testing.assert_array_equal(call(local), expected)
-    assert len(planned) == 1  # planned once, then remembered
+    assert len(planned) == 1, (planned, len(validation._AGREED))  # planned once, then remembered
     wrong = local if rank != d - 1 else local[:, :2].copy()  # another shape on the last rank only
     with pytest.raises(ValueError, match="do not fit together"):
         call(wrong)

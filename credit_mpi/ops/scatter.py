@@ -61,11 +61,11 @@ class ScatterBands(Op):
             info = arrays.describe(x)
             axis = normalize_dim(args["dim"], len(info.shape))
             plan = (info, arrays.dtype_of(x), (axis,), (band_sizes(info.shape[axis], domain.size, uneven, dim=args["dim"]),))
-        return Local(plan, (root, uneven))
+        return Local(plan, (root, uneven, repr(args["dim"])))  # dim too: a rank's other dim is not silently the root's
 
     def explain(self, locals_: list[Local]) -> None:
-        detail = ", ".join(f"rank {r}: root={loc.calls[0]}, uneven={loc.calls[1]}" for r, loc in enumerate(locals_))
-        raise ValueError(f"scatter_tensor: ranks of the domain group passed different roots or uneven ({detail})")
+        detail = ", ".join(f"rank {r}: root={loc.calls[0]}, uneven={loc.calls[1]}, dim={loc.calls[2]}" for r, loc in enumerate(locals_))
+        raise ValueError(f"scatter_tensor: ranks of the domain group passed different roots, uneven or dims ({detail})")
 
     def plan(self, mine: Any, counts: list[int], comm: MPI.Comm, args: dict) -> _Scatter:
         domain = domain_of(args["manager"])
