@@ -62,8 +62,11 @@ class Op:
     name: ClassVar[str] = ""
     local_adjoint: ClassVar[bool] = False  # the adjoint is local torch code (no communication in backward)
 
+    binds: ClassVar[bool] = False  # the op has its own bind() (set by __init_subclass__)
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        cls.binds = cls.bind is not Op.bind
         if cls.name:
             register_operation(cls.name)
 
@@ -117,11 +120,15 @@ def records_grad(x: Any) -> bool:
 
 def run(op: Op, x: Any, comm: MPI.Comm, *, check: bool = True, **args: Any) -> Any:
     """Run ``op`` on ``x`` over ``comm``: agreement, plan, kernel (differentiable when ``op`` has an adjoint)."""
-    grad = op.adjoint is not None and records_grad(x)
+    # (the per-call fast path: few Python calls between the facade and the kernel)
+    grad = op.adjoint is not None and getattr(x, "requires_grad", False) and records_grad(x)
     key = op.key(x, args)
     full = None if key is None else (key, grad)
-    plan, table = _repeat(comm, op.name, full, check)
-    if table is not _MISS:  # not a plain repeat: agree (settle the table already received, if any) and plan
+    entry = None if full is None else remembered(comm, op.name, full, check)
+    table = None if entry is None else entry.repeat()
+    if entry is not None and table is None:
+        plan = entry.result  # every rank repeated the remembered call: one Allgather, nothing else
+    else:  # agree (settling the table already received, if any) and plan
         agreed = not op.local_adjoint  # a collective backward: every rank must record the call, or none
 
         def local() -> Local:
@@ -132,7 +139,11 @@ def run(op: Op, x: Any, comm: MPI.Comm, *, check: bool = True, **args: Any) -> A
             comm, op.name, full, local, lambda mine, counts: op.plan(mine, counts, comm, args),
             check=check, explain=lambda locals_: op.explain_on(locals_, comm), received=table,
         )
-    return _apply(op, x, op.bind(plan, args), grad)
+    if op.binds:
+        plan = op.bind(plan, args)
+    if not grad:
+        return op.kernel(x, plan)
+    return _function().apply(x, op, plan, op.written(plan))
 
 
 def run_agreed(op: Op, x: Any, comm: MPI.Comm, counts: Sequence[int] | None = None, **args: Any) -> Any:

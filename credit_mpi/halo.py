@@ -43,7 +43,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import blocks
 from .engine import AGREED_PLANS, run, run_agreed
 from .manager import DomainParallelManager, domain_of, live_domain_comm
 from .ops import halo as op
@@ -52,6 +51,7 @@ from .partition import HALO_BOUNDARIES
 
 __all__ = ["HALO_BOUNDARIES", "halo_exchange"]
 
+_PAIR = (tuple, list)  # a pair of dims, widths or boundaries: the 2-D grid (blocks.is_grid_call, inlined)
 _AGREED_PLANS = AGREED_PLANS  # the plans of the converted layers' exchanges (the engine's, dropped by manager.free())
 
 
@@ -108,7 +108,7 @@ def halo_exchange(
             boundary, transport, or a band that requires grad on some ranks only).
     """
     args = {"halo_width": halo_width, "dim": dim, "boundary": boundary, "transport": transport, "manager": manager}
-    if blocks.is_grid_call(manager, dim, halo_width, boundary):  # pairs: the 2-D grid's halo, corners included
+    if isinstance(dim, _PAIR) or isinstance(halo_width, _PAIR) or isinstance(boundary, _PAIR):  # pairs: the 2-D grid's halo
         return run(op.BLOCKS, x, domain_of(manager).comm, check=check, **args)
     comm = live_domain_comm(manager)  # a live manager's communicator: the per-call fast path asks nothing else
     if comm is None or comm.Get_size() <= 1:

@@ -165,7 +165,7 @@ def gather_tensor(
         Full (gathered) tensor, identical on every rank of the domain group
         (``out`` when given).
     """
-    if blocks.is_grid_call(manager, dim):  # a (lat, lon) pair: gather the blocks of the 2-D domain grid
+    if isinstance(dim, (tuple, list)):  # a (lat, lon) pair: gather the blocks of the 2-D domain grid
         return run(gather.BLOCKS, x, domain_of(manager).comm, check=check, dim=dim, out=out, transport=transport, manager=manager)
     comm = live_domain_comm(manager)  # a live manager's communicator: the per-call fast path asks nothing else
     if comm is None or comm.Get_size() <= 1:

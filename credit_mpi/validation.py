@@ -6,19 +6,15 @@ credit_mpi: each rank does its local checks, then one small ``allgather``
 shares either its metadata or its error; if any rank failed, every rank
 raises the same exception, naming the ranks that failed.
 
-The rule every collective operation follows (:func:`agree`): **anything that
-changes which MPI calls a rank will make is agreed before the first MPI call
-of the operation**. Each rank validates its own arguments locally, without
-raising; then one fixed-size ``Allgather`` of a small integer header (the
-operation, the check mode, "my local validation failed", a 64-bit digest of
-everything that must be equal on every rank, and one count such as the band
-rows) tells every rank what every rank is about to do. Only when all headers
-agree does the operation move data; otherwise every rank takes the same
-second, pickled ``allgather`` that names what each rank did, and every rank
-raises the same exception. Validation that could fail on one rank happens
-inside this agreement, never before or after it.
+The rule every collective operation follows is :mod:`credit_mpi.agreement`'s
+(:func:`agree`, re-exported here with the rest of that module's names):
+**anything that changes which MPI calls a rank will make is agreed before
+the first MPI call of the operation**. This module holds what is built on
+it for code outside the ops: :func:`allgather_or_raise` (an op of the
+engine, :mod:`credit_mpi.ops.collective`), :func:`raise_on_all`, and the
+argument checks every op uses inside its agreement (:func:`check_int`,
+:func:`check_root`, :func:`check_transport`, :func:`check_bands_fit`).
 """
-
 
 from __future__ import annotations
 

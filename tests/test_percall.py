@@ -253,7 +253,7 @@ def test_a_repeated_call_skips_the_planning_but_a_change_is_still_seen(make_mana
     expected = pad_numpy(g, 1, 2, "zero")[:, :, 4 * rank : 4 * rank + 6] if op == "halo" else g
     for _ in range(4):
         np.testing.assert_array_equal(call(local), expected)
-    assert len(planned) == 1, (planned, len(validation._AGREED))  # planned once, then remembered
+    assert len(planned) == 1  # planned once, then remembered
     wrong = local if rank != d - 1 else local[:, :2].copy()  # another shape on the last rank only
     with pytest.raises(ValueError, match="do not fit together"):
         call(wrong)

@@ -126,9 +126,6 @@ class GatherBands(_Gathers):
             check_out(args["out"], info, axis, sum(sizes))
         return _Gather(comm, info, axis, sizes, domain.rank, None, args["transport"], domain.manager)
 
-    def kernel(self, x: Any, plan: _Gather) -> Any:
-        return gather_kernel(x, plan)
-
     def adjoint(self, grad: Any, p: _Gather) -> Any:
         """This rank's rows of the gathered (replicated) gradient: no communication."""
         return grad.narrow(p.axis, Layout.bands(p.sizes).start(p.rank), p.sizes[p.rank])
@@ -218,7 +215,6 @@ class GatherBlocks(_Gathers):
         return grad.narrow(p.ay, y0, p.heights[row]).narrow(p.ax, x0, p.widths[col])
 
 
-BANDS, BLOCKS = GatherBands(), GatherBlocks()
 
 
 def gather_kernel(x: Any, p: _Gather) -> Any:
@@ -451,3 +447,7 @@ def check_out(out: Any, info: arrays.ArrayInfo, axis: int, total: int | str = "a
         )
     arrays.check_writable(out, "gather_tensor's out")
     return o.shape[axis]
+
+
+GatherBands.kernel = staticmethod(gather_kernel)  # the per-call fast path calls the kernel directly
+BANDS, BLOCKS = GatherBands(), GatherBlocks()

@@ -45,24 +45,21 @@ from ..validation import Local, check_bands_fit, check_int, check_transport
 __all__ = ["HaloBands", "HaloBlocks", "BANDS", "BLOCKS", "halo_kernel", "halo_adjoint", "check_width", "check_boundary_name"]
 
 
-def _key(x: Any, halo_width: Any, dim: Any, boundary: Any, transport: Any) -> tuple | None:
-    """What decides ``local()`` on this rank, or None (not remembered: device arrays, torch transport)."""
-    array = arrays.cache_key(x)
-    if array is None or transport != "mpi":
-        return None
-    key = (array, type(halo_width), halo_width, type(dim), dim, type(boundary), boundary)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
 class _Halos(Op):
     """What both forms share: the cache key, the adjoint's transport."""
 
     def key(self, x: Any, args: dict) -> tuple | None:
-        return _key(x, args["halo_width"], args["dim"], args["boundary"], args["transport"])
+        """What decides ``local()`` on this rank, or None (not remembered: device arrays, torch transport)."""
+        array = arrays.cache_key(x)
+        if array is None or args["transport"] != "mpi":
+            return None
+        w, dim, boundary = args["halo_width"], args["dim"], args["boundary"]
+        key = (array, type(w), w, type(dim), dim, type(boundary), boundary)
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
 
     def backward_calls_mpi(self, plan: Any) -> bool:
         return plan.torch_group is None  # transport="torch" calls no MPI in backward
@@ -119,11 +116,7 @@ class HaloBands(_Halos):
             moves=moves.MpiMoves(comm) if group is None else _torch_moves().TorchMoves(group),
         )
 
-    def kernel(self, x: Any, plan: _Plan) -> Any:
-        return halo_kernel(x, plan)
-
-    def adjoint(self, grad: Any, plan: _Plan) -> Any:
-        return halo_adjoint(grad, plan)
+    # kernel and adjoint: halo_kernel and halo_adjoint themselves (set below: no method in between)
 
 
 class HaloBlocks(_Halos):
@@ -354,6 +347,8 @@ def _check_boundary(boundary: Any, shape: tuple, axis: int) -> None:
         )
 
 
+HaloBands.kernel = staticmethod(halo_kernel)  # the per-call fast path calls the kernel directly
+HaloBands.adjoint = staticmethod(halo_adjoint)
 BANDS, BLOCKS = HaloBands(), HaloBlocks()
 
 

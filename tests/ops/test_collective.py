@@ -23,8 +23,8 @@ class TestAllgatherOrRaise(Conformance):
         band = credit_mpi.shard_tensor(field, -2, manager, uneven=True)
         return lambda: band
 
-    def call(self, compute, manager, form, **change):
-        results = credit_mpi.allgather_or_raise(manager.domain_group, change.get("compute", compute))
+    def call(self, part, manager, form, **change):
+        results = credit_mpi.allgather_or_raise(manager.domain_group, change.get("compute", part))
         joined = np.concatenate([to_numpy(r) for r in results], axis=-2)
         return joined if isinstance(results[0], np.ndarray) else torch.from_numpy(joined)
 
