@@ -64,8 +64,11 @@ class ScatterBands(Op):
         return Local(plan, (root, uneven, repr(args["dim"])))  # dim too: a rank's other dim is not silently the root's
 
     def explain(self, locals_: list[Local]) -> None:
-        detail = ", ".join(f"rank {r}: root={loc.calls[0]}, uneven={loc.calls[1]}, dim={loc.calls[2]}" for r, loc in enumerate(locals_))
-        raise ValueError(f"scatter_tensor: ranks of the domain group passed different roots, uneven or dims ({detail})")
+        if len({loc.calls[2] for loc in locals_}) > 1:
+            detail = ", ".join(f"rank {r}: dim={loc.calls[2]}" for r, loc in enumerate(locals_))
+            raise ValueError(f"scatter_tensor: ranks of the domain group passed different dims ({detail})")
+        detail = ", ".join(f"rank {r}: root={loc.calls[0]}, uneven={loc.calls[1]}" for r, loc in enumerate(locals_))
+        raise ValueError(f"scatter_tensor: ranks of the domain group passed different roots or uneven ({detail})")
 
     def plan(self, mine: Any, counts: list[int], comm: MPI.Comm, args: dict) -> _Scatter:
         domain = domain_of(args["manager"])
