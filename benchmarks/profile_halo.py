@@ -25,9 +25,9 @@ import numpy as np
 from mpi4py import MPI
 
 from credit_mpi import DomainParallelManager, halo_exchange
-from credit_mpi import halo as halo_mod
 from credit_mpi.cli import bench
-from credit_mpi.manager import domain_of, live_domain_comm
+from credit_mpi.manager import live_domain_comm
+from credit_mpi.ops import halo as halo_op
 from credit_mpi.validation import remembered
 
 
@@ -45,15 +45,16 @@ def main(argv=None) -> int:
     with DomainParallelManager(None, world.Get_size()) as manager:
         comm = manager.domain_group
         halo_exchange(x, 1, manager=manager)  # remembered from now on
-        plan = halo_mod._plan(x, 1, -2, domain_of(manager), "zero", True)
-        key = halo_mod._call_key(x, 1, -2, "zero", "mpi")
+        call = {"halo_width": 1, "dim": -2, "boundary": "zero", "transport": "mpi", "manager": manager}
+        key = (halo_op.BANDS.key(x, call), False)  # the engine's key: the op's and the autograd state
         entry = remembered(comm, "halo_exchange", key)
+        plan = entry.result
         header, table = np.zeros(5, np.int64), np.empty((comm.Get_size(), 5), np.int64)
         raw = bench.raw_halo(comm, x)
 
         cases = {
             "halo_exchange(x, 1)": lambda: halo_exchange(x, 1, manager=manager),
-            "kernel with a ready plan (halo_kernel)": lambda: halo_mod.halo_kernel(x, plan),
+            "kernel with a ready plan (halo_kernel)": lambda: halo_op.halo_kernel(x, plan),
             "agreement of a repeated call (repeat)": entry.repeat,
             "raw mpi4py halo": raw,
             "raw mpi4py halo after an Allgather of 5 int64": lambda: (comm.Allgather(header, table), raw()),
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
         times = bench_percall.time_cases(comm, cases, args.repeats, args.number)
         local = {
             "find the remembered agreement (no MPI)": lambda: remembered(
-                live_domain_comm(manager), "halo_exchange", halo_mod._call_key(x, 1, -2, "zero", "mpi")
+                live_domain_comm(manager), "halo_exchange", (halo_op.BANDS.key(x, call), False)
             ),
             "allocate + copy band + zero edges": lambda: _alloc_copy(x),
         }

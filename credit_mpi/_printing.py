@@ -30,14 +30,14 @@ TRACEBACK_VARIABLE = "CREDIT_MPI_TRACEBACK"
 
 
 def settled_comm(tb) -> MPI.Comm | None:
-    """The communicator of the agreement that raised along ``tb`` (``validation._settle``'s frame), else None.
+    """The communicator of the agreement that raised along ``tb`` (``agreement._settle``'s frame), else None.
 
     An error raised while ranks settle an agreement is the same on every
     rank of that communicator: it needs no sharing, and one rank prints it.
     """
     for frame, _ in traceback.walk_tb(tb):
         code = frame.f_code
-        if code.co_name == "_settle" and code.co_filename.endswith(os.path.join("credit_mpi", "validation.py")):
+        if code.co_name == "_settle" and code.co_filename.endswith(os.path.join("credit_mpi", "agreement.py")):
             return frame.f_locals.get("comm")
     return None
 

@@ -2,15 +2,14 @@
 
 Imported only when a torch tensor that requires grad reaches a collective
 (or a :class:`credit_mpi.nn.HaloExchange` runs), so ``import credit_mpi`` never
-imports torch. The public functions route here by themselves after the ranks
-have agreed on the call (whether autograd records it is part of that
-agreement for the halo exchange, whose backward is a collective): with grad
+imports torch. The routing itself is the engine's (:mod:`credit_mpi.engine`:
+one ``torch.autograd.Function`` for every op, whose forward is the op's
+kernel and whose backward is its adjoint, after the ranks have agreed on the
+call, autograd's state included when the backward is a collective): with grad
 mode on and ``x.requires_grad``, :func:`credit_mpi.gather_tensor` and
-:func:`credit_mpi.halo_exchange` return a tensor with a ``grad_fn``. Each
-``torch.autograd.Function`` below runs the same kernel as the plain call
-forward, so both paths make the same MPI calls. The Functions know nothing
-of sharding or halos: they call the agreed plan's ``apply`` (forward) and
-``adjoint`` (its transpose), so this module imports nothing above it. Backward passes that
+:func:`credit_mpi.halo_exchange` return a tensor with a ``grad_fn``. This
+module holds what every backward that calls MPI checks first
+(:func:`check_backward_thread`) and the semantics below. Backward passes that
 communicate are collectives over the domain group: every rank of the group
 must run the backward pass (as in any data- or model-parallel code).
 Every backward is itself differentiable (double backward is exact).
@@ -36,14 +35,12 @@ Semantics follow torch DTensor's redistribution between ``Replicate()`` and
 from __future__ import annotations
 
 import functools
-from typing import Any
 
-import torch
 from mpi4py import MPI
 
-from .validation import DomainParallelError
+from .agreement import DomainParallelError
 
-__all__ = ["gather_autograd", "halo_autograd", "check_backward_thread"]
+__all__ = ["check_backward_thread"]
 
 
 _THREAD_LEVELS = {
@@ -78,67 +75,3 @@ def check_backward_thread() -> None:
 def _thread_level() -> int:
     """MPI's thread level, asked once (it never changes after ``MPI_Init_thread``)."""
     return MPI.Query_thread()
-
-
-class _GatherTensor(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, plan, out):
-        gathered = plan.apply(x)
-        if out is not None:
-            ctx.mark_dirty(out)  # written in place: autograd moves its version on, as for torch's in-place ops
-        ctx.plan = plan
-        return gathered
-
-    @staticmethod
-    def backward(ctx, grad):
-        # Shard <- Replicate: this rank's part of the (replicated) gradient,
-        # differentiable torch ops (double backward works), no communication.
-        return ctx.plan.own(grad), None, None
-
-
-class _HaloExchange(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, plan):
-        ctx.plan = plan
-        return plan.apply(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # The exchange is linear; its backward is its adjoint, itself a
-        # differentiable Function (whose backward is the exchange again), so
-        # double backward (a gradient penalty through a halo) is exact. A
-        # backward that records no graph (create_graph=False: grad mode is
-        # off here) calls the adjoint directly: the same MPI calls, without
-        # the cost of a second Function.
-        if torch.is_grad_enabled():
-            return _HaloAdjoint.apply(grad, ctx.plan), None
-        return _adjoint(grad, ctx.plan), None
-
-
-class _HaloAdjoint(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, grad, plan):
-        ctx.plan = plan
-        return _adjoint(grad, plan)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.plan.torch_group is None:
-            check_backward_thread()
-        return _HaloExchange.apply(grad, ctx.plan), None
-
-
-def _adjoint(grad: torch.Tensor, plan: Any) -> torch.Tensor:
-    if plan.torch_group is None:  # over MPI (transport="torch" calls no MPI here)
-        check_backward_thread()
-    return plan.adjoint(grad)
-
-
-def gather_autograd(x: torch.Tensor, plan: Any) -> torch.Tensor:
-    """Differentiable :func:`credit_mpi.gather_tensor` of ``x`` with its agreed ``plan`` (backward: this rank's slice)."""
-    return _GatherTensor.apply(x, plan, plan.out)
-
-
-def halo_autograd(x: torch.Tensor, plan: Any) -> torch.Tensor:
-    """Differentiable :func:`credit_mpi.halo_exchange` of ``x`` with its agreed ``plan`` (backward: halo gradients go home)."""
-    return _HaloExchange.apply(x, plan)

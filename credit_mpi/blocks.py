@@ -12,30 +12,28 @@ A single ``dim`` on a grid of more than one column is an error that says so:
 a block is not a band, and slicing one dim of it would silently give
 something else.
 
-* shard: local (a slice in each dim), ``check="collective"`` agrees first.
-* gather: collective; one ``Alltoallw`` whose receive types are MPI
-  subarrays, so every rank's block lands straight in its place in the
-  global output (no list of blocks, no concatenate). Differentiable (the
-  gradient of a block is its slice of the replicated gradient).
-* scatter: collective; one ``Alltoallw`` from the root, which sends each rank
-  a subarray of the global field (the others never hold it).
+* shard: local (a slice in each dim), ``check="collective"`` agrees first;
+  here, with the grid's helpers (the block table from the agreed counts,
+  the subarray datatypes of every block, the communicator the data moves on).
+* gather and scatter are ops of :mod:`credit_mpi.engine`, in
+  :mod:`credit_mpi.ops.gather` and :mod:`credit_mpi.ops.scatter` (their
+  2-D forms), which use these helpers.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 from mpi4py import MPI
 
 from .grid import block_sizes, grid_coords, grid_of
 from .layout import Layout
 from .manager import Domain, domain_of
 from .partition import normalize_dim
-from .transport import arrays, moves, rowops, staging
-from .validation import Local, agree, check_root, check_transport
+from .transport import arrays
+from .validation import Local, agree, check_transport
 
 __all__ = [
     "is_grid_call",
@@ -45,8 +43,9 @@ __all__ = [
     "grid_comm",
     "shard_tensor_2d",
     "shard_batch_2d",
-    "gather_tensor_2d",
-    "scatter_tensor_2d",
+    "block_table",
+    "block_types",
+    "encode_block",
 ]
 
 def is_grid_call(manager: Any, *args: Any) -> bool:
@@ -179,42 +178,6 @@ def shard_batch_2d(batch: Mapping[str, Any], dims: dict[int, Any], manager: Any,
     return sharded
 
 
-class Gather2d(NamedTuple):
-    """What every rank agreed on before a 2-D gather moves data."""
-
-    comm: MPI.Comm
-    info: arrays.ArrayInfo
-    ay: int
-    ax: int
-    grid: tuple[int, int]
-    heights: list  # rows of each grid row
-    widths: list  # columns of each grid column
-    rank: int
-    out: Any
-    moves: Any = None  # transport="torch": the protocol's torch transport (None: MPI's Alltoallw)
-
-    @property
-    def shape(self) -> tuple:
-        shape = list(self.info.shape)
-        shape[self.ay], shape[self.ax] = sum(self.heights), sum(self.widths)
-        return tuple(shape)
-
-    @property
-    def start(self) -> tuple[int, int]:
-        """This rank's first (row, column) in the global field."""
-        (y0, _), (x0, _) = Layout((tuple(self.heights), tuple(self.widths))).block(self.rank)
-        return y0, x0
-
-    def apply(self, x: Any) -> Any:
-        """The gather (:func:`gather2d_kernel`)."""
-        return gather2d_kernel(x, self)
-
-    def own(self, grad: Any) -> Any:
-        """This rank's block of the gathered (replicated) gradient: the gather's backward, no communication."""
-        (y0, x0), (row, col) = self.start, grid_coords(self.rank, self.grid)
-        return grad.narrow(self.ay, y0, self.heights[row]).narrow(self.ax, x0, self.widths[col])
-
-
 def block_table(counts: list[int], grid: tuple[int, int], what: str, ay: int, ax: int) -> tuple[list[int], list[int]]:
     """``(heights, widths)`` from every rank's agreed ``rows << 32 | cols``; ValueError if the blocks do not tile a grid."""
     rows, cols = grid
@@ -244,58 +207,12 @@ def _rest(shape: tuple, ay: int, ax: int) -> tuple:
     return tuple(s for i, s in enumerate(shape) if i not in (ay, ax))
 
 
-def gather_tensor_2d(x: Any, dim: Any, manager: Any, check: bool, out: Any, transport: str) -> Any:
-    """The global field from every rank's block (see :func:`credit_mpi.gather_tensor`)."""
-    domain = domain_of(manager)
-    grid = grid_of(domain.manager, domain.size)
-    comm = grid_comm(domain)
-
-    def local() -> Local:
-        check_transport(transport)
-        if transport == "torch" and domain.size > 1:
-            domain.manager.torch_group("domain")  # a clear error when the bridge is missing
-        info = arrays.describe(x)
-        ay, ax = normalize_dims(dim, len(info.shape))
-        out_shape = None
-        if out is not None:
-            o = arrays.describe(out)
-            if not o.same_kind(info) or len(o.shape) != len(info.shape) or not arrays.is_contiguous(out):
-                raise ValueError(f"gather_tensor: out must be a C-contiguous {info.kind} {info.dtype} array with "
-                                 f"{len(info.shape)} dims on {info.device_type}, got {o.kind} {o.dtype} {o.shape} on {o.device}")
-            arrays.check_writable(out, "gather_tensor's out")
-            out_shape = o.shape
-        calls = ("2d", ay, ax, len(info.shape), _rest(info.shape, ay, ax), info.itemsize, transport, out_shape)
-        return Local((info, ay, ax), calls, (info.kind, info.dtype, info.device_type), encode_block(info.shape, ay, ax))
-
-    def explain(locals_: list[Local]) -> None:
-        detail = "; ".join(f"rank {r}: {loc.plan[0].kind} {loc.plan[0].dtype} {loc.plan[0].shape} dims {loc.calls[1:3]}, "
-                           f"out {loc.calls[-1]}" for r, loc in enumerate(locals_))
-        raise ValueError(f"gather_tensor: the blocks do not fit together (same kind, dtype, dims, every dim but the "
-                         f"two grid dims, and out's shape on every rank): {detail}")
-
-    (info, ay, ax), counts = agree(domain.comm, "gather_tensor/2d", local, check=check, explain=explain)
-    heights, widths = block_table(counts, grid, "gather_tensor", ay, ax)
-    transfer = None
-    if transport == "torch" and domain.size > 1:
-        from .transport.torch_moves import TorchMoves  # imports torch
-
-        transfer = TorchMoves(domain.manager.torch_group("domain"))
-    plan = Gather2d(comm, info, ay, ax, grid, heights, widths, domain.rank, out, transfer)
-    if out is not None and tuple(out.shape) != plan.shape:  # out's shape is agreed: every rank raises alike
-        raise ValueError(f"gather_tensor: out has shape {tuple(out.shape)}, the gathered field {plan.shape}")
-    if arrays.requires_grad(x):
-        from .autograd import gather_autograd  # imports torch
-
-        return gather_autograd(x, plan)
-    return gather2d_kernel(x, plan)
-
-
 def _subarray(shape: tuple, sub: tuple, start: tuple, itemsize: int) -> MPI.Datatype:
     """Bytes of the block ``sub`` at ``start`` of a C-contiguous array of ``shape``."""
     return MPI.BYTE.Create_subarray([*shape, itemsize], [*sub, itemsize], [*start, 0]).Commit()
 
 
-def _block_types(p_shape: tuple, ay: int, ax: int, grid: tuple[int, int], heights: list[int], widths: list[int],
+def block_types(p_shape: tuple, ay: int, ax: int, grid: tuple[int, int], heights: list[int], widths: list[int],
                  itemsize: int) -> list[MPI.Datatype | None]:
     """Per domain rank: the subarray type of its block in the global array (None for an empty block)."""
     types: list[MPI.Datatype | None] = []
@@ -308,86 +225,4 @@ def _block_types(p_shape: tuple, ay: int, ax: int, grid: tuple[int, int], height
         types.append(_subarray(p_shape, tuple(sub), tuple(start), itemsize) if math.prod(sub) else None)
     return types
 
-
-def gather2d_kernel(x: Any, p: Gather2d) -> Any:
-    """Move the blocks of an agreed 2-D gather (no checks, no autograd): returns the global array."""
-    shape = p.shape
-    out = arrays.empty(x, shape) if p.out is None else p.out
-    if math.prod(shape) == 0:
-        return out
-    if p.out is not None and arrays.shares_memory(x, out):
-        x = rowops.clone(x)
-    if p.moves is not None:
-        moves.gather_blocks(p.moves, x, out, Layout((tuple(p.heights), tuple(p.widths))), (p.ay, p.ax))
-        if p.out is not None:
-            arrays.mark_written(out)
-        return out
-    n = p.comm.Get_size()
-    types = _block_types(shape, p.ay, p.ax, p.grid, p.heights, p.widths, p.info.itemsize)
-    nbytes = math.prod(p.info.shape) * p.info.itemsize
-    try:
-        with staging.send_buffer(arrays.contiguous(x), p.comm) as send, staging.recv_buffer(out, p.comm) as recv:
-            p.comm.Alltoallw(
-                [send, ([nbytes] * n, [0] * n), [MPI.BYTE] * n],
-                [recv, ([0 if t is None else 1 for t in types], [0] * n), [MPI.BYTE if t is None else t for t in types]],
-            )
-    finally:
-        for t in types:
-            if t is not None:
-                t.Free()
-    if p.out is not None:
-        arrays.mark_written(out)
-    return out
-
-
-def scatter_tensor_2d(x: Any, dim: Any, manager: Any, root: int, uneven: bool) -> Any:
-    """This rank's block of the root's global ``x`` (see :func:`credit_mpi.scatter_tensor`)."""
-    domain = domain_of(manager)
-    grid = grid_of(domain.manager, domain.size)
-    comm, n, rank = grid_comm(domain), domain.size, domain.rank
-
-    def local() -> Local:
-        check_root(root, n)
-        plan = None
-        if rank == root:
-            info = arrays.describe(x)
-            ay, ax = normalize_dims(dim, len(info.shape))
-            plan = (info, arrays.dtype_of(x), ay, ax, *block_sizes((info.shape[ay], info.shape[ax]), grid, uneven, tuple(dim)))
-        return Local(plan, ("2d", root, uneven, repr(dim)))
-
-    def explain(locals_: list[Local]) -> None:
-        detail = ", ".join(f"rank {r}: root={loc.calls[1]}, uneven={loc.calls[2]}, dim={loc.calls[3]}" for r, loc in enumerate(locals_))
-        raise ValueError(f"scatter_tensor: ranks of the domain group passed different roots, uneven or dims ({detail})")
-
-    if n <= 1:
-        return x
-    plan, _ = agree(domain.comm, "scatter_tensor/2d", local, explain=explain)
-    # the root described the array; it tells the others (the dtype object itself travels)
-    info, dtype, ay, ax, heights, widths = comm.bcast(plan, root=root)
-    i, j = grid_coords(rank, grid)
-    shape = list(info.shape)
-    shape[ay], shape[ax] = heights[i], widths[j]
-    out = arrays.empty(x, shape) if rank == root else arrays.empty_described(info, shape, dtype)
-    if math.prod(info.shape) == 0:
-        return out
-    mine = math.prod(shape) * info.itemsize
-    recv_counts = [0] * n
-    recv_counts[root] = mine
-    with staging.recv_buffer(out, comm) as recv:
-        if rank == root:
-            types = _block_types(info.shape, ay, ax, grid, heights, widths, info.itemsize)
-            try:
-                with staging.send_buffer(arrays.contiguous(x), comm) as send:
-                    comm.Alltoallw(
-                        [send, ([0 if t is None else 1 for t in types], [0] * n), [MPI.BYTE if t is None else t for t in types]],
-                        [recv, (recv_counts, [0] * n), [MPI.BYTE] * n],
-                    )
-            finally:
-                for t in types:
-                    if t is not None:
-                        t.Free()
-        else:
-            empty = np.empty(1, dtype=np.uint8)
-            comm.Alltoallw([empty, ([0] * n, [0] * n), [MPI.BYTE] * n], [recv, (recv_counts, [0] * n), [MPI.BYTE] * n])
-    return out
 

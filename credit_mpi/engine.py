@@ -9,7 +9,7 @@ kernel and, when it is differentiable, its adjoint. :func:`run` does the
 rest, the same way for every op:
 
 1. the agreement, remembered per ``(communicator, op, key)`` by
-   :func:`credit_mpi.validation.agree_cached` (one fixed-size ``Allgather``
+   :func:`credit_mpi.agreement.agree_cached` (one fixed-size ``Allgather``
    per repeated call; a change or a failure on any rank is seen by every
    rank, which all raise the same exception; forgotten by
    ``manager.free()``);
@@ -18,6 +18,25 @@ rest, the same way for every op:
 3. ``kernel(x, plan)``, inside a ``torch.autograd.Function`` whose backward
    is ``adjoint(grad, plan)`` when autograd records it.
 
+The per-call fast path is the engine's too: a call whose key this rank
+remembers makes one ``Allgather`` of its header (:meth:`credit_mpi.agreement._Agreed.repeat`)
+and goes straight to the kernel when every rank sent the table agreed last
+time; nothing else is checked, digested or planned.
+
+Options an op declares (class attributes and hooks, all with defaults):
+
+* ``local_adjoint``: the adjoint is local torch code (the gather's backward
+  is this rank's slice of the replicated gradient): autograd's state is then
+  not agreed (no rank communicates in backward), the adjoint is recorded by
+  torch itself (double backward through plain torch ops) and no MPI thread
+  check is made;
+* ``bind(plan, args)``: what of this call goes into the remembered plan
+  (``out=``: a remembered plan must not keep a caller's array alive);
+* ``written(plan)``: the array the kernel writes in place (``out=``), marked
+  dirty for autograd;
+* ``backward_calls_mpi(plan)``: whether the adjoint calls MPI (False for
+  ``transport="torch"``), so the MPI thread check is made only then.
+
 So a new collective is one file: an ``Op`` subclass and a public function of
 one line, ``return run(MyOp(), x, comm, ...)``.
 """
@@ -25,14 +44,14 @@ one line, ``return run(MyOp(), x, comm, ...)``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
 
 from mpi4py import MPI
 
-from .validation import Local, agree_cached, register_operation
+from .agreement import AGREED_ENTRIES, Local, agree_cached, on_forget, register_operation, remembered
 
-__all__ = ["Op", "run", "records_grad", "Counter"]
+__all__ = ["Op", "run", "run_agreed", "agreed_plan", "apply_agreed", "records_grad", "AGREED_PLANS", "Counter"]
 
 
 class Counter:
@@ -59,9 +78,13 @@ class Op:
     """
 
     name: ClassVar[str] = ""
+    local_adjoint: ClassVar[bool] = False  # the adjoint is local torch code (no communication in backward)
+
+    binds: ClassVar[bool] = False  # the op has its own bind() (set by __init_subclass__)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        cls.binds = cls.bind is not Op.bind
         if cls.name:
             register_operation(cls.name)
 
@@ -86,6 +109,22 @@ class Op:
     def explain(self, locals_: list[Local]) -> None:
         """Raise this op's precise message when the ranks differ (every rank's Local in hand); default: the generic one."""
 
+    def explain_on(self, locals_: list[Local], comm: MPI.Comm) -> None:
+        """:meth:`explain` with the communicator in hand (to name it in the message); default: :meth:`explain`."""
+        self.explain(locals_)
+
+    def bind(self, plan: Any, args: dict) -> Any:
+        """The plan of this call from the agreed (possibly remembered) one: what must not be remembered goes in here."""
+        return plan
+
+    def written(self, plan: Any) -> Any:
+        """The tensor the kernel writes in place (``out=``; marked dirty for autograd), or None."""
+        return None
+
+    def backward_calls_mpi(self, plan: Any) -> bool:
+        """Whether the adjoint calls MPI (the MPI thread-level check is made before it only then)."""
+        return not self.local_adjoint
+
 
 def records_grad(x: Any) -> bool:
     """Whether autograd records an op applied to ``x`` (a torch tensor that requires grad, with grad mode on)."""
@@ -99,20 +138,100 @@ def records_grad(x: Any) -> bool:
 
 def run(op: Op, x: Any, comm: MPI.Comm, *, check: bool = True, **args: Any) -> Any:
     """Run ``op`` on ``x`` over ``comm``: agreement, plan, kernel (differentiable when ``op`` has an adjoint)."""
-    grad = op.adjoint is not None and records_grad(x)
+    # (the per-call fast path: few Python calls between the facade and the kernel)
+    grad = op.adjoint is not None and getattr(x, "requires_grad", False) and records_grad(x)
     key = op.key(x, args)
+    full = None if key is None else (key, grad)
+    entry = None if full is None else remembered(comm, op.name, full, check)
+    table = None if entry is None else entry.repeat()
+    if entry is not None and table is None:
+        plan = entry.result  # every rank repeated the remembered call: one Allgather, nothing else
+    else:  # agree (settling the table already received, if any) and plan
+        agreed = not op.local_adjoint  # a collective backward: every rank must record the call, or none
 
-    def local() -> Local:
-        mine = op.local(x, args)
-        return Local(mine.plan, mine.calls + (("autograd", grad),), mine.same, mine.count)
+        def local() -> Local:
+            mine = op.local(x, args)
+            return Local(mine.plan, mine.calls + (("autograd", grad),), mine.same, mine.count) if agreed else mine
 
-    plan = agree_cached(
-        comm, op.name, None if key is None else (key, grad), local,
-        lambda mine, counts: op.plan(mine, counts, comm, args), check=check, explain=op.explain,
-    )
+        plan = agree_cached(
+            comm, op.name, full, local, lambda mine, counts: op.plan(mine, counts, comm, args),
+            check=check, explain=lambda locals_: op.explain_on(locals_, comm), received=table,
+        )
+    if op.binds:
+        plan = op.bind(plan, args)
     if not grad:
         return op.kernel(x, plan)
-    return _function().apply(x, op, plan)
+    return _function().apply(x, op, plan, op.written(plan))
+
+
+def run_agreed(op: Op, x: Any, comm: MPI.Comm, counts: Sequence[int] | None = None, **args: Any) -> Any:
+    """Run ``op`` whose agreement the caller made already: ``counts`` are every rank's agreed counts.
+
+    For a caller whose own agreement covers everything ``op``'s would (a
+    converted layer's one agreement per call: the band's description, the
+    autograd state, the layer's arguments, every rank's rows), so the op
+    makes no ``Allgather`` of its own. ``counts=None``: a domain of one
+    (this rank's own count). The plan is remembered per ``(comm, op, key,
+    counts, autograd)`` in :data:`AGREED_PLANS`, forgotten by ``manager.free()``.
+    """
+    return apply_agreed(op, x, agreed_plan(op, x, comm, counts, **args))
+
+
+def agreed_plan(op: Op, x: Any, comm: MPI.Comm, counts: Sequence[int] | None = None, **args: Any) -> Any:
+    """The plan :func:`run_agreed` runs (no MPI call): for a caller that applies ``op``'s kernel or adjoint itself."""
+    grad = op.adjoint is not None and records_grad(x)
+    key = op.key(x, args)
+    full = None if key is None or counts is None else (id(comm), op.name, key, tuple(counts), grad)
+    plan = None if full is None else AGREED_PLANS.get(full)
+    if plan is None:
+        mine = op.local(x, args)
+        plan = op.plan(mine.plan, [mine.count] if counts is None else list(counts), comm, args)
+        if full is not None:
+            AGREED_PLANS[full] = plan
+            while len(AGREED_PLANS) > AGREED_ENTRIES:
+                AGREED_PLANS.pop(next(iter(AGREED_PLANS)))
+    return op.bind(plan, args)
+
+
+def apply_agreed(op: Op, x: Any, plan: Any) -> Any:
+    """``op``'s kernel on ``x`` with an agreed ``plan``, differentiable when autograd records it (agreed by the caller)."""
+    return _apply(op, x, plan, op.adjoint is not None and records_grad(x))
+
+
+AGREED_PLANS: dict = {}  # run_agreed's plans: (id(comm), op name, key, counts, autograd) -> plan
+
+
+@on_forget
+def _forget_agreed_plans(comm: MPI.Comm | None) -> None:
+    """Drop :data:`AGREED_PLANS` on ``comm`` (None: all), as :func:`credit_mpi.agreement.forget_agreements` does its own."""
+    if comm is None:
+        AGREED_PLANS.clear()
+        return
+    for full in [full for full, plan in AGREED_PLANS.items() if full[0] == id(comm) or getattr(plan, "comm", None) is comm]:
+        del AGREED_PLANS[full]
+
+
+def _apply(op: Op, x: Any, plan: Any, grad: bool) -> Any:
+    """The kernel, inside the engine's autograd Function when autograd records the call."""
+    if not grad:
+        return op.kernel(x, plan)
+    return _function().apply(x, op, plan, op.written(plan))
+
+
+_MISS = object()  # _repeat's "the remembered result stands"
+
+
+def _repeat(comm: MPI.Comm, name: str, full: Any, check: bool) -> tuple[Any, Any]:
+    """The fast path: ``(result, _MISS)`` when this call repeats a remembered one on every rank (one ``Allgather``).
+
+    Else ``(None, table)``: the table received (a remembered call that some
+    rank changed) or None (nothing remembered, no MPI call made).
+    """
+    entry = None if full is None else remembered(comm, name, full, check)
+    if entry is None:
+        return None, None
+    table = entry.repeat()
+    return (entry.result, _MISS) if table is None else (None, table)
 
 
 _FUNCTION: list = []
@@ -124,20 +243,27 @@ def _function() -> Any:
         return _FUNCTION[0]
     import torch
 
-    from .autograd import check_backward_thread
+    from . import autograd  # its check_backward_thread looked up per call (tests replace it)
 
     class _Run(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, op, plan):
+        def forward(ctx, x, op, plan, written):
             ctx.op, ctx.plan = op, plan
-            return op.kernel(x, plan)
+            out = op.kernel(x, plan)
+            if written is not None:
+                ctx.mark_dirty(written)  # written in place: autograd moves its version on, as for torch's in-place ops
+            return out
 
         @staticmethod
         def backward(ctx, grad):
-            check_backward_thread()
-            if torch.is_grad_enabled():  # double backward: the adjoint recorded as an op of its own
-                return _Adjoint.apply(grad, ctx.op, ctx.plan), None, None
-            return ctx.op.adjoint(grad, ctx.plan), None, None
+            op, plan = ctx.op, ctx.plan
+            if op.backward_calls_mpi(plan):
+                autograd.check_backward_thread()
+            if op.local_adjoint or not torch.is_grad_enabled():
+                # local torch code records itself (double backward through torch's ops); a backward
+                # that records no graph calls the adjoint directly: the same calls, one Function less
+                return op.adjoint(grad, plan), None, None, None
+            return _Adjoint.apply(grad, op, plan), None, None, None  # double backward: the adjoint recorded as an op
 
     class _Adjoint(torch.autograd.Function):
         @staticmethod
@@ -147,8 +273,9 @@ def _function() -> Any:
 
         @staticmethod
         def backward(ctx, grad):  # the adjoint of a linear op's adjoint is the op
-            check_backward_thread()
-            return _Run.apply(grad, ctx.op, ctx.plan), None, None
+            if ctx.op.backward_calls_mpi(ctx.plan):
+                autograd.check_backward_thread()
+            return _Run.apply(grad, ctx.op, ctx.plan, None), None, None
 
     _FUNCTION.append(_Run)
     return _Run

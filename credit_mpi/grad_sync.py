@@ -21,25 +21,19 @@ missing half, the sum over the domain group. Both are linear, so their order
 does not matter: after ``reduce_gradients(model.parameters(), over="domain")``
 every rank holds the gradient of the mean over the samples of the global
 loss (docs/torch_bridge.rst, tests/test_ddp_recipe.py).
+
+The reduction is an op of :mod:`credit_mpi.engine`, :mod:`credit_mpi.ops.reduce`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from mpi4py import MPI
-
+from .engine import run
 from .manager import DomainParallelManager, get_domain_parallel_manager
-from .transport import arrays, staging
-from .validation import Local, agree
+from .ops.reduce import REDUCE, check_over
 
 __all__ = ["reduce_gradients"]
-
-# dtypes MPI cannot add directly are reduced in float32
-_WIDEN = {"torch.float16", "torch.bfloat16"}
-
-# over= -> (sum over the domain group, mean over the data-parallel group)
-_OVER = {"all": (True, True), "domain": (True, False), "data_parallel": (False, True)}
 
 
 def reduce_gradients(
@@ -80,59 +74,8 @@ def reduce_gradients(
     """
     manager = get_domain_parallel_manager() if manager is None else manager
     params = list(parameters)
-
-    def valid_over() -> str:
-        if not isinstance(over, str) or over not in _OVER:
-            raise ValueError(f"reduce_gradients: over must be one of {sorted(_OVER)}, got {over!r}")
-        return over
-
     if manager is None:
-        valid_over()  # a single process: nothing to agree on
+        check_over(over)  # a single process: nothing to agree on
         return
     grads = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
-
-    def local() -> Local:
-        # Which gradients exist, their dtypes, sizes and device types, and
-        # which groups reduce decide the Allreduce calls: agreed whatever
-        # ``check`` says.
-        return Local(valid_over(), (over, tuple((i, str(g.dtype), g.numel(), g.device.type) for i, g in grads)))
-
-    def explain(locals_: list[Local]) -> None:
-        overs = [loc.calls[0] for loc in locals_]
-        if len(set(overs)) > 1:
-            detail = ", ".join(f"rank {r}: {o!r}" for r, o in enumerate(overs))
-            raise ValueError(f"reduce_gradients: ranks passed different over= ({detail}); pass the same on every rank")
-        ranks = [r for r, loc in enumerate(locals_) if loc.calls != locals_[0].calls]
-        raise ValueError(
-            "reduce_gradients: ranks hold gradients for different parameters, dtypes, sizes or device types "
-            f"(rank(s) {ranks} differ from rank 0); run the same model and backward pass on every rank"
-        )
-
-    agree(manager.comm, "reduce_gradients", local, check=check, explain=explain)
-    groups: dict[str, list] = {}
-    for _, g in grads:
-        groups.setdefault(str(g.dtype), []).append(g)
-    sum_domain, mean_dp = _OVER[over]
-    domain = manager.domain_parallel_size if sum_domain else 1
-    dp = manager.data_parallel_size if mean_dp else 1
-    if not groups:
-        return
-    import torch  # the gradients are torch tensors, so torch is loaded already
-
-    for dtype in sorted(groups):
-        tensors = groups[dtype]
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        if dtype in _WIDEN:
-            flat = flat.float()
-        datatype = arrays.mpi_datatype(flat)
-        for comm, size in ((manager.domain_group, domain), (manager.data_parallel_group, dp)):
-            if size > 1:  # device gradients: direct or host-staged, as staging decides for comm
-                with staging.recv_buffer(flat, comm, inout=True) as buf:
-                    comm.Allreduce(MPI.IN_PLACE, [buf, datatype], op=MPI.SUM)
-        if dp > 1:
-            flat.div_(dp)
-        offset = 0
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+    run(REDUCE, grads, manager.comm, check=check, over=over, manager=manager)

@@ -37,15 +37,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .blocks import block_table, encode_block, grid_comm, normalize_dims
-from .grid import grid_coords, grid_of, grid_rank, opposite_pieces
-from .manager import domain_of
-from .partition import HALO_BOUNDARIES, check_halo_width
+from .grid import grid_coords, grid_rank, opposite_pieces
+from .partition import HALO_BOUNDARIES
 from .transport import arrays, moves, rowops
 from .transport.limits import TAG_E, TAG_N, TAG_POLE_N, TAG_POLE_S, TAG_S, TAG_W
-from .validation import Local, agree, check_int, check_transport
+from .validation import check_int
 
-__all__ = ["LON_BOUNDARIES", "halo_exchange_2d", "halo2d_kernel", "halo2d_adjoint", "halo2d_elements", "received_elements", "Plan2d"]
+__all__ = ["LON_BOUNDARIES", "check_widths", "check_boundaries", "halo2d_kernel", "halo2d_adjoint", "halo2d_elements", "received_elements", "Plan2d"]
 
 LON_BOUNDARIES = ("periodic", "zero", "reflect")
 
@@ -67,17 +65,8 @@ class Plan2d:
     shape: tuple  # this rank's block
     heights: tuple
     widths: tuple
-    autograd: bool
     torch_group: Any = None  # transport="torch": the mirrored torch domain group (autograd: no MPI in backward)
     moves: Any = field(default=None, compare=False, repr=False)  # the transport the exchange moves data on
-
-    def apply(self, x: Any) -> Any:
-        """The exchange (:func:`halo2d_kernel`)."""
-        return halo2d_kernel(x, self)
-
-    def adjoint(self, grad: Any) -> Any:
-        """Its transpose (:func:`halo2d_adjoint`)."""
-        return halo2d_adjoint(grad, self)
 
     def lat_neighbors(self) -> tuple[int | None, int | None]:
         """(north, south) domain ranks that supply rows; None at a pole (unless ``periodic``)."""
@@ -120,58 +109,6 @@ def check_boundaries(boundary: Any) -> tuple[str, str]:
     return lat, lon
 
 
-def halo_exchange_2d(x: Any, halo_width: Any, dim: Any, manager: Any, boundary: Any, check: bool, transport: str) -> Any:
-    """Pad this rank's block with its neighbours' rows, columns and corners (see the module docstring)."""
-    domain = domain_of(manager)
-    grid = grid_of(domain.manager, domain.size)
-    comm = grid_comm(domain)
-    row, col = grid_coords(domain.rank, grid)
-
-    def local() -> Local:
-        check_transport(transport)
-        if transport == "torch" and domain.size > 1:
-            domain.manager.torch_group("domain")  # a clear error when the bridge is missing
-        hy, hx = check_widths(halo_width)
-        lat, lon = check_boundaries(boundary)
-        info = arrays.describe(x)
-        ay, ax = normalize_dims(dim if isinstance(dim, (tuple, list)) else (dim, -1), len(info.shape))
-        rest = tuple(s for i, s in enumerate(info.shape) if i not in (ay, ax))
-        calls = ("2d", hy, hx, lat, lon, ay, ax, len(info.shape), rest, info.itemsize, transport, arrays.requires_grad(x))
-        return Local((info, ay, ax, hy, hx, lat, lon), calls, (info.kind, info.dtype, info.device_type),
-                     encode_block(info.shape, ay, ax))
-
-    def explain(locals_: list[Local]) -> None:
-        detail = "; ".join(f"rank {r}: {loc.plan[0].kind} {loc.plan[0].dtype} {loc.plan[0].shape}, halo_width="
-                           f"{loc.calls[1:3]}, boundary={loc.calls[3:5]}, dims {loc.calls[5:7]}, requires_grad="
-                           f"{loc.calls[-1]}" for r, loc in enumerate(locals_))
-        raise ValueError(f"halo_exchange: ranks of the domain grid made different calls (every rank needs the same "
-                         f"halo_width, boundary, dims, dtype and every dim but the two grid dims): {detail}")
-
-    (info, ay, ax, hy, hx, lat, lon), counts = agree(domain.comm, "halo_exchange/2d", local, check=check, explain=explain)
-    heights, widths = block_table(counts, grid, "halo_exchange", ay, ax)
-    check_halo_width(heights, hy, lat, ay)  # agreed table: every rank raises alike
-    check_halo_width(widths, hx, lon, ax)
-    if lat == "earth" and sum(widths) % 2:
-        raise ValueError(f"boundary 'earth' shifts the pole halo by half the longitudes, so the number of longitudes "
-                         f"(dim {ax}) must be even, got {sum(widths)} (blocks: {widths})")
-    group = domain.manager.torch_group("domain") if transport == "torch" and domain.size > 1 else None
-    transfer = moves.MpiMoves(comm) if group is None else torch_moves().TorchMoves(group)
-    plan = Plan2d(comm, grid, row, col, ay, ax, hy, hx, lat, lon, info.shape, tuple(heights), tuple(widths),
-                  arrays.requires_grad(x), group, transfer)
-    if plan.autograd:
-        from .autograd import halo_autograd  # imports torch
-
-        return halo_autograd(x, plan)
-    return halo2d_kernel(x, plan)
-
-
-def torch_moves() -> Any:
-    """:mod:`credit_mpi.transport.torch_moves` (imports torch: only for ``transport="torch"``)."""
-    from .transport import torch_moves as module
-
-    return module
-
-
 def halo2d_elements(p: Plan2d) -> int:
     """Elements this rank receives from other ranks in one exchange (rows, pole pieces, columns with corners)."""
     rest = math.prod(s for i, s in enumerate(p.shape) if i not in (p.ay, p.ax))
@@ -191,7 +128,7 @@ def received_elements(grid: tuple[int, int], heights: list[int], widths: list[in
     """
     (hy, hx), (lat, lon) = halo_width, boundary
     row, col = grid_coords(rank, grid)
-    plan = Plan2d(None, grid, row, col, 0, 1, hy, hx, lat, lon, (heights[row], widths[col]), tuple(heights), tuple(widths), False)
+    plan = Plan2d(None, grid, row, col, 0, 1, hy, hx, lat, lon, (heights[row], widths[col]), tuple(heights), tuple(widths))
     h, w = heights[row], widths[col]
     north, south = plan.lat_neighbors()
     west, east = plan.lon_neighbors()

@@ -38,7 +38,7 @@ class CountingComm(MPI.Intracomm):
     Point-to-point: the message's bytes. Collectives (one message each): the
     bytes of this rank's data that the other ranks receive (what
     :mod:`credit_mpi.nn.traffic` counts). Agreements (the ``Allgather`` calls
-    of :mod:`credit_mpi.validation`) are counted apart.
+    of :mod:`credit_mpi.agreement`) are counted apart.
     """
 
     def __init__(self, comm: MPI.Intracomm) -> None:
@@ -61,7 +61,7 @@ class CountingComm(MPI.Intracomm):
         return super().Isend(buf, dest, tag)
 
     def Allgather(self, sendbuf, recvbuf):  # noqa: N802
-        self._add(_nbytes(sendbuf) * self._others(), sys._getframe(1).f_globals.get("__name__") == "credit_mpi.validation")
+        self._add(_nbytes(sendbuf) * self._others(), sys._getframe(1).f_globals.get("__name__") == "credit_mpi.agreement")
         return super().Allgather(sendbuf, recvbuf)
 
     def Allgatherv(self, sendbuf, recvbuf):  # noqa: N802

@@ -236,12 +236,12 @@ def test_a_repeated_call_skips_the_planning_but_a_change_is_still_seen(make_mana
     Also: a freed manager after a remembered call is the freed-manager error,
     not a call on its freed communicator.
     """
-    from credit_mpi import halo, sharding
+    from credit_mpi import engine
 
-    module, name = (halo, "_plan") if op == "halo" else (sharding, "_gather_plan")
-    planned = []
-    original = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **k: planned.append(1) or original(*a, **k))
+    planned = []  # the engine's slow path of this op: agree (settle the table received) and plan
+    original, name = engine.agree_cached, "halo_exchange" if op == "halo" else "gather_tensor"
+    monkeypatch.setattr(engine, "agree_cached", lambda comm, operation, *a, **k: (operation == name and planned.append(1))
+                        or original(comm, operation, *a, **k))
     manager = make_manager()
     d, rank = manager.domain_parallel_size, manager.domain_rank
     g = np.random.default_rng(5).standard_normal((2, 3, 4 * d, 5))

@@ -92,3 +92,46 @@ def test_no_import_cycle_between_credit_mpi_modules():
     assert len(edges) > 10 and any(edges.values())  # the checker really read the package
     cycle = find_cycle(edges)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# The layers, top to bottom: the public facades call the engine's ops, the ops run on the engine,
+# everything moves data through the transport. (Modules not named here sit beside these layers:
+# the helpers every layer may use, such as layout, partition, grid, blocks, validation.)
+FACADES = {"credit_mpi.sharding", "credit_mpi.halo", "credit_mpi.grad_sync"}
+ABOVE = ("credit_mpi.nn", "credit_mpi.io", "credit_mpi.cli")  # the layers, converters and tools built on the collectives
+
+
+def _in(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _layer_violations(edges: dict[str, set[str]]) -> list[str]:
+    """Every import that points up or sideways across the layers (empty when the layering holds)."""
+    bad = []
+    for name, targets in edges.items():
+        for target in targets:
+            if _in(name, ("credit_mpi.ops",)) and (target in FACADES or _in(target, ABOVE)):
+                bad.append(f"{name} (an op) imports {target} (above the ops)")
+            if name == "credit_mpi.engine" and (target in FACADES or _in(target, ABOVE + ("credit_mpi.ops",))):
+                bad.append(f"{name} imports {target} (the engine knows no op and no facade)")
+            if _in(name, ("credit_mpi.transport",)) and (
+                target in FACADES or target == "credit_mpi.engine" or _in(target, ABOVE + ("credit_mpi.ops",))
+            ):
+                bad.append(f"{name} (transport) imports {target} (above the transport)")
+    return sorted(bad)
+
+
+def test_the_layer_checker_sees_an_upward_import():
+    edges = {"credit_mpi.transport.moves": {"credit_mpi.engine"}, "credit_mpi.ops.gather": {"credit_mpi.nn.conv"},
+             "credit_mpi.engine": {"credit_mpi.ops.halo"}, "credit_mpi.sharding": {"credit_mpi.engine"}}
+    assert len(_layer_violations(edges)) == 3
+
+
+def test_facades_over_ops_over_engine_over_transport():
+    edges = graph()
+    assert _layer_violations(edges) == []
+    for facade in FACADES:  # each facade reaches its collectives through the engine
+        assert "credit_mpi.engine" in edges[facade], facade
+        assert any(_in(t, ("credit_mpi.ops",)) for t in edges[facade]), facade
+    ops = [name for name in edges if name.startswith("credit_mpi.ops.")]
+    assert len(ops) >= 6 and all("credit_mpi.engine" in edges[name] for name in ops), ops  # every op runs on the engine

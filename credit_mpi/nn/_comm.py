@@ -29,13 +29,15 @@ from mpi4py import MPI
 from torch.autograd.function import once_differentiable
 
 from .._printing import settled_comm
-from ..autograd import check_backward_thread, halo_autograd
+from ..autograd import check_backward_thread
 from ..blocks import decode_block, encode_block, grid_comm
+from ..engine import agreed_plan, apply_agreed
 from ..grid import grid_coords, grid_of
-from ..halo import _agreed_plan, _exchange_agreed
+from ..halo import _exchange_agreed
 from ..halo2d import Plan2d
 from ..layout import Layout
-from ..manager import domain_of
+from ..manager import domain_of, live_domain_comm
+from ..ops import halo as halo_op
 from ..partition import check_halo_width
 from ..transport.moves import MpiMoves
 from ..validation import DomainParallelError, Local, agree_cached, comm_label
@@ -269,19 +271,25 @@ def allgather_stats(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
 
 
 class _OverlapAdd(torch.autograd.Function):
-    """The adjoint of an agreed halo exchange (its ``plan``): forward ``plan.adjoint``, backward ``plan.apply``."""
+    """The adjoint of an agreed halo exchange (the halo ``op`` and its ``plan``): forward its adjoint, backward its kernel."""
 
     @staticmethod
-    def forward(ctx, y, plan):
-        ctx.plan = plan
-        return plan.adjoint(y.detach())
+    def forward(ctx, y, op, plan):
+        ctx.op, ctx.plan = op, plan
+        return op.adjoint(y.detach(), plan)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         check_backward_thread()
         # the adjoint of the adjoint: the plain exchange (no grad of its own: double backward is refused)
-        return ctx.plan.apply(grad.detach().contiguous()), None
+        return ctx.op.kernel(grad.detach().contiguous(), ctx.plan), None, None
+
+
+def _overlap_add_with(y: torch.Tensor, op: Any, plan: Any) -> torch.Tensor:
+    if torch.is_grad_enabled() and y.requires_grad:  # agreed by the layer (its input and weight): every rank or none
+        return _OverlapAdd.apply(y, op, plan)
+    return op.adjoint(y, plan)
 
 
 @_eager
@@ -295,10 +303,11 @@ def overlap_add(y: torch.Tensor, rows: int, width: int, axis: int, manager: Any,
     """
     if not width:
         return y
-    plan = _agreed_plan(y.detach().narrow(axis, width, rows), width, axis, manager, "zero", tuple(sizes))
-    if torch.is_grad_enabled() and y.requires_grad:  # agreed by the layer (its input and weight): every rank or none
-        return _OverlapAdd.apply(y, plan)
-    return plan.adjoint(y)
+    comm = live_domain_comm(manager) or domain_of(manager).comm
+    own = y.detach().narrow(axis, width, rows)
+    plan = agreed_plan(halo_op.BANDS, own, comm, tuple(sizes), halo_width=width, dim=axis, boundary="zero",
+                       transport="mpi", manager=manager)
+    return _overlap_add_with(y, halo_op.BANDS, plan)
 
 
 # --------------------------------------------------------------------------- the 2-D domain grid
@@ -412,7 +421,7 @@ def fetch_block(
     padded = x
     if hy or hx:
         plan = _grid_plan(x, blocks.heights, blocks.widths, (hy, hx), (ay, ax), manager, exchange)
-        padded = halo_autograd(x, plan) if plan.autograd else plan.apply(x)
+        padded = apply_agreed(halo_op.BLOCKS, x, plan)
     spans = (
         (ay, lat, blocks.y0, hy, sum(blocks.heights), boundary[0]),
         (ax, lon, blocks.x0, hx, sum(blocks.widths), boundary[1]),
@@ -441,9 +450,7 @@ def overlap_add_2d(y: torch.Tensor, own: tuple[int, int], width: tuple[int, int]
         return y
     block = y.detach().narrow(axes[0], width[0], own[0]).narrow(axes[1], width[1], own[1])
     plan = _grid_plan(block, heights, widths, width, axes, manager, ("zero", "zero"))
-    if torch.is_grad_enabled() and y.requires_grad:  # agreed by the layer: every rank or none
-        return _OverlapAdd.apply(y, plan)
-    return plan.adjoint(y)
+    return _overlap_add_with(y, halo_op.BLOCKS, plan)  # agreed by the layer: every rank or none
 
 
 def _grid_plan(x: torch.Tensor, heights, widths, width: tuple[int, int], axes: tuple[int, int], manager: Any,
@@ -461,4 +468,4 @@ def _grid_plan(x: torch.Tensor, heights, widths, width: tuple[int, int], axes: t
     comm = grid_comm(domain)
     row, col = grid_coords(domain.rank, grid)
     return Plan2d(comm, grid, row, col, axes[0], axes[1], width[0], width[1], boundary[0], boundary[1], tuple(x.shape),
-                  tuple(heights), tuple(widths), bool(torch.is_grad_enabled() and x.requires_grad), None, MpiMoves(comm))
+                  tuple(heights), tuple(widths), None, MpiMoves(comm))

@@ -23,7 +23,6 @@ How those bytes reach MPI (directly or staged through host memory) is
 from __future__ import annotations
 
 import collections
-import contextlib
 import importlib
 import math
 import sys
@@ -34,6 +33,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import gpu
+from .adapters import _cupy, _is_cupy, _is_torch, _torch, _torch_bytes, adapter_of
 
 # Internal switch for tests (never set in production code): treat CPU arrays
 # as device arrays, so the CUDA-aware decision and the staging copies run on
@@ -93,25 +93,7 @@ class ArrayInfo(NamedTuple):
         return (self.kind, self.dtype, self.device_type) == (other.kind, other.dtype, other.device_type)
 
 
-# --------------------------------------------------------------------------- library lookup
-
-
-def _torch():
-    return sys.modules.get("torch")
-
-
-def _cupy():
-    return sys.modules.get("cupy")
-
-
-def _is_torch(x: Any) -> bool:
-    torch = _torch()
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
-def _is_cupy(x: Any) -> bool:
-    cupy = _cupy()
-    return cupy is not None and isinstance(x, cupy.ndarray)
+# --------------------------------------------------------------------------- library lookup (transport.adapters)
 
 
 def is_array(x: Any) -> bool:
@@ -323,106 +305,6 @@ def narrow(x: Any, dim: int, start: int, length: int) -> Any:
     return x.narrow(dim, start, length).contiguous()
 
 
-# --------------------------------------------------------------------------- per-library byte operations
-
-
-class _NumpyOps:
-    """numpy arrays (treated as on a device only under ``_SIMULATE_DEVICE``)."""
-
-    name = "numpy"
-
-    @staticmethod
-    def on_device(x: Any) -> bool:
-        return False
-
-    @staticmethod
-    def as_bytes(x: Any) -> Any:
-        return x.reshape(-1).view(np.uint8)
-
-    @staticmethod
-    def sync_stream(x: Any) -> None:
-        pass
-
-    @staticmethod
-    def sync_device(x: Any) -> None:
-        pass
-
-    @staticmethod
-    def device_context(x: Any) -> Any:
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def host_buffer(nbytes: int, pinned: bool) -> tuple[Any, np.ndarray]:
-        buf = np.empty(nbytes, dtype=np.uint8)
-        return buf, buf
-
-    @staticmethod
-    def to_host(src: Any, owner: Any, view: np.ndarray) -> None:
-        np.copyto(view, src)
-
-    @staticmethod
-    def from_host(owner: Any, view: np.ndarray, dst: Any) -> None:
-        np.copyto(dst, view)
-
-
-class _TorchOps:
-    """torch tensors: bytes through DLPack, streams through torch.cuda."""
-
-    name = "torch"
-
-    @staticmethod
-    def on_device(x: Any) -> bool:
-        return x.device.type == "cuda"
-
-    @staticmethod
-    def as_bytes(x: Any) -> Any:
-        return _torch_bytes(x)
-
-    @staticmethod
-    def sync_stream(x: Any) -> None:
-        if x.device.type == "cuda":
-            _torch().cuda.current_stream(x.device).synchronize()
-
-    @staticmethod
-    def sync_device(x: Any) -> None:
-        if x.device.type == "cuda":
-            _torch().cuda.synchronize(x.device)
-
-    @staticmethod
-    def device_context(x: Any) -> Any:
-        # torch exports a CUDA tensor through DLPack only while its device is
-        # torch's current one ("Can't export tensors on a different CUDA device").
-        if x.device.type == "cuda":
-            return _torch().cuda.device(x.device)
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def host_buffer(nbytes: int, pinned: bool) -> tuple[Any, np.ndarray]:
-        torch = _torch()
-        owner = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        return owner, owner.numpy()
-
-    @staticmethod
-    def to_host(src: Any, owner: Any, view: np.ndarray) -> None:
-        # Blocking copy (non_blocking=False) on the current stream: ordered
-        # after the kernels that produced ``src``, complete when it returns.
-        owner[: view.size].copy_(src)
-
-    @staticmethod
-    def from_host(owner: Any, view: np.ndarray, dst: Any) -> None:
-        # Blocking too: the staging buffer may be reused right after.
-        dst.copy_(owner[: view.size])
-
-
-def _torch_bytes(x: Any) -> Any:
-    """A flat uint8 view of the contiguous tensor ``x`` (shares memory).
-
-    ``as_strided`` rather than ``reshape``: torch calls a one-element tensor
-    contiguous whatever its stride, and ``view(uint8)`` refuses a stride != 1.
-    """
-    return x.as_strided((x.numel(),), (1,)).view(_torch().uint8)
-
-
 def as_torch_bytes(x: Any) -> Any:
     """A flat uint8 torch tensor over the bytes of contiguous ``x`` (numpy, torch or CuPy; no copy)."""
     torch = importlib.import_module("torch")
@@ -433,63 +315,12 @@ def as_torch_bytes(x: Any) -> Any:
     return _torch_bytes(x)
 
 
-class _CupyOps:
-    """CuPy arrays: bytes through DLPack, streams through cupy.cuda."""
-
-    name = "cupy"
-
-    @staticmethod
-    def on_device(x: Any) -> bool:
-        return True
-
-    @staticmethod
-    def as_bytes(x: Any) -> Any:
-        return x.reshape(-1).view(_cupy().uint8)
-
-    @staticmethod
-    def sync_stream(x: Any) -> None:
-        with x.device:
-            _cupy().cuda.get_current_stream().synchronize()
-
-    @staticmethod
-    def sync_device(x: Any) -> None:
-        x.device.synchronize()
-
-    @staticmethod
-    def device_context(x: Any) -> Any:
-        return x.device
-
-    @staticmethod
-    def host_buffer(nbytes: int, pinned: bool) -> tuple[Any, np.ndarray]:
-        # As cupyx.empty_pinned does: a writable numpy array over page-locked memory.
-        memory = _cupy().cuda.alloc_pinned_memory(nbytes)
-        return memory, np.ndarray((nbytes,), dtype=np.uint8, buffer=memory)
-
-    @staticmethod
-    def to_host(src: Any, owner: Any, view: np.ndarray) -> None:
-        # ndarray.get: on the current stream, blocking by default.
-        src.get(out=view)
-
-    @staticmethod
-    def from_host(owner: Any, view: np.ndarray, dst: Any) -> None:
-        # ndarray.set queues an asynchronous copy on the current stream;
-        # wait for it, since the staging buffer is reused right after.
-        with dst.device:
-            dst.set(view)
-            _cupy().cuda.get_current_stream().synchronize()
-
-
-def _ops(x: Any):
-    if isinstance(x, np.ndarray):
-        return _NumpyOps
-    if _is_cupy(x):
-        return _CupyOps
-    if _is_torch(x):
-        return _TorchOps
-    describe(x)  # raises the TypeError that names the type
-    raise AssertionError("unreachable")
-
-
+def _ops(x: Any) -> Any:
+    """``x``'s adapter (:func:`credit_mpi.transport.adapters.adapter_of`); a TypeError that names an unsupported type."""
+    adapter = adapter_of(x)
+    if adapter is None:
+        describe(x)  # raises the TypeError that names the type
+    return adapter
 
 
 def in_device_memory(buf: Any) -> bool:

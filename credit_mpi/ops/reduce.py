@@ -1,0 +1,102 @@
+"""The gradient reduction: a sum over the domain group, then a mean over the data-parallel group, in place.
+
+An op of :mod:`credit_mpi.engine` over the manager's parent communicator.
+The agreement covers ``over`` and which gradients exist with their dtypes,
+sizes and device types (they decide the ``Allreduce`` calls), whatever
+``check`` says. The kernel packs the gradients into one flat buffer per
+dtype (float16/bfloat16 widened to float32, which MPI can add) and makes
+one ``Allreduce`` per group and dtype, in place on the device when MPI is
+CUDA-aware, else staged (:mod:`credit_mpi.transport.staging`). Not
+differentiable (it writes ``.grad``), not remembered (the gradients are
+described in full each call anyway). The public function is
+:func:`credit_mpi.reduce_gradients` (:mod:`credit_mpi.grad_sync`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from mpi4py import MPI
+
+from ..engine import Op
+from ..transport import arrays, staging
+from ..validation import Local
+
+__all__ = ["ReduceGradients", "REDUCE", "OVER", "check_over"]
+
+# dtypes MPI cannot add directly are reduced in float32
+_WIDEN = {"torch.float16", "torch.bfloat16"}
+
+# over= -> (sum over the domain group, mean over the data-parallel group)
+OVER = {"all": (True, True), "domain": (True, False), "data_parallel": (False, True)}
+
+
+def check_over(over: Any) -> str:
+    """``over`` if it names one of :data:`OVER`, else the ValueError that lists them."""
+    if not isinstance(over, str) or over not in OVER:
+        raise ValueError(f"reduce_gradients: over must be one of {sorted(OVER)}, got {over!r}")
+    return over
+
+
+class _Reduce(NamedTuple):
+    over: str
+    manager: Any
+
+
+class ReduceGradients(Op):
+    """``x`` is the list of ``(index, grad)`` of the parameters that have a gradient."""
+
+    name = "reduce_gradients"
+
+    def local(self, grads: list, args: dict) -> Local:
+        over = args["over"]
+        # Which gradients exist, their dtypes, sizes and device types, and which groups reduce
+        # decide the Allreduce calls: agreed whatever ``check`` says.
+        return Local(check_over(over), (over, tuple((i, str(g.dtype), g.numel(), g.device.type) for i, g in grads)))
+
+    def explain(self, locals_: list[Local]) -> None:
+        overs = [loc.calls[0] for loc in locals_]
+        if len(set(overs)) > 1:
+            detail = ", ".join(f"rank {r}: {o!r}" for r, o in enumerate(overs))
+            raise ValueError(f"reduce_gradients: ranks passed different over= ({detail}); pass the same on every rank")
+        ranks = [r for r, loc in enumerate(locals_) if loc.calls != locals_[0].calls]
+        raise ValueError(
+            "reduce_gradients: ranks hold gradients for different parameters, dtypes, sizes or device types "
+            f"(rank(s) {ranks} differ from rank 0); run the same model and backward pass on every rank"
+        )
+
+    def plan(self, over: str, counts: list[int], comm: MPI.Comm, args: dict) -> _Reduce:
+        return _Reduce(over, args["manager"])
+
+    def kernel(self, grads: list, p: _Reduce) -> None:
+        manager = p.manager
+        groups: dict[str, list] = {}
+        for _, g in grads:
+            groups.setdefault(str(g.dtype), []).append(g)
+        sum_domain, mean_dp = OVER[p.over]
+        domain = manager.domain_parallel_size if sum_domain else 1
+        dp = manager.data_parallel_size if mean_dp else 1
+        if not groups:
+            return
+        import torch  # the gradients are torch tensors, so torch is loaded already
+
+        for dtype in sorted(groups):
+            tensors = groups[dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            if dtype in _WIDEN:
+                flat = flat.float()
+            datatype = arrays.mpi_datatype(flat)
+            for comm, size in ((manager.domain_group, domain), (manager.data_parallel_group, dp)):
+                if size > 1:  # device gradients: direct or host-staged, as staging decides for comm
+                    with staging.recv_buffer(flat, comm, inout=True) as buf:
+                        comm.Allreduce(MPI.IN_PLACE, [buf, datatype], op=MPI.SUM)
+            if dp > 1:
+                flat.div_(dp)
+            offset = 0
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
+
+
+REDUCE = ReduceGradients()
