@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ..layout import Layout
 from . import functions as fx
 from .functions import Sharded, _arg, _op_name, _rule, _tensors, _Why
 
@@ -363,7 +364,7 @@ def _attend(tr, func, q, k, v, mask, causal, rest, memory=False):
     vg = v if memory else kg if v is k else _gather(tr, v, v.ndim - 2)
     if mask is not None or causal:
         counts = _counts(tr, q.shape[-2])
-        mask = _global_mask(mask, causal, sum(counts[:rank]), counts[rank], sum(counts), kg.shape[-2], q, path)
+        mask = _global_mask(mask, causal, Layout.bands(counts).start(rank), counts[rank], sum(counts), kg.shape[-2], q, path)
     return func(q, kg, vg, attn_mask=mask, **rest)
 
 
@@ -397,7 +398,7 @@ def _mha(tr, func, args, kwargs, held):
         a["key"] = gathered
     if tr.manager is not None and a["attn_mask"] is not None:
         counts, rank = _counts(tr, query.shape[0]), tr.manager.domain_rank
-        a["attn_mask"] = _global_mask(a["attn_mask"], False, sum(counts[:rank]), counts[rank], sum(counts),
+        a["attn_mask"] = _global_mask(a["attn_mask"], False, Layout.bands(counts).start(rank), counts[rank], sum(counts),
                                       a["key"].shape[0], query, _path(tr))
         a["is_causal"] = False  # a hint of the mask's shape: this band's rows of it are not a square causal one
     if tr.manager is None:  # the dry run (meta): a mask made on the host goes along

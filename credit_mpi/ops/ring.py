@@ -35,6 +35,7 @@ from torch.autograd.function import once_differentiable
 
 from ..autograd import check_backward_thread
 from ..engine import Counter, Op, run
+from ..layout import Layout
 from ..validation import Local
 
 __all__ = ["ring_attention", "received_elements"]
@@ -114,8 +115,8 @@ class _MaskHolder:
 def _bias(mask: torch.Tensor | None, p: _Plan, src: int, like: torch.Tensor) -> torch.Tensor | None:
     """The additive mask of this rank's query rows and ``src``'s key columns (None: nothing masked)."""
     rank = p.comm.Get_rank()
-    q0, nq = sum(p.q_counts[:rank]), p.q_counts[rank]
-    k0, nk = sum(p.k_counts[:src]), p.k_counts[src]
+    q0, nq = Layout.bands(p.q_counts).start(rank), p.q_counts[rank]
+    k0, nk = Layout.bands(p.k_counts).start(src), p.k_counts[src]
     out = None
     if mask is not None:
         block = mask
