@@ -1,0 +1,113 @@
+"""CrossFormer's long-distance attention across bands: the group layout (credit_mpi.ops.group_rows) at the module's boundary.
+
+The attention groups the rows ``i * (H / window) + j`` (a stride across the whole latitude); the
+window rule (credit_mpi.nn.window_rules) moves the input bands to the group layout before its forward
+and the output back after. Exact against one process (forward, input gradient, parameter gradients)
+on even and uneven bands, uneven in groups too, wherever describe() says so (tests/verdict_reference.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+from mpi4py import MPI
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("einops")
+pytest.importorskip("credit")
+
+from torch import nn  # noqa: E402
+
+from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe  # noqa: E402
+from credit_mpi.ops.group_rows import from_groups, group_sizes, group_source, to_groups  # noqa: E402
+from credit_mpi.ops.reband import plan_moves  # noqa: E402
+
+from .credit_stand_ins import credit_models  # noqa: E402
+from .halo_reference import prefix_managers  # noqa: E402
+from .nn_reference import bands_of, same_error_everywhere  # noqa: E402
+from .test_windows import check_move, raised_everywhere  # noqa: E402
+from .verdict_reference import verdict_is_the_run  # noqa: E402
+
+crossformer, _ = credit_models()
+
+
+def long_attention(window=2):
+    """A conv, then CREDIT's long-distance attention (its rows grouped at a stride of H / window)."""
+    return lambda: nn.Sequential(nn.Conv2d(2, 8, 3, padding=1),
+                                 crossformer.Attention(8, attn_type="long", window_size=window, dim_head=4))
+
+
+def group_reference(field, window):
+    """The whole field in the group layout of one rank: row i1 * h + j at i1 * h + j (the identity: one band)."""
+    return field * 1
+
+
+@pytest.mark.mpi(min_size=1)
+def test_to_groups_places_every_group_window_major_and_back(world):
+    rank, n = world.Get_rank(), world.Get_size()
+    for window, groups in ((2, 2 * n), (2, 2 * n + 1), (3, n + 2)):  # even, then uneven in groups
+        height = window * groups
+        for sizes in ([height // n + (r < height % n) for r in range(n)], [height] + [0] * (n - 1)):
+            out_sizes = group_sizes(height, window, n)
+            order = torch.as_tensor(group_source(height, window, n)(torch.arange(height).numpy()))
+            check_move(world, sizes, out_sizes, lambda x, w=window: to_groups(x, 1, w, world),
+                       lambda f, o=order: f[:, o])
+            back = lambda x, w=window, s=sizes: from_groups(to_groups(x, 1, w, world), 1, w, s, world)  # noqa: E731
+            check_move(world, sizes, sizes, back, lambda f: f * 1)
+            assert rank >= 0
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bad_group_moves_raise_on_every_rank(world):
+    rank, n = world.Get_rank(), world.Get_size()
+    x = torch.zeros(2, 3, 3, dtype=torch.float64)  # 3 n rows
+    window = 2 if n % 2 else 3  # 3 n rows: not a multiple of 2 on an odd n
+    assert "not a multiple of the window" in raised_everywhere(world, lambda: to_groups(x, 1, 2 * 3 * n + 1, world))
+    if n % 2:
+        assert "not a multiple" in raised_everywhere(world, lambda: to_groups(x, 1, window, world))
+    bad = "2" if rank == n - 1 else 2  # one rank's bad argument: every rank raises
+    assert "window" in raised_everywhere(world, lambda: to_groups(x, 1, bad, world))
+    assert "not the group layout" in raised_everywhere(world, lambda: from_groups(x, 1, 3, [3 * n + 1] + [0] * (n - 1), world))
+    assert to_groups(x, 1, 3, world).shape == (2, 3, 3)  # still in step
+
+
+@pytest.mark.mpi(min_size=1)
+def test_long_attention_is_exact_on_even_and_uneven_bands(make_manager):
+    """2 d groups (even bands of whole groups), 2 d + 1 (uneven in groups and in bands), d (one group a rank:
+    a band of one row inside the forward, batch 1); fewer groups than ranks: refused by describe() and the run."""
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            for groups, batch in ((2 * d, 2), (2 * d + 1, 1), (d, 1), (d - 1, 1)):
+                if groups < 1:
+                    continue
+                plan = verdict_is_the_run("long_attention", long_attention(2), (batch, 2, 2 * groups, 4), manager)
+                assert plan.exact == (groups >= d), str(plan)
+                if groups < d:
+                    assert "fewer than 1 per rank" in plan.rows[-1].note, str(plan)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_height_that_is_not_whole_groups_is_refused_on_every_rank(make_manager):
+    """H = 4 d + 1 rows, windows of 2 (one process's einops raises too): describe() and every rank refuse it."""
+    manager = make_manager(MPI.COMM_WORLD.Get_size())
+    height = 4 * manager.domain_parallel_size + 1
+    plan = describe(long_attention(2)().double(), (1, 2, height, 4), manager.domain_parallel_size)
+    assert not plan.exact and "not a multiple of the window 2" in plan.rows[-1].note, str(plan)
+    start, stop = bands_of(height, manager)
+    model = convert_to_domain_parallel(long_attention(2)().double(), manager)
+    x = torch.randn(1, 2, height, 4, dtype=torch.float64)[:, :, start:stop]
+    message = same_error_everywhere(manager.domain_group, lambda: model(x), ConversionError)
+    assert plan.rows[-1].path in message and "long-distance attention" in message, message
+    assert f"{height} rows are not a multiple of the window 2" in message, message
+    assert model(torch.randn(1, 2, 2, 4, dtype=torch.float64)).shape == (1, 8, 2, 4)  # still in step
+
+
+def test_the_group_move_sends_what_the_theory_says():
+    """Even bands of whole groups: each rank keeps the rows of its groups in its own band, sends the rest."""
+    n, window, groups = 4, 2, 8
+    height = window * groups
+    sizes = (height // n,) * n
+    for rank in range(n):
+        moves = plan_moves(sizes, group_sizes(height, window, n), group_source(height, window, n), rank)
+        mine = set(range(rank * 4, rank * 4 + 4))
+        kept = sum(1 for i1 in range(window) for j in range(2 * rank, 2 * rank + 2) if i1 * groups + j in mine)
+        assert moves.sent_rows(rank) == height // n - kept
