@@ -36,9 +36,19 @@ def long_attention(window=2):
                                  crossformer.Attention(8, attn_type="long", window_size=window, dim_head=4))
 
 
-def group_reference(field, window):
-    """The whole field in the group layout of one rank: row i1 * h + j at i1 * h + j (the identity: one band)."""
-    return field * 1
+def whole_crossformer(height, width, global_window, interp=False):
+    """CREDIT's whole CrossFormer, small (as tests/test_credit_models.py), every parameter in the graph.
+
+    ``interp``: its last ``F.interpolate(size=(image_height, image_width))``, a size stored for the whole
+    field (refused on bands; the identity here, the output has that size already).
+    """
+    from .test_credit_models import EveryParameter
+
+    return lambda: EveryParameter(crossformer.CrossFormer(
+        image_height=height, image_width=width, frames=1, channels=1, surface_channels=1, input_only_channels=0,
+        levels=2, dim=(4, 8, 16, 32), depth=(1, 1, 1, 1), dim_head=4, global_window_size=global_window,
+        local_window_size=2, cross_embed_kernel_sizes=((2, 4), (2, 4), (2, 4), (2, 4)),
+        cross_embed_strides=(2, 2, 2, 2), use_spectral_norm=False, interp=interp))
 
 
 @pytest.mark.mpi(min_size=1)
@@ -83,6 +93,22 @@ def test_long_attention_is_exact_on_even_and_uneven_bands(make_manager):
                 assert plan.exact == (groups >= d), str(plan)
                 if groups < d:
                     assert "fewer than 1 per rank" in plan.rows[-1].note, str(plan)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("case", ["even_groups", "window_3"])
+def test_whole_crossformer_is_exact(case, make_manager):
+    """The whole model on d = world size bands (and 1): its long-distance attention (global window 2 at the
+    first stage: 32 d rows, even bands of whole groups; window 3: 96 x 96, 16 groups, uneven on 3 ranks)."""
+    world = MPI.COMM_WORLD.Get_size()
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            if d not in (1, world):
+                continue  # each domain size once over the 1..4-rank jobs
+            height, width, window = (32 * d, 32, (2, 1, 1, 1)) if case == "even_groups" else (96, 96, (3, 1, 1, 1))
+            plan = verdict_is_the_run(f"crossformer {case}", whole_crossformer(height, width, window),
+                                      (1, 3, 1, height, width), manager, seed=5)
+            assert plan.exact, str(plan)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -202,10 +202,12 @@ def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
             new_args[i], sizes_in, sizes_out = rebanded(a, p.dim, comm, window * p.inner, f"{path}: whole windows")
             layout = layout or (sizes_out, sizes_in)  # back= (moved, original)
             tr.set(new_args[i], p)
-    if layout[0] == layout[1]:
-        return tuple(new_args), lambda out: out  # whole windows already: nothing moved, nothing to move back
+    dim = bands[0][2].dim
 
     def leave(out: Any) -> Any:
+        out = _map_bands(tr, out, lambda t, q: _one_unit(tr, t, q, dim, window, Sharded(dim)))
+        if layout[0] == layout[1]:  # whole windows already: nothing moved, nothing to move back
+            return out
         return _map_bands(tr, out, lambda t, q: _back(tr, t, q, layout, path))
 
     return tuple(new_args), leave
@@ -257,7 +259,14 @@ def _dry(tr: Tracker, bands: list, window: int) -> Callable[[Any], Any]:
 
     def leave(out: Any) -> Any:
         tr.band_sizes = old
-        return out
+        return _map_bands(tr, out, _as_moved_back)
+
+    def _as_moved_back(t: torch.Tensor, q: Sharded) -> torch.Tensor:
+        # the run moves an output back to the input's bands and then takes windows merged back
+        # (rows x inner) as a band (no layout to compare at run time): the dry run the same
+        if q.outer == 1:
+            tr.set(t, Sharded(q.dim))
+        return t
 
     tr.band_sizes = sizes_of
     return leave
@@ -297,6 +306,8 @@ def _enter_groups(tr: Tracker, module: torch.nn.Module, args: tuple, window: int
 
     def leave(out: Any) -> Any:
         tr.band_sizes = old
+        group = Sharded(dim, window, 1)
+        out = _map_bands(tr, out, lambda t, q: _one_unit(tr, t, q, dim, window, group))
         return _map_bands(tr, out, lambda t, q: _from_groups(tr, t, q, window, layout, path, dim))
 
     return tuple(new_args), leave
@@ -312,21 +323,22 @@ def _to_groups(tr: Tracker, a: torch.Tensor, p: Sharded, window: int, path: str)
         raise refusal(path, _LONG, exc.why) from None
 
 
-def _one_group(t: torch.Tensor, q: Sharded, window: int, dim: int) -> Sharded | None:
-    """The group layout along ``dim`` for a band of one group (or none) whose placement says "one row": ``q``.
+def _one_unit(tr: Tracker, t: torch.Tensor, q: Sharded, dim: int, rows: int, placement: Sharded) -> torch.Tensor:
+    """``t``, placed as ``placement`` when this band holds one unit (a window, a group: ``rows`` rows along ``dim``,
+    or none) and ``q`` says "one row" (at run time).
 
-    A reshape of a band of one row cannot tell its dim from other dims of size one (the batch of one
+    A reshape of a band of one unit cannot tell its dim from other dims of size one (the batch of one
     sample: the judge picks one of them); a placement of one row covers the whole tensor either way,
-    so it is the group layout of one group as well.
+    so it is the module's own placement of one unit as well.
     """
-    if t.ndim > dim and t.shape[dim] in (0, window) and t.shape[q.dim] in (0, q.outer * q.inner):
-        return Sharded(dim, window, 1)
-    return None
+    if (q != placement and t.ndim > dim and t.shape[dim] in (0, rows) and t.shape[q.dim] in (0, q.outer * q.inner)
+            and tr.manager is not None):
+        tr.set(t, placement)
+    return t
 
 
 def _from_groups(tr: Tracker, t: torch.Tensor, q: Sharded, window: int, layout: tuple | None, path: str, dim: int):
     """An output of the module in the group layout moved back to the input's bands (the dry run: relabelled)."""
-    q = _one_group(t, q, window, dim) or q
     if q != Sharded(dim, window, 1):
         raise refusal(path, "its output", f"it returns bands along {q.describe()}, not in the group layout its "
                       f"input had ({Sharded(dim, window, 1).describe()}), which cannot be moved back to its input's bands")
