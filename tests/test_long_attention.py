@@ -95,6 +95,30 @@ def test_long_attention_is_exact_on_even_and_uneven_bands(make_manager):
                     assert "fewer than 1 per rank" in plan.rows[-1].note, str(plan)
 
 
+class Residual(nn.Module):
+    """A conv, then CREDIT's attention with its input added back (CrossFormer's Transformer: attn(x) + x)."""
+
+    def __init__(self, attn_type):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 8, 3, padding=1)
+        self.attn = crossformer.Attention(8, attn_type=attn_type, window_size=2, dim_head=4)
+
+    def forward(self, x):
+        x = self.conv(x)
+        return self.attn(x) + x
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("attn_type", ["short", "long"])
+def test_attention_plus_its_input_is_exact(attn_type, make_manager):
+    """16 rows: on 3 ranks re-banded to whole windows [6, 4, 6] (describe() refused the add of the windows merged
+    back to the input's bands: the run was exact); the long-distance one through the group layout."""
+    with prefix_managers(make_manager) as managers:
+        for _, manager in managers:
+            plan = verdict_is_the_run(f"residual {attn_type}", lambda: Residual(attn_type), (1, 2, 16, 4), manager)
+            assert plan.exact, str(plan)
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("case", ["even_groups", "window_3"])
 def test_whole_crossformer_is_exact(case, make_manager):
