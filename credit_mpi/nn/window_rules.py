@@ -37,8 +37,11 @@ Rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
   to the input's bands after. The forward counts its groups from its
   input's shape, so it runs on whole groups locally; inside it the rows are
   the groups, the middle factor of the dim (``Sharded(dim, window, 1)``).
-  A field whose height is not a multiple of the window is refused on every
-  rank before data moves (describe() says so too).
+  A field whose height is not a multiple of the window, or with fewer groups
+  than ranks, is refused on every rank before data moves (describe() says so
+  too). Inside a band of one group (batch 1) the judge cannot tell the band's
+  dim from the batch's; the module's output is then taken in its own layout
+  (one unit covers the whole tensor either way), as for a band of one window.
 
 Importing this module registers the rules (:mod:`credit_mpi.nn` imports it).
 """
