@@ -49,9 +49,11 @@ class EveryParameter(torch.nn.Module):
         return self.model(x) + 0.0 * sum(p.sum() for p in self.model.parameters())
 
 
-def _crossformer(global_window=(2, 1, 1, 1)):
+def _crossformer(global_window=(2, 1, 1, 1), interp=False):
+    """32 rows a band (its deepest local attention needs a window of 2 rows on every band); ``interp``: its last
+    ``F.interpolate(size=(image_height, image_width))``, a size stored for the whole field."""
     return EveryParameter(crossformer.CrossFormer(
-        image_height=32, image_width=32, frames=1, channels=1, surface_channels=1, input_only_channels=0, levels=2,
+        image_height=32 * _D, image_width=32, interp=interp, frames=1, channels=1, surface_channels=1, input_only_channels=0, levels=2,
         dim=(4, 8, 16, 32), depth=(1, 1, 1, 1), dim_head=4, global_window_size=global_window, local_window_size=2,
         cross_embed_kernel_sizes=((2, 4), (2, 4), (2, 4), (2, 4)), cross_embed_strides=(2, 2, 2, 2),
         use_spectral_norm=False,
@@ -72,13 +74,16 @@ CASES = {
     "wxformer_cross_embed_s1": (lambda: wxformer.CrossEmbedLayer(2, 4, (2, 3), stride=1), lambda d: (1, 2, 3 * d + 1, 6)),
     "channel_layernorm": (lambda: crossformer.LayerNorm(4), lambda d: (1, 4, 3 * d + 1, 4)),
     "feedforward": (lambda: crossformer.FeedForward(4, 2), lambda d: (1, 4, 3 * d + 1, 4)),
+    # as the converted model's root (no module hooks, so no group layout): refused; inside a model it is exact
     "attention_global": (lambda: crossformer.Attention(8, attn_type="long", window_size=2, dim_head=4), lambda d: (1, 8, 4 * d, 4)),
     "attention_local": (lambda: crossformer.Attention(8, attn_type="short", window_size=2, dim_head=4), lambda d: (1, 8, 4 * d, 4)),
     # a band of exactly one window (the window count read from x.shape: H // window): exact
     "attention_local_one_window": (lambda: crossformer.Attention(8, attn_type="short", window_size=2, dim_head=4),
                                    lambda d: (1, 8, 2 * d, 4)),
-    # the whole model: refused at its long-distance attention (rows grouped at a stride across the globe)
-    "crossformer": (_crossformer, lambda d: (1, 3, 1, 32, 32)),
+    # the whole model: its long-distance attention through the group layout (tests/test_long_attention.py): exact
+    "crossformer": (_crossformer, lambda d: (1, 3, 1, 32 * d, 32)),
+    # with its interpolation to the stored image size: refused at it, by describe() and by the run
+    "crossformer_interp": (lambda: _crossformer(interp=True), lambda d: (1, 3, 1, 32 * d, 32)),
     # reshapes to its stored global patches_resolution: refused, by describe() and by the run
     "cube_embedding": (lambda: crossformer.CubeEmbedding((1, 4 * _D, 8), (1, 2, 2), 3, 8), lambda d: (1, 3, 1, 4 * d, 8)),
     "debugger": (lambda: _debugger(), lambda d: (1, 3, 1, 3 * d + 1, 8)),
@@ -90,9 +95,13 @@ CASES = {
     "unet_uneven": (lambda: _unet(8 * _D + 8), lambda d: (1, 3, 1, 8 * d + 8, 16)),  # exact where describe() says so
 }
 # the run may refuse a later op than describe() (see verdict_is_the_run)
-LATER_OP = {"attention_global", "crossformer", "wxformer"}
+LATER_OP = {"attention_global", "wxformer"}
+# exact on every domain size (the others: exact where describe() says so)
+EXACT = {"crossformer"}
+# refused on more than one band, at this op
+REFUSED_AT = {"crossformer_interp": "interpolate()"}
 # whole models: on 1, 2 and 4 ranks only, each domain size once (see the module docstring)
-HEAVY = {"crossformer", "wxformer", "nextgen_wxformer", "fuxi", "unet", "unet_uneven"}
+HEAVY = {"crossformer", "crossformer_interp", "wxformer", "nextgen_wxformer", "fuxi", "unet", "unet_uneven"}
 NEEDS_TIMM = {"fuxi", "unet", "unet_uneven"}
 _D = 1  # the domain size of the case being built (models that store the field's size take it from here)
 
@@ -156,8 +165,8 @@ def _verdict(name, build, shape, manager):
                                         ConversionError)
         assert message == str(exc), (message, str(exc))
         assert "custom_converters" in message, message
-        return
-    verdict_is_the_run(name, build, shape, manager, seed=5, same_op=name not in LATER_OP)
+        return None
+    return verdict_is_the_run(name, build, shape, manager, seed=5, same_op=name not in LATER_OP)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -173,7 +182,10 @@ def test_credit_model_exact_or_refused_on_every_rank(name, make_manager):
             torch.manual_seed(0)
             _D = d
             try:
-                _verdict(name, build, shape_of(d), manager)
+                plan = _verdict(name, build, shape_of(d), manager)
+                assert name not in EXACT or plan.exact, str(plan)
+                if name in REFUSED_AT and d > 1:
+                    assert not plan.exact and plan.rows[-1].kind == REFUSED_AT[name], str(plan)
             finally:
                 _D = 1
 

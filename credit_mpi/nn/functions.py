@@ -1007,6 +1007,10 @@ def _interpolate(tr, func, args, kwargs, held):
     rows = x.shape[p.dim]
     if size is not None:
         target = _tuple(size, nsp)[sd]
+        if not _follows_band(target) and not torch.compiler.is_compiling():  # (a traced forward's sizes: plain ints)
+            raise _Why(f"size={tuple(_tuple(size, nsp))}: the size {int(target)} along the sharded dim is not computed "
+                       f"from the band's shape: a size stored for the whole field (e.g. set in __init__ from the "
+                       f"image size), which no band has. Compute it from x.shape in the forward, or give scale_factor")
         if target == rows:
             return tr.run(func, args, kwargs, p)
         if not tr.ratio_ok(rows, target):

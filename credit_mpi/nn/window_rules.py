@@ -28,6 +28,20 @@ Rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
   layout holds for the forward of the module. Not for the converted model's
   root (whose forward the run calls directly): wrap it, or give its input
   bands of whole windows.
+* A module whose ``window_size`` counts rows at a stride across the field
+  (:data:`STRIDED_WINDOWS`: CrossFormer's long-distance attention, whose
+  group ``j`` holds the rows ``i * (H / window) + j``) gets its input bands
+  moved to the group layout (:func:`credit_mpi.ops.group_rows.to_groups`:
+  the ``H / window`` groups split among the ranks, each rank holding its
+  groups' rows window-major) before its forward and its outputs moved back
+  to the input's bands after. The forward counts its groups from its
+  input's shape, so it runs on whole groups locally; inside it the rows are
+  the groups, the middle factor of the dim (``Sharded(dim, window, 1)``).
+  A field whose height is not a multiple of the window, or with fewer groups
+  than ranks, is refused on every rank before data moves (describe() says so
+  too). Inside a band of one group (batch 1) the judge cannot tell the band's
+  dim from the batch's; the module's output is then taken in its own layout
+  (one unit covers the whole tensor either way), as for a band of one window.
 
 Importing this module registers the rules (:mod:`credit_mpi.nn` imports it).
 """
@@ -43,7 +57,7 @@ from ..grid import grid_of
 from . import functions
 from .functions import Sharded, Tracker, _arg, _rule, _Why, refusal
 
-__all__ = ["window_rows"]
+__all__ = ["window_rows", "strided_rows", "STRIDED_WINDOWS"]
 
 
 @_rule("roll")
@@ -125,15 +139,21 @@ def _pair(value: Any) -> list[int]:
 # -- whole windows at the boundary of a windowed module ---------------------------------------------
 
 
-def window_rows(module: torch.nn.Module) -> int | None:
-    """The rows of ``module``'s windows along the sharded dim (its ``window_size``: an int or its first entry), or None.
+# A module's window_size counts rows at a stride across the field (not a window of contiguous rows) when
+# one of its attributes has one of these values: attribute name -> values. Extend it for another model's
+# grid attention whose groups are ``rows i * (H / window) + j`` (the group layout of credit_mpi.ops.group_rows).
+STRIDED_WINDOWS: dict[str, frozenset] = {
+    "attn_type": frozenset({"long"}),  # CREDIT's CrossFormer Attention (crossformer, wxformer): long-distance
+}
 
-    Not for a module whose ``attn_type`` is ``"long"``: CrossFormer's long-distance attention calls
-    the number of its row groups ``window_size`` (rows at a stride across the field, not a window).
-    """
+
+def _strided(module: torch.nn.Module) -> bool:
+    return any(getattr(module, name, None) in values for name, values in STRIDED_WINDOWS.items())
+
+
+def _window_size(module: torch.nn.Module) -> int | None:
+    """``module.window_size`` along the sharded dim (an int or a sequence's first entry) when it is an int >= 2."""
     size = getattr(module, "window_size", None)
-    if getattr(module, "attn_type", None) == "long":
-        return None
     if isinstance(size, (tuple, list)) and size:
         size = size[0]
     if isinstance(size, bool) or not isinstance(size, int) or size < 2:
@@ -141,10 +161,32 @@ def window_rows(module: torch.nn.Module) -> int | None:
     return size
 
 
+def window_rows(module: torch.nn.Module) -> int | None:
+    """The rows of ``module``'s windows along the sharded dim (its ``window_size``: an int or its first entry), or None.
+
+    None for a module of :data:`STRIDED_WINDOWS` (its ``window_size`` counts rows at a stride: see
+    :func:`strided_rows`) and for a window of one row (nothing to re-band).
+    """
+    return None if _strided(module) else _window_size(module)
+
+
+def strided_rows(module: torch.nn.Module) -> int | None:
+    """The rows of each group of a module of :data:`STRIDED_WINDOWS` (its ``window_size``), or None.
+
+    None for a window of one row: each group is one row, already on its band.
+    """
+    return _window_size(module) if _strided(module) else None
+
+
 def _enter(tr: Tracker, module: torch.nn.Module, args: tuple) -> tuple[tuple, Callable[[Any], Any]] | None:
-    """Re-band the band arguments of a windowed module to whole windows; returns the new args and the way back."""
+    """Re-band the band arguments of a windowed module to whole windows (or move them to the group layout of a
+    strided one); returns the new args and the way back."""
+    if tr.paths.get(id(module)) == "<root>":  # the run calls the root's forward without hooks
+        return None
+    if (groups := strided_rows(module)) is not None:
+        return _enter_groups(tr, module, args, groups)
     window = window_rows(module)
-    if window is None or tr.paths.get(id(module)) == "<root>":  # the run calls the root's forward without hooks
+    if window is None:
         return None
     bands = [(i, a, p) for i, a in enumerate(args) if (p := tr.get(a)) is not None]
     if not bands or any(p.dim == 0 or p.outer != 1 for _, _, p in bands):
@@ -163,10 +205,12 @@ def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
             new_args[i], sizes_in, sizes_out = rebanded(a, p.dim, comm, window * p.inner, f"{path}: whole windows")
             layout = layout or (sizes_out, sizes_in)  # back= (moved, original)
             tr.set(new_args[i], p)
-    if layout[0] == layout[1]:
-        return tuple(new_args), lambda out: out  # whole windows already: nothing moved, nothing to move back
+    dim = bands[0][2].dim
 
     def leave(out: Any) -> Any:
+        out = _map_bands(tr, out, lambda t, q: _one_unit(tr, t, q, dim, window, Sharded(dim)))
+        if layout[0] == layout[1]:  # whole windows already: nothing moved, nothing to move back
+            return out
         return _map_bands(tr, out, lambda t, q: _back(tr, t, q, layout, path))
 
     return tuple(new_args), leave
@@ -218,10 +262,98 @@ def _dry(tr: Tracker, bands: list, window: int) -> Callable[[Any], Any]:
 
     def leave(out: Any) -> Any:
         tr.band_sizes = old
-        return out
+        return _map_bands(tr, out, _as_moved_back)
+
+    def _as_moved_back(t: torch.Tensor, q: Sharded) -> torch.Tensor:
+        # the run moves an output back to the input's bands and then takes windows merged back
+        # (rows x inner) as a band (no layout to compare at run time): the dry run the same
+        if q.outer == 1:
+            tr.set(t, Sharded(q.dim))
+        return t
 
     tr.band_sizes = sizes_of
     return leave
+
+
+# -- the group layout at the boundary of a module that attends rows at a stride --------------------
+
+_LONG = "long-distance attention (rows at a stride across the field)"
+
+
+def _enter_groups(tr: Tracker, module: torch.nn.Module, args: tuple, window: int):
+    """Move the band arguments of a strided module to the group layout; returns the new args and the way back."""
+    bands = [(i, a, p) for i, a in enumerate(args) if (p := tr.get(a)) is not None]
+    if not bands or any(p.outer * p.inner != 1 or p.dim == 0 for _, _, p in bands):
+        return None  # not plain bands (the judge says what its forward does with them)
+    path, new_args, layout = tr._path(module), list(args), None
+    if tr.manager is not None and grid_of(tr.manager, tr.manager.domain_parallel_size)[1] > 1:
+        raise refusal(path, _LONG, "no rule on a latitude x longitude domain grid yet")
+    for i, a, p in bands:
+        if tr.manager is None:
+            from ..ops.group_rows import group_layout_problem
+
+            if (why := group_layout_problem(a.shape[p.dim], window, len(tr.band_sizes(a.shape[p.dim])), 1)):
+                raise refusal(path, _LONG, why)
+            with torch._C.DisableTorchFunction():
+                new_args[i] = a.view_as(a)  # the dry run: the field's shape; the rows are now its groups
+        else:
+            new_args[i], layout = _to_groups(tr, a, p, window, path)
+        tr.set(new_args[i], Sharded(p.dim, window, 1))
+    old, dim = tr.band_sizes, bands[0][2].dim
+    if old is not None:  # the dry run: the groups split as the move splits them
+        from ..layout import split
+
+        height = bands[0][1].shape[dim]
+        n = len(old(height))
+        tr.band_sizes = lambda h: split(h, n, uneven=True) if h == height // window else old(h)
+
+    def leave(out: Any) -> Any:
+        tr.band_sizes = old
+        group = Sharded(dim, window, 1)
+        out = _map_bands(tr, out, lambda t, q: _one_unit(tr, t, q, dim, window, group))
+        return _map_bands(tr, out, lambda t, q: _from_groups(tr, t, q, window, layout, path, dim))
+
+    return tuple(new_args), leave
+
+
+def _to_groups(tr: Tracker, a: torch.Tensor, p: Sharded, window: int, path: str) -> tuple:
+    from ..ops.group_rows import NoGroupLayout, grouped
+
+    try:
+        with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
+            return grouped(a, p.dim, window, tr.manager.domain_group, f"{path}: to the group layout", least=1)
+    except NoGroupLayout as exc:  # raised on every rank alike, before data moves (the height is agreed first)
+        raise refusal(path, _LONG, exc.why) from None
+
+
+def _one_unit(tr: Tracker, t: torch.Tensor, q: Sharded, dim: int, rows: int, placement: Sharded) -> torch.Tensor:
+    """``t``, placed as ``placement`` when this band holds one unit (a window, a group: ``rows`` rows along ``dim``,
+    or none) and ``q`` says "one row" (at run time).
+
+    A reshape of a band of one unit cannot tell its dim from other dims of size one (the batch of one
+    sample: the judge picks one of them); a placement of one row covers the whole tensor either way,
+    so it is the module's own placement of one unit as well.
+    """
+    if (q != placement and t.ndim > dim and t.shape[dim] in (0, rows) and t.shape[q.dim] in (0, q.outer * q.inner)
+            and tr.manager is not None):
+        tr.set(t, placement)
+    return t
+
+
+def _from_groups(tr: Tracker, t: torch.Tensor, q: Sharded, window: int, layout: tuple | None, path: str, dim: int):
+    """An output of the module in the group layout moved back to the input's bands (the dry run: relabelled)."""
+    if q != Sharded(dim, window, 1):
+        raise refusal(path, "its output", f"it returns bands along {q.describe()}, not in the group layout its "
+                      f"input had ({Sharded(dim, window, 1).describe()}), which cannot be moved back to its input's bands")
+    with torch._C.DisableTorchFunction():
+        if layout is None:
+            y = t.view_as(t)
+        else:
+            from ..ops.group_rows import from_groups
+
+            y = from_groups(t, q.dim, window, layout, tr.manager.domain_group, f"{path}: back from the group layout")
+    tr.set(y, Sharded(q.dim))
+    return y
 
 
 functions._module_rule(_enter)
