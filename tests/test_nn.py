@@ -421,3 +421,16 @@ def test_describe_accepts_dropout_in_training_on_one_band():
     model = nn.Sequential(nn.Conv2d(1, 1, 3, padding=1), nn.Dropout(0.5))
     assert describe(model, (1, 1, 8, 4), 1).exact
     assert not describe(model, (1, 1, 8, 4), 2).exact
+
+
+def test_layer_rules_are_registered_next_to_their_classes():
+    """nn/rules.py: each layer's decorator fills the table convert reads; a second rule for a type is refused."""
+    from credit_mpi.nn import rules
+
+    assert rules.RULES[nn.Conv2d] is credit_mpi.nn.DomainParallelConv2d
+    assert nn.MaxPool2d in rules.BANDS_ONLY and nn.Conv2d not in rules.BANDS_ONLY
+    assert "return_indices" in rules.refusal_of(nn.MaxPool2d(2, return_indices=True))
+    assert rules.refusal_of(nn.MaxPool2d(2)) == "" and rules.refusal_of(nn.ReLU()) == ""
+    with pytest.raises(ValueError, match="already has a layer rule"):
+        rules.layer_rule(nn.Conv2d)(type("Another", (), {}))
+    assert rules.RULES[nn.Conv2d] is credit_mpi.nn.DomainParallelConv2d

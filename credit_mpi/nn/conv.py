@@ -31,6 +31,7 @@ from . import geometry
 from ._comm import agree, agree_blocks, check_halo, fetch_block, fetch_rows, overlap_add, overlap_add_2d
 from ._overlap import overlapped_conv, split
 from .base import DomainParallelModule
+from .rules import layer_rule
 
 __all__ = [
     "DomainParallelConv1d",
@@ -263,36 +264,42 @@ class _ConvTransposeMixin(DomainParallelModule):
         return out
 
 
+@layer_rule(nn.Conv1d, grid=False)
 class DomainParallelConv1d(_ConvMixin, nn.Conv1d):
     """``nn.Conv1d`` on bands (see the module docstring)."""
 
     _nd = 1
 
 
+@layer_rule(nn.Conv2d)
 class DomainParallelConv2d(_ConvMixin, nn.Conv2d):
     """``nn.Conv2d`` on bands (see the module docstring)."""
 
     _nd = 2
 
 
+@layer_rule(nn.Conv3d)
 class DomainParallelConv3d(_ConvMixin, nn.Conv3d):
     """``nn.Conv3d`` on bands (see the module docstring)."""
 
     _nd = 3
 
 
+@layer_rule(nn.ConvTranspose1d, grid=False)
 class DomainParallelConvTranspose1d(_ConvTransposeMixin, nn.ConvTranspose1d):
     """``nn.ConvTranspose1d`` on bands (overlap-add across band boundaries)."""
 
     _nd = 1
 
 
+@layer_rule(nn.ConvTranspose2d)
 class DomainParallelConvTranspose2d(_ConvTransposeMixin, nn.ConvTranspose2d):
     """``nn.ConvTranspose2d`` on bands (overlap-add across band boundaries)."""
 
     _nd = 2
 
 
+@layer_rule(nn.ConvTranspose3d)
 class DomainParallelConvTranspose3d(_ConvTransposeMixin, nn.ConvTranspose3d):
     """``nn.ConvTranspose3d`` on bands (overlap-add across band boundaries)."""
 

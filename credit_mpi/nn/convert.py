@@ -7,8 +7,10 @@ Policy (every module of the model, the root included, is visited once):
    works too, its layers getting this manager). :func:`keep_local`
    as the function marks a type as local (the user vouches that it never
    mixes rows along the sharded dim).
-2. The table (exact types): convolutions, transposed convolutions,
-   normalisations, upsampling, pooling -> their ``DomainParallel*`` wrapper;
+2. The layer rules (exact types; each registered next to its class with
+   :func:`credit_mpi.nn.rules.layer_rule`: which type it replaces, bands
+   and/or the grid, the arguments it refuses): convolutions, transposed
+   convolutions, normalisations, upsampling, pooling -> their ``DomainParallel*`` wrapper;
    ``nn.Dropout`` / ``nn.AlphaDropout`` -> a wrapper that is the identity in
    eval and refuses training (:mod:`credit_mpi.nn.dropout`).
 3. Padding modules (``nn.CircularPad2d((1, 1, 0, 0))``: circular longitude)
@@ -51,40 +53,13 @@ from torch import nn
 from ..grid import grid_of
 from ..manager import DomainParallelManager, get_domain_parallel_manager
 from ..validation import check_int
-from . import conv, dropout, functions, norm, resample  # noqa: F401 - functions installs the forward's judge
+from . import conv, dropout, functions, norm, resample  # noqa: F401 - the layers register their rules; functions the judge
 from ._comm import ConversionError
 from .base import DomainParallelModule, adopt, guard_forward
+from .rules import BANDS_ONLY, RULES, refusal_of
 
 __all__ = ["convert_to_domain_parallel", "keep_local", "ConversionError", "RULES", "POINTWISE"]
 
-RULES: dict[type, type] = {
-    nn.Conv1d: conv.DomainParallelConv1d,
-    nn.Conv2d: conv.DomainParallelConv2d,
-    nn.Conv3d: conv.DomainParallelConv3d,
-    nn.ConvTranspose1d: conv.DomainParallelConvTranspose1d,
-    nn.ConvTranspose2d: conv.DomainParallelConvTranspose2d,
-    nn.ConvTranspose3d: conv.DomainParallelConvTranspose3d,
-    nn.GroupNorm: norm.DomainParallelGroupNorm,
-    nn.InstanceNorm1d: norm.DomainParallelInstanceNorm1d,
-    nn.InstanceNorm2d: norm.DomainParallelInstanceNorm2d,
-    nn.InstanceNorm3d: norm.DomainParallelInstanceNorm3d,
-    nn.LayerNorm: norm.DomainParallelLayerNorm,
-    nn.BatchNorm1d: norm.DomainParallelBatchNorm1d,
-    nn.BatchNorm2d: norm.DomainParallelBatchNorm2d,
-    nn.BatchNorm3d: norm.DomainParallelBatchNorm3d,
-    nn.Upsample: resample.DomainParallelUpsample,
-    nn.MaxPool1d: resample.DomainParallelMaxPool1d,
-    nn.MaxPool2d: resample.DomainParallelMaxPool2d,
-    nn.MaxPool3d: resample.DomainParallelMaxPool3d,
-    nn.AvgPool1d: resample.DomainParallelAvgPool1d,
-    nn.AvgPool2d: resample.DomainParallelAvgPool2d,
-    nn.AvgPool3d: resample.DomainParallelAvgPool3d,
-    nn.AdaptiveAvgPool1d: resample.DomainParallelAdaptiveAvgPool1d,
-    nn.AdaptiveAvgPool2d: resample.DomainParallelAdaptiveAvgPool2d,
-    nn.AdaptiveAvgPool3d: resample.DomainParallelAdaptiveAvgPool3d,
-    nn.Dropout: dropout.DomainParallelDropout,
-    nn.AlphaDropout: dropout.DomainParallelAlphaDropout,
-}
 
 # act on every element (or every row of the last dim) on its own: exact on bands as they are
 POINTWISE: tuple[type, ...] = (
@@ -222,7 +197,7 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
     grid = _grid_with_columns(manager)
     if kind in RULES:
         _check_supported(module, label)
-        if grid and kind in _NO_GRID_RULE:
+        if grid and kind in BANDS_ONLY:
             _refuse(module, label, f"it has no exact rule on a {grid[0]}x{grid[1]} latitude x longitude domain grid yet "
                                    f"(use latitude bands: domain_grid=None or ({grid[0] * grid[1]}, 1))")
         return adopt(RULES[kind], module, manager, shard_dim, label)
@@ -251,7 +226,6 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
     return module  # its own forward is judged function by function while it runs (credit_mpi.nn.functions)
 
 
-# layers in RULES whose wrappers know latitude bands only (a 2-D grid with more than one column refuses them)
 _NO_GRID_RULE: tuple[type, ...] = (
     nn.Conv1d, nn.ConvTranspose1d, nn.InstanceNorm1d, nn.Upsample,
     nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
@@ -268,12 +242,9 @@ def _grid_with_columns(manager: Any) -> tuple[int, int] | None:
 
 
 def _check_supported(module: nn.Module, label: str) -> None:
-    if isinstance(module, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)) and module.return_indices:
-        _refuse(module, label, "return_indices=True would return band-local indices")
-    if isinstance(module, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)) and module.track_running_stats:
-        _refuse(module, label, "InstanceNorm with track_running_stats=True has no rule on bands yet")
-    if isinstance(module, nn.Upsample) and getattr(module, "antialias", False):
-        _refuse(module, label, "antialias has no rule on bands")
+    why = refusal_of(module)  # the layer's own rule (credit_mpi.nn.rules)
+    if why:
+        _refuse(module, label, why)
 
 
 def _refuse(module: nn.Module, label: str, why: str) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from ._comm import ConversionError
 from .base import DomainParallelModule
+from .rules import layer_rule
 
 __all__ = ["DomainParallelDropout", "DomainParallelAlphaDropout", "dropout_refusal"]
 
@@ -48,9 +49,11 @@ class _DropoutMixin(DomainParallelModule):
         return super().forward(x)  # eval or p == 0: the identity
 
 
+@layer_rule(nn.Dropout)
 class DomainParallelDropout(_DropoutMixin, nn.Dropout):
     """``nn.Dropout`` on bands: refused in training (see the module docstring), the identity in eval."""
 
 
+@layer_rule(nn.AlphaDropout)
 class DomainParallelAlphaDropout(_DropoutMixin, nn.AlphaDropout):
     """``nn.AlphaDropout`` on bands: refused in training, the identity in eval."""

@@ -40,6 +40,7 @@ from ..validation import agree as agree_once
 from ._comm import ConversionError, _eager, agree, agree_blocks, allgather_stats
 from .base import DomainParallelModule
 from .replicated import is_replicated
+from .rules import layer_rule
 
 __all__ = [
     "DomainParallelGroupNorm",
@@ -163,6 +164,12 @@ def _affine(y: torch.Tensor, weight, bias) -> torch.Tensor:
     return y
 
 
+
+def _running_stats(module: nn.Module) -> str:
+    return "InstanceNorm with track_running_stats=True has no rule on bands yet" if module.track_running_stats else ""
+
+
+@layer_rule(nn.GroupNorm)
 class DomainParallelGroupNorm(DomainParallelModule, nn.GroupNorm):
     """``nn.GroupNorm`` over the whole field (see the module docstring)."""
 
@@ -209,24 +216,28 @@ class _InstanceNormMixin(DomainParallelModule):
         return band_norm(x, w, b, list(range(2, x.ndim)), self.eps, manager.domain_group)
 
 
+@layer_rule(nn.InstanceNorm1d, grid=False, refuses=_running_stats)
 class DomainParallelInstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):
     """``nn.InstanceNorm1d`` over the whole field."""
 
     _nd = 1
 
 
+@layer_rule(nn.InstanceNorm2d, refuses=_running_stats)
 class DomainParallelInstanceNorm2d(_InstanceNormMixin, nn.InstanceNorm2d):
     """``nn.InstanceNorm2d`` over the whole field."""
 
     _nd = 2
 
 
+@layer_rule(nn.InstanceNorm3d, refuses=_running_stats)
 class DomainParallelInstanceNorm3d(_InstanceNormMixin, nn.InstanceNorm3d):
     """``nn.InstanceNorm3d`` over the whole field."""
 
     _nd = 3
 
 
+@layer_rule(nn.LayerNorm)
 class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
     """``nn.LayerNorm``: global statistics when the sharded dim is normalised, else the local module.
 
@@ -342,14 +353,17 @@ class _BatchNormMixin(DomainParallelModule):
         return _out(y, x)
 
 
+@layer_rule(nn.BatchNorm1d)
 class DomainParallelBatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
     """``nn.BatchNorm1d`` with SyncBatchNorm semantics over the manager's ranks."""
 
 
+@layer_rule(nn.BatchNorm2d)
 class DomainParallelBatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
     """``nn.BatchNorm2d`` with SyncBatchNorm semantics over the manager's ranks."""
 
 
+@layer_rule(nn.BatchNorm3d)
 class DomainParallelBatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` with SyncBatchNorm semantics over the manager's ranks."""
 

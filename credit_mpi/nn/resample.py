@@ -34,6 +34,7 @@ from ._comm import agree, allgather_stats, check_halo, fetch_rows
 from .base import DomainParallelModule
 from .conv import layout_error
 from .replicated import replicated
+from .rules import layer_rule
 
 __all__ = [
     "DomainParallelUpsample",
@@ -151,6 +152,16 @@ class _InterpolateMixin(DomainParallelModule):
         return F.interpolate(y, **kw)
 
 
+
+def _return_indices(module: nn.Module) -> str:
+    return "return_indices=True would return band-local indices" if module.return_indices else ""
+
+
+def _antialias(module: nn.Module) -> str:
+    return "antialias has no rule on bands" if getattr(module, "antialias", False) else ""
+
+
+@layer_rule(nn.Upsample, grid=False, refuses=_antialias)
 class DomainParallelUpsample(_InterpolateMixin, nn.Upsample):
     """``nn.Upsample`` on bands, exact including the edge rows."""
 
@@ -227,36 +238,42 @@ class _PoolMixin(DomainParallelModule):
         return y * factor
 
 
+@layer_rule(nn.MaxPool1d, grid=False, refuses=_return_indices)
 class DomainParallelMaxPool1d(_PoolMixin, nn.MaxPool1d):
     """``nn.MaxPool1d`` on bands."""
 
     _nd = 1
 
 
+@layer_rule(nn.MaxPool2d, grid=False, refuses=_return_indices)
 class DomainParallelMaxPool2d(_PoolMixin, nn.MaxPool2d):
     """``nn.MaxPool2d`` on bands."""
 
     _nd = 2
 
 
+@layer_rule(nn.MaxPool3d, grid=False, refuses=_return_indices)
 class DomainParallelMaxPool3d(_PoolMixin, nn.MaxPool3d):
     """``nn.MaxPool3d`` on bands."""
 
     _nd = 3
 
 
+@layer_rule(nn.AvgPool1d, grid=False)
 class DomainParallelAvgPool1d(_PoolMixin, nn.AvgPool1d):
     """``nn.AvgPool1d`` on bands."""
 
     _nd, _max = 1, False
 
 
+@layer_rule(nn.AvgPool2d, grid=False)
 class DomainParallelAvgPool2d(_PoolMixin, nn.AvgPool2d):
     """``nn.AvgPool2d`` on bands."""
 
     _nd, _max = 2, False
 
 
+@layer_rule(nn.AvgPool3d, grid=False)
 class DomainParallelAvgPool3d(_PoolMixin, nn.AvgPool3d):
     """``nn.AvgPool3d`` on bands."""
 
@@ -288,18 +305,21 @@ class _AdaptiveAvgMixin(DomainParallelModule):
         return fn(y, keep)
 
 
+@layer_rule(nn.AdaptiveAvgPool1d, grid=False)
 class DomainParallelAdaptiveAvgPool1d(_AdaptiveAvgMixin, nn.AdaptiveAvgPool1d):
     """``nn.AdaptiveAvgPool1d`` on bands."""
 
     _nd = 1
 
 
+@layer_rule(nn.AdaptiveAvgPool2d, grid=False)
 class DomainParallelAdaptiveAvgPool2d(_AdaptiveAvgMixin, nn.AdaptiveAvgPool2d):
     """``nn.AdaptiveAvgPool2d`` on bands."""
 
     _nd = 2
 
 
+@layer_rule(nn.AdaptiveAvgPool3d, grid=False)
 class DomainParallelAdaptiveAvgPool3d(_AdaptiveAvgMixin, nn.AdaptiveAvgPool3d):
     """``nn.AdaptiveAvgPool3d`` on bands."""
 
