@@ -51,7 +51,7 @@ from mpi4py import MPI
 
 from .agreement import AGREED_ENTRIES, Local, agree_cached, on_forget, register_operation, remembered
 
-__all__ = ["Op", "run", "run_agreed", "agreed_plan", "apply_agreed", "records_grad", "AGREED_PLANS", "Counter"]
+__all__ = ["Op", "run", "run_args", "run_agreed", "agreed_plan", "apply_agreed", "records_grad", "AGREED_PLANS", "Counter"]
 
 
 class Counter:
@@ -138,10 +138,15 @@ def records_grad(x: Any) -> bool:
 
 def run(op: Op, x: Any, comm: MPI.Comm, *, check: bool = True, **args: Any) -> Any:
     """Run ``op`` on ``x`` over ``comm``: agreement, plan, kernel (differentiable when ``op`` has an adjoint)."""
+    return run_args(op, x, comm, args, check)
+
+
+def run_args(op: Op, x: Any, comm: MPI.Comm, args: dict, check: bool = True) -> Any:
+    """:func:`run` with the op's arguments as one dict (the facades' per-call fast path: no repacking)."""
     # (the per-call fast path: few Python calls between the facade and the kernel)
     grad = op.adjoint is not None and getattr(x, "requires_grad", False) and records_grad(x)
     key = op.key(x, args)
-    full = None if key is None else (key, grad)
+    full = None if key is None else (key, grad)  # the autograd state is part of the key (decided before any call)
     entry = None if full is None else remembered(comm, op.name, full, check)
     table = None if entry is None else entry.repeat()
     if entry is not None and table is None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .engine import AGREED_PLANS, run, run_agreed
+from .engine import AGREED_PLANS, run_agreed, run_args
 from .manager import DomainParallelManager, domain_of, live_domain_comm
 from .ops import halo as op
 from .ops.halo import check_boundary_name, check_width  # noqa: F401 - credit_mpi.nn checks a layer's arguments with them
@@ -108,15 +108,16 @@ def halo_exchange(
             boundary, transport, or a band that requires grad on some ranks only).
     """
     args = {"halo_width": halo_width, "dim": dim, "boundary": boundary, "transport": transport, "manager": manager}
-    if isinstance(dim, _PAIR) or isinstance(halo_width, _PAIR) or isinstance(boundary, _PAIR):  # pairs: the 2-D grid's halo
-        return run(op.BLOCKS, x, domain_of(manager).comm, check=check, **args)
+    if (type(dim) is not int or type(halo_width) is not int) and (  # ints: bands (the per-call fast path's one test)
+            isinstance(dim, _PAIR) or isinstance(halo_width, _PAIR)) or isinstance(boundary, _PAIR):  # pairs: the 2-D grid
+        return run_args(op.BLOCKS, x, domain_of(manager).comm, args, check)
     comm = live_domain_comm(manager)  # a live manager's communicator: the per-call fast path asks nothing else
     if comm is None or comm.Get_size() <= 1:
         domain = domain_of(manager)  # raises for a freed manager or a bad stand-in
         if domain.size <= 1:  # the whole field is here: pad it (no agreement, no message)
             return run_agreed(op.BANDS, x, domain.comm, None, **args)
         comm = domain.comm
-    return run(op.BANDS, x, comm, check=check, **args)
+    return run_args(op.BANDS, x, comm, args, check)
 
 
 def _exchange_agreed(x: Any, halo_width: int, dim: int, manager: Any, boundary: str, sizes: tuple[int, ...]) -> Any:

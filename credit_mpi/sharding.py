@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import blocks
-from .engine import run
+from .engine import run, run_args
 from .layout import Layout
 from .manager import Domain, DomainParallelManager, domain_of, live_domain_comm
 from .ops import gather, scatter
@@ -174,7 +174,7 @@ def gather_tensor(
             check_transport(transport)
             return x if out is None else _copy_into(out, x, dim)
         comm = domain.comm
-    return run(gather.BANDS, x, comm, check=check, dim=dim, out=out, transport=transport, manager=manager)
+    return run_args(gather.BANDS, x, comm, {"dim": dim, "out": out, "transport": transport, "manager": manager}, check)
 
 
 def shard_batch(
