@@ -11,9 +11,12 @@ a pair meet in one ``Allgather`` and every rank raises):
   at most :data:`~credit_mpi.transport.limits.PACK_BYTES` copied into place
   for small ones (strategies of one kernel, chosen from the agreed plan);
   ``transport="torch"``: :func:`credit_mpi.transport.moves.gather_blocks`;
-* blocks of the 2-D domain grid (``dim`` a pair), :class:`GatherBlocks`: one
-  ``Alltoallw`` whose receive types are MPI subarrays (every block lands in
-  place), or :func:`~credit_mpi.transport.moves.gather_blocks` over torch.
+* blocks of the 2-D domain grid (``dim`` a pair), :class:`GatherBlocks`:
+  :func:`~credit_mpi.transport.moves.gather_blocks` over MPI or torch (one
+  ``Allgatherv`` of the contiguous blocks into a pooled buffer, then each
+  copied into place: on MPICH an ``Alltoallw`` of subarray types landing
+  every block in place moved the same bytes 1.3-1.6 times slower, see
+  ``benchmarks/bench_percall.py``'s ``gather 2d``).
 
 Both are differentiable with a local adjoint (``Shard -> Replicate``: the
 gradient of the gathered field is taken to be replicated, the backward is
@@ -33,7 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from ..blocks import block_table, block_types, check_line, encode_block, grid_comm, normalize_dims
+from ..blocks import block_table, check_line, encode_block, grid_comm, normalize_dims
 from ..engine import Op
 from ..grid import grid_coords, grid_of
 from ..layout import Layout
@@ -143,7 +146,7 @@ class Gather2d(NamedTuple):
     widths: list  # columns of each grid column
     rank: int
     out: Any
-    moves: Any = None  # transport="torch": the protocol's torch transport (None: MPI's Alltoallw)
+    moves: Any = None  # the transport the blocks move on (MpiMoves, or TorchMoves for transport="torch")
 
     @property
     def shape(self) -> tuple:
@@ -195,12 +198,14 @@ class GatherBlocks(_Gathers):
         domain = domain_of(args["manager"])
         grid = grid_of(domain.manager, domain.size)
         heights, widths = block_table(counts, grid, "gather_tensor", ay, ax)
-        transfer = None
+        comm = grid_comm(domain)
         if args["transport"] == "torch" and domain.size > 1:
             from ..transport.torch_moves import TorchMoves  # imports torch
 
             transfer = TorchMoves(domain.manager.torch_group("domain"))
-        plan = Gather2d(grid_comm(domain), info, ay, ax, grid, heights, widths, domain.rank, None, transfer)
+        else:  # packed: one Allgatherv of the contiguous blocks, then each copied into place (MPICH's subarray
+            transfer = moves.MpiMoves(comm)  # Alltoallw moved the same bytes 2-3 times slower: bench_percall 'gather 2d')
+        plan = Gather2d(comm, info, ay, ax, grid, heights, widths, domain.rank, None, transfer)
         out = args["out"]
         if out is not None and tuple(out.shape) != plan.shape:  # out's shape is agreed: every rank raises alike
             raise ValueError(f"gather_tensor: out has shape {tuple(out.shape)}, the gathered field {plan.shape}")
@@ -402,29 +407,12 @@ def _scratch(like: Any, nbytes: int, host: bool) -> Iterator[Any]:
 def gather2d_kernel(x: Any, p: Gather2d) -> Any:
     """Move the blocks of an agreed 2-D gather (no checks, no autograd): returns the global array."""
     shape = p.shape
-    out = arrays.empty(x, shape) if p.out is None else p.out
+    out = arrays.pooled_empty(x, shape) if p.out is None else p.out  # as the bands' gather: no first touch per call
     if math.prod(shape) == 0:
         return out
     if p.out is not None and arrays.shares_memory(x, out):
         x = rowops.clone(x)
-    if p.moves is not None:
-        moves.gather_blocks(p.moves, x, out, Layout((tuple(p.heights), tuple(p.widths))), (p.ay, p.ax))
-        if p.out is not None:
-            arrays.mark_written(out)
-        return out
-    n = p.comm.Get_size()
-    types = block_types(shape, p.ay, p.ax, p.grid, p.heights, p.widths, p.info.itemsize)
-    nbytes = math.prod(p.info.shape) * p.info.itemsize
-    try:
-        with staging.send_buffer(arrays.contiguous(x), p.comm) as send, staging.recv_buffer(out, p.comm) as recv:
-            p.comm.Alltoallw(
-                [send, ([nbytes] * n, [0] * n), [MPI.BYTE] * n],
-                [recv, ([0 if t is None else 1 for t in types], [0] * n), [MPI.BYTE if t is None else t for t in types]],
-            )
-    finally:
-        for t in types:
-            if t is not None:
-                t.Free()
+    moves.gather_blocks(p.moves, x, out, Layout((tuple(p.heights), tuple(p.widths))), (p.ay, p.ax))
     if p.out is not None:
         arrays.mark_written(out)
     return out

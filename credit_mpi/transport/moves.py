@@ -24,6 +24,7 @@ over both.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -32,7 +33,6 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..layout import offsets
 from . import arrays, rowops, staging
 from .limits import SLICE_BYTES, TAG_DOWN, TAG_UP
 
@@ -179,24 +179,36 @@ def gather_blocks(moves: Any, x: Any, out: Any, layout: Any, axes: tuple[int, ..
     if len(axes) == 1 and _straight(moves, x, out, layout.sizes[0], axes[0], info.itemsize):
         return out
     itemsize = info.itemsize
-    shapes = []
-    for rank in range(math.prod(layout.grid)):
-        shape = list(x.shape)
-        for axis, (_, size) in zip(axes, layout.block(rank), strict=True):
-            shape[axis] = size
-        shapes.append(tuple(shape))
-    counts = [math.prod(shape) for shape in shapes]
-    starts = offsets(counts)
-    packed = arrays.empty(x, (sum(counts),))
-    moves.allgatherv(x, packed, [c * itemsize for c in counts], [s * itemsize for s in starts])
-    for rank, (shape, start, count) in enumerate(zip(shapes, starts, counts, strict=True)):
+    pieces, total = _pieces(layout, tuple(x.shape), tuple(axes))
+    packed = arrays.pooled_empty(x, (total,))  # dropped below: its pages serve the next call
+    moves.allgatherv(x, packed, [c * itemsize for _, _, c, _ in pieces], [s * itemsize for _, s, c, _ in pieces])
+    for shape, start, count, place in pieces:
         if not count:
             continue
         target = out
-        for axis, (first, size) in zip(axes[:-1], layout.block(rank)[:-1], strict=True):
+        for axis, first, size in place[:-1]:
             target = rowops.band(target, axis, first, size)
-        rowops.copy_rows(target, axes[-1], layout.block(rank)[-1][0], arrays.narrow(packed, 0, start, count).reshape(shape))
+        rowops.copy_rows(target, place[-1][0], place[-1][1], arrays.narrow(packed, 0, start, count).reshape(shape))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _pieces(layout: Any, shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[tuple, int]:
+    """Every rank's block of :func:`gather_blocks`: ``(shape, start, count, ((axis, first, size), ...))`` in the packed buffer, and its length.
+
+    From the layout alone (remembered: a repeated gather asks the layout nothing).
+    """
+    pieces, start = [], 0
+    for rank in range(math.prod(layout.grid)):
+        block = layout.block(rank)
+        piece = list(shape)
+        for axis, (_, size) in zip(axes, block, strict=True):
+            piece[axis] = size
+        count = math.prod(piece)
+        place = tuple((axis, first, size) for axis, (first, size) in zip(axes, block, strict=True))
+        pieces.append((tuple(piece), start, count, place))
+        start += count
+    return tuple(pieces), start
 
 
 def _straight(moves: Any, x: Any, out: Any, sizes: tuple[int, ...], axis: int, itemsize: int) -> bool:
