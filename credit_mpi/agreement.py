@@ -43,7 +43,6 @@ __all__ = [
     "forget_agreements",
     "on_forget",
     "remembered",
-    "repeat_remembered",
     "register_operation",
     "comm_label",
     "digest",
@@ -360,22 +359,6 @@ def remembered(comm: MPI.Comm, operation: str, key: Hashable | None, check: bool
         return None
     _AGREED.move_to_end(full)  # least recently used go first
     return entry
-
-
-def repeat_remembered(comm: MPI.Comm | None, operation: str, key: Hashable | None, check: bool = True) -> tuple[Any, np.ndarray | None]:
-    """The per-call fast path of a collective: its whole agreement when this call repeats a remembered one.
-
-    ``(result, None)``: :func:`remembered` knows this call and every rank
-    sent the table agreed last time (one ``Allgather``); ``(None, table)``:
-    it is remembered here but some rank's call changed (pass ``table`` to
-    :func:`agree_cached` as ``received=``); ``(None, None)``: nothing is
-    remembered (``comm`` None, or a new key) and no MPI call was made.
-    """
-    entry = None if comm is None else remembered(comm, operation, key, check)
-    if entry is None:
-        return None, None
-    table = entry.repeat()
-    return (entry.result, None) if table is None else (None, table)
 
 
 def forget_agreements(comm: MPI.Comm | None = None) -> None:

@@ -164,9 +164,7 @@ def run_args(op: Op, x: Any, comm: MPI.Comm, args: dict, check: bool = True) -> 
         )
     if op.binds:
         plan = op.bind(plan, args)
-    if not grad:
-        return op.kernel(x, plan)
-    return _function().apply(x, op, plan, op.written(plan))
+    return _apply(op, x, plan, grad)
 
 
 def run_agreed(op: Op, x: Any, comm: MPI.Comm, counts: Sequence[int] | None = None, **args: Any) -> Any:
@@ -221,22 +219,6 @@ def _apply(op: Op, x: Any, plan: Any, grad: bool) -> Any:
     if not grad:
         return op.kernel(x, plan)
     return _function().apply(x, op, plan, op.written(plan))
-
-
-_MISS = object()  # _repeat's "the remembered result stands"
-
-
-def _repeat(comm: MPI.Comm, name: str, full: Any, check: bool) -> tuple[Any, Any]:
-    """The fast path: ``(result, _MISS)`` when this call repeats a remembered one on every rank (one ``Allgather``).
-
-    Else ``(None, table)``: the table received (a remembered call that some
-    rank changed) or None (nothing remembered, no MPI call made).
-    """
-    entry = None if full is None else remembered(comm, name, full, check)
-    if entry is None:
-        return None, None
-    table = entry.repeat()
-    return (entry.result, _MISS) if table is None else (None, table)
 
 
 _FUNCTION: list = []

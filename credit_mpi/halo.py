@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .engine import AGREED_PLANS, run_agreed, run_args
+from .engine import run_agreed, run_args
 from .manager import DomainParallelManager, domain_of, live_domain_comm
 from .ops import halo as op
 from .ops.halo import check_boundary_name, check_width  # noqa: F401 - credit_mpi.nn checks a layer's arguments with them
@@ -52,7 +52,6 @@ from .partition import HALO_BOUNDARIES
 __all__ = ["HALO_BOUNDARIES", "halo_exchange"]
 
 _PAIR = (tuple, list)  # a pair of dims, widths or boundaries: the 2-D grid (blocks.is_grid_call, inlined)
-_AGREED_PLANS = AGREED_PLANS  # the plans of the converted layers' exchanges (the engine's, dropped by manager.free())
 
 
 def halo_exchange(

@@ -43,7 +43,6 @@ from .agreement import (  # noqa: F401 - the agreement's names, re-exported (the
     on_forget,
     register_operation,
     remembered,
-    repeat_remembered,
 )
 from .engine import run
 from .ops.collective import COLLECTIVE

@@ -52,10 +52,10 @@ def test_a_remembered_plan_does_not_keep_its_communicator_alive():
 
 @pytest.mark.mpi(min_size=2)
 def test_free_forgets_the_converted_layers_halo_plans(make_manager):
-    """A converted conv's halo plans (agreed by the layer, kept by halo) go with manager.free() too."""
+    """A converted conv's halo plans (agreed by the layer, kept by the engine) go with manager.free() too."""
     torch = pytest.importorskip("torch")
     import credit_mpi
-    from credit_mpi import halo
+    from credit_mpi.engine import AGREED_PLANS
 
     n = MPI.COMM_WORLD.Get_size()
     manager = make_manager(n)
@@ -63,6 +63,6 @@ def test_free_forgets_the_converted_layers_halo_plans(make_manager):
     band = shard_tensor(torch.zeros(1, 1, 4 * n, 5, dtype=torch.float64), -2, manager)
     conv(band)
     comm = manager.domain_group
-    assert any(key[0] == id(comm) for key in halo._AGREED_PLANS)
+    assert any(key[0] == id(comm) for key in AGREED_PLANS)
     manager.free()
-    assert not any(key[0] == id(comm) or plan.comm is comm for key, plan in halo._AGREED_PLANS.items())
+    assert not any(key[0] == id(comm) or plan.comm is comm for key, plan in AGREED_PLANS.items())

@@ -36,7 +36,7 @@ import torch
 from mpi4py import MPI
 
 from ..engine import Op, run
-from ..layout import split
+from ..layout import offsets, split
 from ..validation import Local
 from .reband import RowMoves, check_band, move_rows, plan_moves
 
@@ -73,9 +73,10 @@ def group_sizes(height: int, window: int, n: int) -> tuple[int, ...]:
 
 def group_source(height: int, window: int, n: int):
     """``src(o)``: the global row (band order) of row ``o`` of the group layout (rows concatenated in rank order)."""
-    groups = np.array(split(height // window, n, uneven=True))
-    starts = np.concatenate([[0], np.cumsum(window * groups)[:-1]]).astype(int)  # each rank's first row
-    first = np.concatenate([[0], np.cumsum(groups)[:-1]]).astype(int)  # J_r: each rank's first group
+    sizes = split(height // window, n, uneven=True)
+    groups = np.array(sizes)
+    starts = np.array(offsets([window * g for g in sizes]))  # each rank's first row
+    first = np.array(offsets(sizes))  # J_r: each rank's first group
     h = height // window
 
     def src(o: np.ndarray) -> np.ndarray:
