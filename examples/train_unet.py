@@ -68,9 +68,8 @@ from torch import nn  # noqa: E402
 
 import credit_mpi  # noqa: E402
 import credit_mpi.nn  # noqa: E402
-from credit_mpi import allgather_or_raise  # noqa: E402
+from credit_mpi import allgather_or_raise, shard_tensor  # noqa: E402
 from credit_mpi.nn import LatitudeWeightedMSELoss, clip_grad_norm_, global_loss  # noqa: E402
-from credit_mpi.partition import band_range  # noqa: E402
 
 VARIABLES = ("t", "u")
 CRASHED = 17  # the exit status of --crash-after
@@ -306,11 +305,11 @@ def make_store(path: str, trajectory: torch.Tensor, manager) -> None:
     from credit_mpi import io as cio
 
     steps, _, lat, lon = trajectory.shape
-    rows = slice(*band_range(lat, manager.domain_parallel_size, manager.domain_rank, uneven=True))
-    data = trajectory.numpy()[:, :, rows]
+    data = shard_tensor(trajectory.numpy(), -2, manager, uneven=True)  # this rank's rows, as the model gets them
     band = xr.Dataset(
         {name: (("time", "latitude", "longitude"), data[:, c]) for c, name in enumerate(VARIABLES)},
-        coords={"time": np.arange(steps), "latitude": latitudes(lat)[rows], "longitude": np.arange(lon) * 360.0 / lon},
+        coords={"time": np.arange(steps), "latitude": shard_tensor(latitudes(lat), 0, manager, uneven=True),
+                "longitude": np.arange(lon) * 360.0 / lon},
     )
 
     def write() -> None:
@@ -342,8 +341,7 @@ def memory_data(args, manager, replicas: int):
     trajectory = era5_like(args.samples * replicas, args.lat, args.lon, seed=1)
     x, y = trajectory[:-1], trajectory[1:]
     mine = slice(manager.dp_rank * args.samples, (manager.dp_rank + 1) * args.samples)
-    rows = slice(*band_range(args.lat, manager.domain_parallel_size, manager.domain_rank, uneven=True))
-    bands = repeat(x[mine][..., rows, :], y[mine][..., rows, :])
+    bands = repeat(shard_tensor(x[mine], -2, manager, uneven=True), shard_tensor(y[mine], -2, manager, uneven=True))
     reference = repeat(x, y) if manager.comm.Get_rank() == 0 else None
     return bands, reference, latitudes(args.lat), args.lon, len(VARIABLES)
 
