@@ -149,6 +149,24 @@ def test_per_call_benchmark_scripts_run(capsys):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_attention_ops_benchmark_runs(capsys):
+    """bench_attention_ops (every method's result checked against the others) runs, briefly, where the heads divide."""
+    pytest.importorskip("torch")
+    from .conftest import reset_torch_distributed
+
+    module = _script("bench_attention_ops")
+    if module.HEADS % MPI.COMM_WORLD.Get_size():
+        pytest.skip(f"{module.HEADS} heads do not divide among {MPI.COMM_WORLD.Get_size()} ranks")
+    try:
+        assert module.main(["--repeats", "1", "--number", "2", "--sizes", "0.37 MB"]) == 0
+    finally:
+        reset_torch_distributed()
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        out = capsys.readouterr().out
+        assert all(op in out for op in ("alltoall", "allgather_along", "ring")), out
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("rows", ["uneven", "zero-row band"])
 def test_raw_allgather_of_uneven_bands(world, rows):
     """Bands of different sizes: the raw baseline is one Allgatherv (an Allgather with different counts hangs)."""
