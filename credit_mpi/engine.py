@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 
 from mpi4py import MPI
 
+from . import watchdog
 from .agreement import AGREED_ENTRIES, Local, agree_cached, on_forget, register_operation, remembered
 
 __all__ = ["Op", "run", "run_args", "run_agreed", "agreed_plan", "apply_agreed", "records_grad", "AGREED_PLANS", "Counter"]
@@ -81,12 +82,15 @@ class Op:
     local_adjoint: ClassVar[bool] = False  # the adjoint is local torch code (no communication in backward)
 
     binds: ClassVar[bool] = False  # the op has its own bind() (set by __init_subclass__)
+    data_phase: ClassVar[str] = ""  # the watchdog's names of the kernel and of the adjoint (set by __init_subclass__)
+    backward_phase: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.binds = cls.bind is not Op.bind
         if cls.name:
             register_operation(cls.name)
+            cls.data_phase, cls.backward_phase = f"{cls.name}: data", f"{cls.name}: backward"
 
     def key(self, x: Any, args: dict) -> Hashable | None:
         """What decides ``local()`` on this rank (None: agree and plan every call)."""
@@ -217,8 +221,33 @@ def _forget_agreed_plans(comm: MPI.Comm | None) -> None:
 def _apply(op: Op, x: Any, plan: Any, grad: bool) -> Any:
     """The kernel, inside the engine's autograd Function when autograd records the call."""
     if not grad:
-        return op.kernel(x, plan)
+        return _watched(op.data_phase, plan, op.kernel, x)
     return _function().apply(x, op, plan, op.written(plan))
+
+
+def _watched(phase: str, plan: Any, fn: Any, x: Any) -> Any:
+    """``fn(x, plan)`` under the watchdog's deadline (:mod:`credit_mpi.watchdog`): a kernel or an adjoint.
+
+    The agreement is watched by itself; after it, a rank that fails in the
+    data phase (out of memory on one rank) or raises in backward before an
+    adjoint (a hook, a loss on one rank) would leave the others waiting in
+    the kernel's or the adjoint's collective with nothing to end the job.
+    A few attribute writes, no MPI call (the thread was started by the
+    agreement that came first).
+    """
+    state = watchdog.STATE  # the agreement's sequence number stays: "gather_tensor: data #12" follows "gather_tensor #12"
+    state.op, state.comm, state.since = phase, getattr(plan, "comm", None), watchdog.monotonic()
+    try:
+        return fn(x, plan)
+    finally:
+        state.since = 0.0
+
+
+def _adjoint(op: Op, grad: Any, plan: Any) -> Any:
+    """``op``'s adjoint, watched when it communicates (a local adjoint cannot wait for another rank)."""
+    if op.local_adjoint:
+        return op.adjoint(grad, plan)
+    return _watched(op.backward_phase, plan, op.adjoint, grad)
 
 
 _FUNCTION: list = []
@@ -236,7 +265,7 @@ def _function() -> Any:
         @staticmethod
         def forward(ctx, x, op, plan, written):
             ctx.op, ctx.plan = op, plan
-            out = op.kernel(x, plan)
+            out = _watched(op.data_phase, plan, op.kernel, x)
             if written is not None:
                 ctx.mark_dirty(written)  # written in place: autograd moves its version on, as for torch's in-place ops
             return out
@@ -249,14 +278,14 @@ def _function() -> Any:
             if op.local_adjoint or not torch.is_grad_enabled():
                 # local torch code records itself (double backward through torch's ops); a backward
                 # that records no graph calls the adjoint directly: the same calls, one Function less
-                return op.adjoint(grad, plan), None, None, None
+                return _adjoint(op, grad, plan), None, None, None
             return _Adjoint.apply(grad, op, plan), None, None, None  # double backward: the adjoint recorded as an op
 
     class _Adjoint(torch.autograd.Function):
         @staticmethod
         def forward(ctx, grad, op, plan):
             ctx.op, ctx.plan = op, plan
-            return op.adjoint(grad, plan)
+            return _adjoint(op, grad, plan)
 
         @staticmethod
         def backward(ctx, grad):  # the adjoint of a linear op's adjoint is the op

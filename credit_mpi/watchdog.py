@@ -30,8 +30,12 @@ The deadline is ``CREDIT_MPI_TIMEOUT`` seconds (default
 it, even around a checkpoint), or the ``timeout=`` of the
 :class:`~credit_mpi.DomainParallelManager` whose communicators the
 collective runs on; ``0`` turns it off. The deadline covers the agreement,
-where every wait on a missing rank happens: after it, every rank knows that
-every other rank is in the same operation.
+where most waits on a missing rank happen, and the engine's data phase and
+backward exchange (``<op>: data``, ``<op>: backward``,
+:func:`credit_mpi.engine._watched`): after the agreement every rank knows
+that every other rank is in the same operation, but one may still fail
+there (out of memory on one rank) or raise in backward before the exchange
+(a hook, a loss computed on one rank), and the others would wait in it.
 
 Queries need ``MPI_THREAD_MULTIPLE`` (mpi4py's default). Below it the
 watchdog still fires, but reports its own state only (its thread makes no
@@ -284,18 +288,22 @@ def _warn_once(text: str) -> None:
         sys.stderr.flush()
 
 
+# what the engine's phases are (credit_mpi.engine._watched: "<op>: data", "<op>: backward")
+_PHASES = {"data": "moving the data, after the agreement", "backward": "the backward's exchange"}
+
+
 def _fire(server: _Server, op: str, seq: int, comm: Any, waited: float, limit: float) -> None:
     """Ask the others where they are, print the report, abort the job."""
     world = MPI.COMM_WORLD.Get_rank()
     try:
         rank, size = comm.Get_rank(), comm.Get_size()
-    except MPI.Exception:
+    except (MPI.Exception, AttributeError):  # a freed communicator; None: a kernel whose plan names none
         rank, size = -1, 0
-    where = _label(comm)
+    where = _label(comm) or "its communicator"
     lines = [
         f"credit_mpi watchdog: rank {rank} of {where} (world rank {world}) waited {waited:.0f} s in {op} #{seq} "
-        f"(the agreement at its start), past its deadline of {limit:g} s (CREDIT_MPI_TIMEOUT, or the manager's "
-        f"timeout=); aborting the job"
+        f"({_PHASES.get(op.rpartition(': ')[2], 'the agreement at its start')}), past its deadline of {limit:g} s "
+        f"(CREDIT_MPI_TIMEOUT, or the manager's timeout=); aborting the job"
     ]
     try:
         answers = _ask(server, comm, size, rank) if _multiple() else None
@@ -324,7 +332,8 @@ def _describe(answer: tuple | None) -> str:
         return f"no answer in {ANSWER_S:g} s (exited, crashed, in MPI_Finalize, or its watchdog is not running)"
     seq, waited, op, comm = answer
     if waited < 0:
-        return f"not in a credit_mpi collective; last entered {op or 'none'} #{seq}" if seq else "not in a credit_mpi collective yet"
+        last = op.partition(": ")[0] or "none"  # the operation, its phase aside (it ended)
+        return f"not in a credit_mpi collective; last entered {last} #{seq}" if seq else "not in a credit_mpi collective yet"
     return f"in {op} #{seq} on {comm} since {waited:.0f} s"
 
 

@@ -63,6 +63,16 @@ def test_an_exception_without_abort_on_exception_ends_the_job():
         assert "not arrived in gather_tensor on credit_mpi.domain[0]: rank(s) 2" in out, out[-4000:]
 
 
+def test_an_exception_in_backward_ends_the_job():
+    """A rank that raises in backward before a layer's exchange: the others wait in the adjoint's, watched too."""
+    pytest.importorskip("torch")
+    rc, out = watch("backward-raise", 2)
+    assert rc != 0 and "injected failure in backward on rank 1" in out and "rank 0: done" not in out, out[-4000:]
+    if "credit_mpi watchdog" in out or MPI.Get_library_version().startswith("MPICH"):
+        assert "credit_mpi watchdog: rank 0 of credit_mpi.domain[0] (world rank 0) waited" in out, out[-4000:]
+        assert "in halo_exchange: backward #" in out and "(the backward's exchange)" in out, out[-4000:]
+
+
 def test_a_healthy_job_is_left_alone_and_exits():
     """Stragglers within the deadline: no report, every rank done, status 0 (the thread stops at exit)."""
     ranks = 3
@@ -111,4 +121,5 @@ def test_arming_is_attribute_writes_only():
         credit_mpi.gather_tensor(np.zeros((2, 3)), -2, m)  # one rank: no agreement, nothing armed
         assert watchdog.STATE.seq == before and watchdog.STATE.since == 0.0
     credit_mpi.validation.allgather_or_raise(credit_mpi.manager.MPI.COMM_SELF, lambda: 1)
-    assert watchdog.STATE.seq == before + 1 and watchdog.STATE.op == "collective" and watchdog.STATE.since == 0.0
+    # the agreement (#before + 1), then its data phase under the same number
+    assert watchdog.STATE.seq == before + 1 and watchdog.STATE.op == "collective: data" and watchdog.STATE.since == 0.0

@@ -9,6 +9,8 @@ Modes (the last rank is the odd one):
 * ``alone-barrier``: the odd rank calls gather_tensor, the others wait in ``MPI_Barrier`` of COMM_WORLD
   (a non-credit_mpi call: their watchdog threads must still answer);
 * ``raise``: the odd rank dies of an exception without abort_on_exception(), the others go on to a gather;
+* ``backward-raise``: the odd rank raises in backward before a HaloExchange's adjoint (a gradient hook),
+  without abort_on_exception(); the others wait in the adjoint's exchange (the engine's backward phase);
 * ``clean``: a healthy job with a 3 s deadline and ranks that arrive up to 1 s apart: must end with 0;
 * ``leak``: managers made and dropped without free() until the MPI library runs out of communicators.
 """
@@ -49,6 +51,16 @@ def main(mode: str) -> None:
             credit_mpi.halo_exchange(band, 1, -2, manager)
         credit_mpi.destroy_domain_parallel()
         print(f"rank {rank}: done", flush=True)
+        return
+    if mode == "backward-raise":
+        import torch
+
+        x = torch.from_numpy(band.copy()).requires_grad_(True)
+        y = credit_mpi.HaloExchange(1, manager=manager)(x)
+        if odd:
+            y.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError(f"injected failure in backward on rank {rank}")))
+        (y * y).sum().backward()  # the others: in the halo's backward exchange, which the odd rank never enters
+        print(f"rank {rank}: done", flush=True)  # never reached
         return
     if mode == "raise" and odd:
         raise RuntimeError(f"injected failure on rank {rank}")
