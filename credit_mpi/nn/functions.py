@@ -203,6 +203,9 @@ class Tracker(TorchFunctionMode):
         self.stack: list[tuple[str, bool, tuple | None]] = [(self._path(root), bool(self.trusted), None)]
         self.place: dict[int, tuple[weakref.ref, Sharded]] = {}
         self._locals: list = []
+        # F.pad of the sharded dim by zeros: padded tensor id -> (padded ref, input, (before, after), the other pads)
+        self.edge_pads: dict[int, tuple] = {}
+        self._folded: list[torch.nn.Module | None] = []  # per open layer call: the conv whose edge rows were folded
         self._leaves: dict[int, list[Callable[[Any], Any]]] = {}  # per module: how its module rule ends (a stack)
         self._hooks: list = []
 
@@ -282,6 +285,7 @@ class Tracker(TorchFunctionMode):
                 h.remove()
             _STATE.tracker = self._outer
             self.place.clear()
+            self.edge_pads.clear()
 
     def _trusts(self, module: torch.nn.Module) -> bool:
         return isinstance(module, DomainParallelModule) or getattr(module, "_dp_trusted", False)
@@ -299,7 +303,8 @@ class Tracker(TorchFunctionMode):
             local_ctx = base.batch_bands()
             local_ctx.__enter__()
             self._locals.append(local_ctx)
-        new = None
+        new = self._fold_edge_rows(module, args) if trusted and not self.trusted else None
+        self._folded.append(module if new is not None else None)
         if not trusted and not self.trusted:  # a module judged by its forward: its module rules (window_rules)
             for rule in _MODULE_RULES:
                 if (got := rule(self, module, args)) is not None:
@@ -317,6 +322,7 @@ class Tracker(TorchFunctionMode):
         self.trusted -= trusted
         if local is not None:
             self._locals.pop().__exit__(None, None, None)
+        folded = self._folded.pop() if self._folded else None
         leaves = self._leaves.get(id(module)) if not trusted and not self.trusted else None
         if leaves:
             out = leaves.pop()(out)
@@ -329,10 +335,41 @@ class Tracker(TorchFunctionMode):
             finally:
                 self.trusted -= 1
             out = out if new is None else new
+        if folded is not None:
+            from .conv import fold_edge_rows
+
+            fold_edge_rows(folded, None)
         if trusted and not self.trusted:  # a layer's output: a band along the sharded dim (or replicated)
             for t in _tensors(out):
                 self.set(t, local[0] if local is not None else self.band(t))
         return out
+
+    def _fold_edge_rows(self, module: torch.nn.Module, args: tuple) -> tuple | None:
+        """A convolution of an ``F.pad`` of the sharded dim by zeros: the padding folded into the layer (new args).
+
+        Padded as a band, the first band gains the rows before the field and the last the rows after
+        it, which moves every band's start and so the output rows each band owns: WXFormer's
+        CrossEmbed branches (a ``ZeroPad2d`` of ``kernel - stride`` rows each, then an unpadded strided
+        conv) would give bands of different rows to one ``torch.cat``. Folded, the layer pads the
+        field's edges itself and owns the output rows anchored on the unpadded field, the same for
+        every branch (and for a conv with that padding). Decided from the forward's structure (the
+        same on every rank); the layer agrees on the folded rows with its input.
+        """
+        from .conv import _ConvMixin, fold_edge_rows
+
+        if not isinstance(module, _ConvMixin) or module.padding_mode != "zeros" or len(args) != 1:
+            return None
+        entry = self.edge_pads.get(id(args[0]))
+        if entry is None or entry[0]() is not args[0]:
+            return None
+        _, x, (before, after), others = entry
+        p = self.get(x)
+        sd = None if p is None else p.dim - (x.ndim - len(module.kernel_size))
+        if sd is None or sd < 0 or (self.manager is not None and self.manager.domain_parallel_size <= 1):
+            return None
+        source = torch.nn.functional.pad(x, others) if any(others) else x  # the other dims padded as the forward did
+        fold_edge_rows(module, (sd, before, after))
+        return (source,)
 
     def _check_layer_input(self, module: torch.nn.Module, args: tuple) -> tuple[bool, Sharded | None]:
         """A layer (or a user's trusted module) takes bands along ``shard_dim``: not tokens, not a permuted band.
@@ -846,6 +883,17 @@ def _pad(tr, func, args, kwargs, held):
         raise _Why(f"F.pad(mode={mode!r}) of the sharded dim by {[before, after]} has no rule (only constant padding "
                    f"of the field's edges: the rows next to a band are the neighbours')")
     rows = x.shape[p.dim]
+    value = _arg(args, kwargs, 3, "value", None)
+    if not value:  # zeros: a convolution that takes it folds the rows in (Tracker._fold_edge_rows)
+        others = [0 if i in (2 * pair, 2 * pair + 1) else v for i, v in enumerate(pad)]
+        out = _padded(tr, func, args, kwargs, p, x, pad, pair, before, after, rows)
+        tr.edge_pads[id(out)] = (weakref.ref(out), x, (before, after), others)
+        return out
+    return _padded(tr, func, args, kwargs, p, x, pad, pair, before, after, rows)
+
+
+def _padded(tr, func, args, kwargs, p, x, pad, pair, before, after, rows):
+    """``F.pad`` of the sharded dim as a band: the field's edges only (the first band's top, the last band's bottom)."""
     if tr.manager is not None:  # the run: the first band pads the field's first edge, the last band its last
         from ..grid import grid_of
 
