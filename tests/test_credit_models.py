@@ -82,7 +82,8 @@ CASES = {
                                    lambda d: (1, 8, 2 * d, 4)),
     # the whole model: its long-distance attention through the group layout (tests/test_long_attention.py): exact
     "crossformer": (_crossformer, lambda d: (1, 3, 1, 32 * d, 32)),
-    # with its interpolation to the stored image size: refused at it, by describe() and by the run
+    # CREDIT's default interp=True: its last F.interpolate(size=(image_height, image_width)), a size stored for the
+    # whole field, runs in global coordinates (the output banded as the input): exact
     "crossformer_interp": (lambda: _crossformer(interp=True), lambda d: (1, 3, 1, 32 * d, 32)),
     # reshapes to its stored global patches_resolution: refused, by describe() and by the run
     "cube_embedding": (lambda: crossformer.CubeEmbedding((1, 4 * _D, 8), (1, 2, 2), 3, 8), lambda d: (1, 3, 1, 4 * d, 8)),
@@ -97,9 +98,9 @@ CASES = {
 # the run may refuse a later op than describe() (see verdict_is_the_run)
 LATER_OP = {"attention_global", "wxformer"}
 # exact on every domain size (the others: exact where describe() says so)
-EXACT = {"crossformer", "wxformer", "wxformer_cross_embed", "wxformer_cross_embed_s1"}
+EXACT = {"crossformer", "crossformer_interp", "wxformer", "wxformer_cross_embed", "wxformer_cross_embed_s1"}
 # refused on more than one band, at this op
-REFUSED_AT = {"crossformer_interp": "interpolate()"}
+REFUSED_AT: dict[str, str] = {}
 # whole models: on 1, 2 and 4 ranks only, each domain size once (see the module docstring)
 HEAVY = {"crossformer", "crossformer_interp", "wxformer", "nextgen_wxformer", "fuxi", "unet", "unet_uneven"}
 NEEDS_TIMM = {"fuxi", "unet", "unet_uneven"}

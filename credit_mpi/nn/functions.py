@@ -13,8 +13,11 @@ that holds bands and judges each torch function applied to one:
   ``matmul`` and ``cat`` over other dims, permutes, reshapes that keep the
   band's rows whole;
 * what has an exact rule runs it: ``F.interpolate`` along the sharded dim by
-  an integer factor (the :class:`~credit_mpi.nn.DomainParallelInterpolate`
-  layer), ``pixel_shuffle`` (output rows ``[r a, r b)`` from input rows
+  an integer factor, or to a ``size`` stored for the whole field (a plain
+  int: the field's rows, computed in global coordinates; the
+  :class:`~credit_mpi.nn.DomainParallelInterpolate` layer); ``F.pad`` of the
+  sharded dim by zeros (the field's edges; folded into the convolution that
+  takes it, so differently padded branches keep one band layout), ``pixel_shuffle`` (output rows ``[r a, r b)`` from input rows
   ``[a, b)``), ``pixel_unshuffle`` and a reshape into windows when every
   band is a whole number of them; ``F.batch_norm`` in training (the
   statistics of the whole field, through the BatchNorm layer: timm's
@@ -777,6 +780,14 @@ def _indexed(tr, func, args, kwargs, held):
     return tr.run(func, args, kwargs, p.moved(p.dim - shift))
 
 
+# the same words on every rank that sees it (the ranks whose rows happen to match raise it through the agreement)
+_LAYOUTS_DIFFER = (
+    "it joins bands of one height whose band layouts differ (a band holds other rows of one part than of the "
+    "other): on uneven bands a strided convolution's output bands and a transposed convolution's (a UNet's skip "
+    "connection) do not line up. Give every band an offset that is a multiple of the encoder's total stride "
+    "(even bands of a field whose rows are a multiple of the domain size times that stride), as describe() shows")
+
+
 @_rule("cat", "concat", "concatenate", "stack", "hstack", "vstack")
 def _join(tr, func, args, kwargs, held):
     """A join over another dim: every part a band along the same dim (a replicated part would count once per rank)."""
@@ -800,6 +811,8 @@ def _join(tr, func, args, kwargs, held):
         if pl is None and t.ndim > q.dim and t.shape[q.dim] != 1:
             what = "a replicated tensor (a global mean)" if is_replicated(t) else "a tensor that is not a band"
             raise _Why(f"it joins a band with {what} that has {t.shape[q.dim]} rows along the sharded dim")
+    if len({t.shape[q.dim] for t, pl in zip(parts, places, strict=True) if pl is not None and t.ndim > q.dim}) > 1:
+        raise _Why(_LAYOUTS_DIFFER)
     d = q.dim + (1 if op == "stack" and dim <= q.dim else 0)
     return tr.run(func, args, kwargs, q.moved(d))
 
@@ -1039,7 +1052,8 @@ def _embedding(tr, func, args, kwargs, held):
 
 @_rule("interpolate")
 def _interpolate(tr, func, args, kwargs, held):
-    """Along the sharded dim by an integer factor: the exact layer (:class:`DomainParallelInterpolate`)."""
+    """Along the sharded dim by an integer factor, or to a size stored for the whole field: the exact layer
+    (:class:`DomainParallelInterpolate`; a stored size: :func:`_stored_size`)."""
     from .resample import DomainParallelInterpolate
 
     x, p = args[0], tr.get(args[0])
@@ -1056,9 +1070,7 @@ def _interpolate(tr, func, args, kwargs, held):
     if size is not None:
         target = _tuple(size, nsp)[sd]
         if not _follows_band(target) and not torch.compiler.is_compiling():  # (a traced forward's sizes: plain ints)
-            raise _Why(f"size={tuple(_tuple(size, nsp))}: the size {int(target)} along the sharded dim is not computed "
-                       f"from the band's shape: a size stored for the whole field (e.g. set in __init__ from the "
-                       f"image size), which no band has. Compute it from x.shape in the forward, or give scale_factor")
+            return _stored_size(tr, x, p, args, kwargs, mode, align)
         if target == rows:
             return tr.run(func, args, kwargs, p)
         if not tr.ratio_ok(rows, target):
@@ -1087,6 +1099,27 @@ def _interpolate(tr, func, args, kwargs, held):
     if align is not None:
         kw["align_corners"] = align
     return tr.run(func, (y,), {"size": rest_size, "scale_factor": rest_scale, **kw}, p)
+
+
+def _stored_size(tr, x, p, args, kwargs, mode, align):
+    """``size=`` whose entry along the sharded dim is a plain int: a size stored for the whole field, the GLOBAL rows.
+
+    CREDIT's ``F.interpolate(x, size=(self.image_height, self.image_width))``: each output row is
+    computed from its source rows in global coordinates (the halo of rows it needs), by
+    :class:`~credit_mpi.nn.DomainParallelInterpolate`; the output is a tensor of the field's rows,
+    banded as the model's input is (:func:`credit_mpi.nn.resample.stored_size_bands`).
+    """
+    from .resample import DomainParallelInterpolate
+
+    nsp = x.ndim - 2
+    size = tuple(int(v) for v in _tuple(_arg(args, kwargs, 1, "size"), nsp))
+    layer = DomainParallelInterpolate(size=size, mode=mode, align_corners=align,
+                                      recompute_scale_factor=_arg(args, kwargs, 5, "recompute_scale_factor"),
+                                      manager=_NoManager, shard_dim=p.dim - x.ndim)
+    layer.dp_manager = tr.manager
+    layer.dp_path = f"{tr.stack[-1][0]}: interpolate"
+    layer.__dict__["dp_stored_size"] = True
+    return layer(x)  # the tracker's module hooks: a layer of the plan, its output a band
 
 
 class _NoManagerType:

@@ -365,7 +365,7 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None, traffic=Non
         sf = resample._per_dim(mod.scale_factor, nsp)[sd]
         w = resample.resample_matrix(mod.mode, h_in, h_out if sf is None else None, None if sf is None else float(sf),
                                      mod.align_corners, mod.recompute_scale_factor)
-        lay = geometry.resample_layout(sizes, w.shape[0], resample._support(w))
+        lay = geometry.resample_layout(sizes, w.shape[0], resample._support(w), resample.stored_size_bands(mod, n, w.shape[0]))
     elif isinstance(mod, resample._AdaptiveAvgMixin):
         if h_out == 1 and h_in > 1:
             note += "global mean: one allgather, output replicated"
