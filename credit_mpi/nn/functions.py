@@ -393,6 +393,10 @@ class Tracker(TorchFunctionMode):
                                   "spread over the bands (windows moved into the batch dim)")
                 return True, p
             if p is not None and p != want and self.as_band(t, p) != want:
+                from .dropout import _DropoutMixin
+
+                if isinstance(module, _DropoutMixin) and not (module.training and module.p):
+                    return True, p  # p == 0 or eval: the identity on any placement (training p > 0: refused as a band)
                 raise refusal(self._path(module), "its forward",
                               f"its input holds the bands along {p.describe()} (after a permute or a reshape), "
                               f"but the layer runs on bands along the sharded dim ({want.describe() if want else self.shard_dim})")
@@ -1033,13 +1037,26 @@ def _einsum(tr, func, args, kwargs, held):
         q = tr.get(t)
         if q is not None:
             letters.add((spec[q.dim], q.outer, q.inner))
-    if len(letters) != 1 or next(iter(letters))[0] not in out:
-        raise _Why("it sums over the sharded dim (or pairs bands along different letters)")
+    if len(letters) != 1:
+        raise _Why(f"it pairs bands along different letters ({sorted(v[0] for v in letters)}): no rule")
+    if next(iter(letters))[0] not in out:
+        raise _Why(_contracted(equation, ins.split(","), operands, tr, next(iter(letters))[0]))
     letter, outer, inner = letters.pop()
     for spec, t in zip(ins.split(","), operands, strict=True):
         if tr.get(t) is None and letter in spec and t.shape[spec.index(letter)] != 1:
             raise _Why("it pairs a band with a tensor that is not one along the sharded dim")
     return tr.run(func, args, kwargs, Sharded(out.index(letter), outer, inner))
+
+
+def _contracted(equation: str, specs: list[str], operands: list, tr: Tracker, letter: str) -> str:
+    """Why an einsum that sums over the band's rows is refused, and what the model's author changes."""
+    partners = [f"{tuple(t.shape)}" for spec, t in zip(specs, operands, strict=True) if tr.get(t) is None and letter in spec]
+    what = f"a tensor that is not a band ({', '.join(partners)}: a parameter over the field's rows?)" if partners else "itself"
+    return (f"{equation!r} sums over the sharded dim (letter {letter!r}, the band's rows) with {what}: a sum over the "
+            f"rows of every band, which has no rule (a weight stored for the whole field would have to be cut to each "
+            f"band's rows, the sums added over the domain). Change the forward: pool the rows with a layer the "
+            f"converter replaces (e.g. nn.AdaptiveAvgPool2d to a fixed grid, then a Linear over its cells), or run "
+            f"this block on the whole field")
 
 
 @_rule("embedding")
