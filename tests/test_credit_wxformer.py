@@ -151,3 +151,71 @@ def test_a_join_of_different_layouts_is_a_conversion_error_on_every_rank(make_ma
             model(x)
     finally:
         comm.Free()
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.world_sizes(3)
+def test_whole_crossformer_on_uneven_bands_is_refused_at_its_join_on_every_rank(make_manager):
+    """CREDIT's CrossFormer (its default interp=True) on 128 rows, 3 bands of 43, 43, 42: the first up_block's join.
+
+    The strided convs own rows ``[ceil(a / 2), ...)`` of each stage, the transposed convs ``[2 a, ...)``: at the
+    16-row stage the bands are 6, 5, 5 and 6, 6, 4. describe() says so at that layer; every rank raises the join's
+    ConversionError (rank 2's own rows would have joined).
+    """
+    pytest.importorskip("einops")
+    pytest.importorskip("credit")
+    from .credit_stand_ins import credit_models
+    from .test_credit_models import EveryParameter
+
+    crossformer = credit_models()[0]
+
+    def build():
+        return EveryParameter(crossformer.CrossFormer(
+            image_height=128, image_width=32, frames=1, channels=1, surface_channels=1, input_only_channels=0,
+            levels=2, dim=(4, 8, 16, 32), depth=(1, 1, 1, 1), dim_head=4, global_window_size=(2, 1, 1, 1),
+            local_window_size=2, cross_embed_kernel_sizes=((2, 4),) * 4, cross_embed_strides=(2, 2, 2, 2),
+            use_spectral_norm=False)).double()
+
+    world = MPI.COMM_WORLD
+    comm = world.Split(0 if world.Get_rank() < 3 else MPI.UNDEFINED, world.Get_rank())
+    if comm == MPI.COMM_NULL:
+        return
+    try:
+        manager = make_manager(3, comm=comm)
+        plan = describe(build(), (1, 3, 1, 128, 32), 3)
+        row = next(r for r in plan.rows if not r.exact)
+        assert row.path == "model.up_block1.conv" and "joining them fails" in row.note, str(plan)
+        torch.manual_seed(0)
+        model = convert_to_domain_parallel(build(), manager)
+        start, stop = bands_of(128, manager)
+        x = torch.randn(1, 3, 1, 128, 32, dtype=torch.float64)[..., start:stop, :]
+        message = same_error_everywhere(comm, lambda: model(x), ConversionError)
+        assert "model (CrossFormer) calls cat()" in message and "band layouts differ" in message, message
+    finally:
+        comm.Free()
+
+
+def _nextgen_parts():
+    pytest.importorskip("einops")
+    pytest.importorskip("credit")
+    from .credit_stand_ins import credit_models
+
+    credit_models()  # the post block's stand-in first
+    from credit.models.wxformer import wxformer_next
+
+    return wxformer_next
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("part", ["column_attention", "feedforward", "level_embedding"])
+def test_nextgen_parts_run_locally_and_exactly(part, make_manager):
+    """The nextgen WXFormer's column attention (nn.MultiheadAttention over the levels, the bands in the batch), its
+    channels-last FeedForward (an nn.Dropout(0) on a permuted band) and level embedding: exact, even and uneven."""
+    nx = _nextgen_parts()
+    build = {"column_attention": lambda: nx.ColumnAttention(2, 2, num_heads=2),
+             "feedforward": lambda: nx.FeedForward(4, mult=2),
+             "level_embedding": lambda: nx.LevelEmbedding(2, 2)}[part]
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            for height in (2 * d, 2 * d + 1):
+                assert verdict_is_the_run(part, build, (1, 4, height, 3), manager).exact
