@@ -30,7 +30,7 @@ pytest.importorskip("credit")
 from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe  # noqa: E402
 
 from .credit_stand_ins import credit_models, timm_models  # noqa: E402
-from .halo_reference import prefix_managers  # noqa: E402
+from .halo_reference import first_ranks, prefix_managers  # noqa: E402
 from .nn_reference import same_error_everywhere  # noqa: E402
 from .verdict_reference import verdict_is_the_run  # noqa: E402
 
@@ -217,12 +217,10 @@ def test_stored_global_size_is_refused_by_describe_and_by_the_run(make_manager):
 def test_rank_local_einops_error_is_every_ranks_exception(make_manager):
     """Uneven bands (3, 3, 2 rows) and windows of 2: einops raises on the ranks of 3 rows only; every rank raises."""
 
-    world = MPI.COMM_WORLD
-    comm = world.Split(0 if world.Get_rank() < 3 else MPI.UNDEFINED, world.Get_rank())
-    if comm == MPI.COMM_NULL:
-        return
-    try:
-        manager = make_manager(3, comm=comm)
+    with first_ranks(make_manager, 3) as manager:
+        if manager is None:
+            return
+        comm = manager.domain_group
         torch.manual_seed(0)
         model = convert_to_domain_parallel(crossformer.Attention(8, attn_type="short", window_size=2, dim_head=4).double(), manager)
         rows = [3, 3, 2][manager.domain_rank]
@@ -240,5 +238,3 @@ def test_rank_local_einops_error_is_every_ranks_exception(make_manager):
         # the model still runs afterwards (nobody was left inside a collective)
         ok = convert_to_domain_parallel(crossformer.Attention(8, attn_type="short", window_size=2, dim_head=4).double(), manager)
         assert ok(torch.randn(1, 8, 2, 4, dtype=torch.float64)).shape == (1, 8, 2, 4)
-    finally:
-        comm.Free()

@@ -16,17 +16,16 @@ uneven bands, 1..4 ranks, with describe()'s verdict equal to the run (tests/verd
 from __future__ import annotations
 
 import pytest
-from mpi4py import MPI
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from credit_mpi.layout import split  # noqa: E402
 from credit_mpi import DomainParallelError  # noqa: E402
+from credit_mpi.layout import split  # noqa: E402
 from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe  # noqa: E402
 
-from .halo_reference import prefix_managers  # noqa: E402
+from .halo_reference import first_ranks, prefix_managers  # noqa: E402
 from .nn_reference import bands_of, same_error_everywhere  # noqa: E402
 from .verdict_reference import verdict_is_the_run  # noqa: E402
 
@@ -133,12 +132,10 @@ def test_a_join_of_different_layouts_is_a_conversion_error_on_every_rank(make_ma
     Rank 2 holds 2 rows of both (its torch.cat alone would pass); every rank raises the same
     ConversionError, which says what to change; describe() refuses the same layer's output.
     """
-    world = MPI.COMM_WORLD
-    comm = world.Split(0 if world.Get_rank() < 3 else MPI.UNDEFINED, world.Get_rank())
-    if comm == MPI.COMM_NULL:
-        return
-    try:
-        manager = make_manager(3, comm=comm)
+    with first_ranks(make_manager, 3) as manager:
+        if manager is None:
+            return
+        comm = manager.domain_group
         plan = describe(Skip().double(), (1, 2, 8, 4), 3)
         assert not plan.exact and "joining them fails" in next(r.note for r in plan.rows if not r.exact), str(plan)
         model = convert_to_domain_parallel(Skip().double(), manager)
@@ -149,8 +146,6 @@ def test_a_join_of_different_layouts_is_a_conversion_error_on_every_rank(make_ma
         assert verdict_is_the_run("skip", Skip, (1, 2, 8, 4), manager).exact is False
         with pytest.raises(DomainParallelError):  # (a ConversionError is one)
             model(x)
-    finally:
-        comm.Free()
 
 
 @pytest.mark.mpi(min_size=3)
@@ -176,12 +171,9 @@ def test_whole_crossformer_on_uneven_bands_is_refused_at_its_join_on_every_rank(
             local_window_size=2, cross_embed_kernel_sizes=((2, 4),) * 4, cross_embed_strides=(2, 2, 2, 2),
             use_spectral_norm=False)).double()
 
-    world = MPI.COMM_WORLD
-    comm = world.Split(0 if world.Get_rank() < 3 else MPI.UNDEFINED, world.Get_rank())
-    if comm == MPI.COMM_NULL:
-        return
-    try:
-        manager = make_manager(3, comm=comm)
+    with first_ranks(make_manager, 3) as manager:
+        if manager is None:
+            return
         plan = describe(build(), (1, 3, 1, 128, 32), 3)
         row = next(r for r in plan.rows if not r.exact)
         assert row.path == "model.up_block1.conv" and "joining them fails" in row.note, str(plan)
@@ -189,10 +181,8 @@ def test_whole_crossformer_on_uneven_bands_is_refused_at_its_join_on_every_rank(
         model = convert_to_domain_parallel(build(), manager)
         start, stop = bands_of(128, manager)
         x = torch.randn(1, 3, 1, 128, 32, dtype=torch.float64)[..., start:stop, :]
-        message = same_error_everywhere(comm, lambda: model(x), ConversionError)
+        message = same_error_everywhere(manager.domain_group, lambda: model(x), ConversionError)
         assert "model (CrossFormer) calls cat()" in message and "band layouts differ" in message, message
-    finally:
-        comm.Free()
 
 
 def _nextgen_parts():

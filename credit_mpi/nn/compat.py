@@ -35,8 +35,8 @@ from torch import nn
 
 from ..manager import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
 from . import conv, norm, resample
-from .conv import fold_edge_rows
 from .base import adopt
+from .conv import fold_edge_rows
 from .exchange import HaloExchange
 
 __all__ = [
