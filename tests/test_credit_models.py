@@ -80,10 +80,9 @@ CASES = {
     # a band of exactly one window (the window count read from x.shape: H // window): exact
     "attention_local_one_window": (lambda: crossformer.Attention(8, attn_type="short", window_size=2, dim_head=4),
                                    lambda d: (1, 8, 2 * d, 4)),
-    # the whole model: its long-distance attention through the group layout (tests/test_long_attention.py): exact
-    "crossformer": (_crossformer, lambda d: (1, 3, 1, 32 * d, 32)),
-    # CREDIT's default interp=True: its last F.interpolate(size=(image_height, image_width)), a size stored for the
-    # whole field, runs in global coordinates (the output banded as the input): exact
+    # the whole model with CREDIT's default interp=True: its long-distance attention through the group layout
+    # (without the interpolation: tests/test_long_attention.py), its last F.interpolate(size=(image_height,
+    # image_width)), a size stored for the whole field, in global coordinates (the output banded as the input): exact
     "crossformer_interp": (lambda: _crossformer(interp=True), lambda d: (1, 3, 1, 32 * d, 32)),
     # reshapes to its stored global patches_resolution: refused, by describe() and by the run
     "cube_embedding": (lambda: crossformer.CubeEmbedding((1, 4 * _D, 8), (1, 2, 2), 3, 8), lambda d: (1, 3, 1, 4 * d, 8)),
@@ -98,11 +97,11 @@ CASES = {
 # the run may refuse a later op than describe() (see verdict_is_the_run)
 LATER_OP = {"attention_global", "wxformer"}
 # exact on every domain size (the others: exact where describe() says so)
-EXACT = {"crossformer", "crossformer_interp", "wxformer", "wxformer_cross_embed", "wxformer_cross_embed_s1"}
+EXACT = {"crossformer_interp", "wxformer", "wxformer_cross_embed", "wxformer_cross_embed_s1"}
 # refused on more than one band, at this op
 REFUSED_AT = {"nextgen_wxformer": "einsum()"}  # its spectral bottleneck sums the field's rows with a parameter
 # whole models: on 1, 2 and 4 ranks only, each domain size once (see the module docstring)
-HEAVY = {"crossformer", "crossformer_interp", "wxformer", "nextgen_wxformer", "fuxi", "unet", "unet_uneven"}
+HEAVY = {"crossformer_interp", "wxformer", "nextgen_wxformer", "fuxi", "unet", "unet_uneven"}
 NEEDS_TIMM = {"fuxi", "unet", "unet_uneven"}
 _D = 1  # the domain size of the case being built (models that store the field's size take it from here)
 
