@@ -62,6 +62,18 @@ def prefix_managers(make_manager):
                 comm.Free()
 
 
+@contextlib.contextmanager
+def first_ranks(make_manager, d: int):
+    """A manager over world ranks 0..d-1 (None on the others), its communicator freed afterwards (collective)."""
+    world = MPI.COMM_WORLD
+    comm = world.Split(0 if world.Get_rank() < d else MPI.UNDEFINED, world.Get_rank())
+    try:
+        yield None if comm == MPI.COMM_NULL else make_manager(d, comm=comm)
+    finally:
+        if comm != MPI.COMM_NULL:
+            comm.Free()
+
+
 def band(total: int, manager: credit_mpi.DomainParallelManager) -> tuple[int, int]:
     from credit_mpi.partition import band_range
 

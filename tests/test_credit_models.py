@@ -30,7 +30,7 @@ pytest.importorskip("credit")
 from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe  # noqa: E402
 
 from .credit_stand_ins import credit_models, timm_models  # noqa: E402
-from .halo_reference import prefix_managers  # noqa: E402
+from .halo_reference import first_ranks, prefix_managers  # noqa: E402
 from .nn_reference import same_error_everywhere  # noqa: E402
 from .verdict_reference import verdict_is_the_run  # noqa: E402
 
@@ -80,16 +80,16 @@ CASES = {
     # a band of exactly one window (the window count read from x.shape: H // window): exact
     "attention_local_one_window": (lambda: crossformer.Attention(8, attn_type="short", window_size=2, dim_head=4),
                                    lambda d: (1, 8, 2 * d, 4)),
-    # the whole model: its long-distance attention through the group layout (tests/test_long_attention.py): exact
-    "crossformer": (_crossformer, lambda d: (1, 3, 1, 32 * d, 32)),
-    # with its interpolation to the stored image size: refused at it, by describe() and by the run
+    # the whole model with CREDIT's default interp=True: its long-distance attention through the group layout
+    # (without the interpolation: tests/test_long_attention.py), its last F.interpolate(size=(image_height,
+    # image_width)), a size stored for the whole field, in global coordinates (the output banded as the input): exact
     "crossformer_interp": (lambda: _crossformer(interp=True), lambda d: (1, 3, 1, 32 * d, 32)),
     # reshapes to its stored global patches_resolution: refused, by describe() and by the run
     "cube_embedding": (lambda: crossformer.CubeEmbedding((1, 4 * _D, 8), (1, 2, 2), 3, 8), lambda d: (1, 3, 1, 4 * d, 8)),
     "debugger": (lambda: _debugger(), lambda d: (1, 3, 1, 3 * d + 1, 8)),
     "upblock_ps": (lambda: wxformer.UpBlockPS(4, 4, 2), lambda d: (1, 4, 4 * d + 1, 4)),
-    "wxformer": (lambda: _wxformer(), lambda d: (1, 3, 1, 32, 32)),
-    "nextgen_wxformer": (lambda: _nextgen(), lambda d: (1, 3, 1, 32, 32)),
+    "wxformer": (lambda: _wxformer(), lambda d: (1, 3, 1, 32 * d, 32)),
+    "nextgen_wxformer": (lambda: _nextgen(), lambda d: (1, 3, 1, 32 * d, 32)),
     "fuxi": (lambda: _fuxi(), lambda d: (1, 3, 2, 8 * d, 16)),
     "unet": (lambda: _unet(8 * _D), lambda d: (1, 3, 1, 8 * d, 16)),  # even bands of whole 8-row blocks: exact
     "unet_uneven": (lambda: _unet(8 * _D + 8), lambda d: (1, 3, 1, 8 * d + 8, 16)),  # exact where describe() says so
@@ -97,11 +97,11 @@ CASES = {
 # the run may refuse a later op than describe() (see verdict_is_the_run)
 LATER_OP = {"attention_global", "wxformer"}
 # exact on every domain size (the others: exact where describe() says so)
-EXACT = {"crossformer"}
+EXACT = {"crossformer_interp", "wxformer", "wxformer_cross_embed", "wxformer_cross_embed_s1"}
 # refused on more than one band, at this op
-REFUSED_AT = {"crossformer_interp": "interpolate()"}
+REFUSED_AT = {"nextgen_wxformer": "einsum()"}  # its spectral bottleneck sums the field's rows with a parameter
 # whole models: on 1, 2 and 4 ranks only, each domain size once (see the module docstring)
-HEAVY = {"crossformer", "crossformer_interp", "wxformer", "nextgen_wxformer", "fuxi", "unet", "unet_uneven"}
+HEAVY = {"crossformer_interp", "wxformer", "nextgen_wxformer", "fuxi", "unet", "unet_uneven"}
 NEEDS_TIMM = {"fuxi", "unet", "unet_uneven"}
 _D = 1  # the domain size of the case being built (models that store the field's size take it from here)
 
@@ -115,7 +115,7 @@ def _debugger():
 
 def _wxformer():
     return EveryParameter(wxformer.CrossFormer(
-        image_height=32, image_width=32, frames=1, channels=1, surface_channels=1, input_only_channels=0, levels=2,
+        image_height=32 * _D, image_width=32, interp=False, frames=1, channels=1, surface_channels=1, input_only_channels=0, levels=2,
         dim=(4, 8, 16, 32), depth=(1, 1, 1, 1), dim_head=4, global_window_size=(2, 1, 1, 1), local_window_size=2,
         cross_embed_kernel_sizes=((2, 4), (2, 4), (2, 4), (2, 4)), cross_embed_strides=(2, 2, 2, 2),
         use_spectral_norm=False,
@@ -126,7 +126,7 @@ def _nextgen():
     from credit.models.wxformer import wxformer_next
 
     return EveryParameter(wxformer_next.NextGenWXFormer(
-        image_height=32, image_width=32, frames=1, channels=1, surface_channels=1, input_only_channels=0, levels=2,
+        image_height=32 * _D, image_width=32, frames=1, channels=1, surface_channels=1, input_only_channels=0, levels=2,
         dim=(4, 8, 16, 32), depth=(1, 1, 1, 1), dim_head=4, global_window_size=(2, 1, 1, 1), local_window_size=2,
         cross_embed_kernel_sizes=((2, 4), (2, 4), (2, 4), (2, 4)), cross_embed_strides=(2, 2, 2, 2),
         use_spectral_norm=False, col_attn_heads=1, num_spectral_nodes=4,
@@ -216,12 +216,10 @@ def test_stored_global_size_is_refused_by_describe_and_by_the_run(make_manager):
 def test_rank_local_einops_error_is_every_ranks_exception(make_manager):
     """Uneven bands (3, 3, 2 rows) and windows of 2: einops raises on the ranks of 3 rows only; every rank raises."""
 
-    world = MPI.COMM_WORLD
-    comm = world.Split(0 if world.Get_rank() < 3 else MPI.UNDEFINED, world.Get_rank())
-    if comm == MPI.COMM_NULL:
-        return
-    try:
-        manager = make_manager(3, comm=comm)
+    with first_ranks(make_manager, 3) as manager:
+        if manager is None:
+            return
+        comm = manager.domain_group
         torch.manual_seed(0)
         model = convert_to_domain_parallel(crossformer.Attention(8, attn_type="short", window_size=2, dim_head=4).double(), manager)
         rows = [3, 3, 2][manager.domain_rank]
@@ -239,5 +237,3 @@ def test_rank_local_einops_error_is_every_ranks_exception(make_manager):
         # the model still runs afterwards (nobody was left inside a collective)
         ok = convert_to_domain_parallel(crossformer.Attention(8, attn_type="short", window_size=2, dim_head=4).double(), manager)
         assert ok(torch.randn(1, 8, 2, 4, dtype=torch.float64)).shape == (1, 8, 2, 4)
-    finally:
-        comm.Free()

@@ -370,6 +370,27 @@ def _attend(tr, func, q, k, v, mask, causal, rest, memory=False):
 
 # -- nn.MultiheadAttention ------------------------------------------------------------------------
 
+
+def _mha_per_sample(tr, func, a: dict, p: Sharded):
+    """Query, key and value with the bands in the batch (dim 1 of ``(L, N, E)``): each sample attends within itself.
+
+    NextGen WXFormer's column attention (over the pressure levels of each grid point: ``(B h w,
+    levels, C)``) mixes no rows: local, exact, as long as no mask is indexed by the batch.
+    """
+    if a["key_padding_mask"] is not None or (a["attn_mask"] is not None and a["attn_mask"].ndim == 3):
+        raise _Why("a key_padding_mask or a per-sample attn_mask with the bands in the batch has no rule (its rows are "
+                   "the field's samples, not this band's)")
+    if a["training"] and a["dropout_p"]:
+        raise _Why(f"dropout={a['dropout_p']} in training draws its own mask on every band (not one process's draw)")
+    if tr.manager is None:  # the dry run (meta): a mask made on the host goes along
+        a["attn_mask"] = _on(a["attn_mask"], a["query"])
+    out, weights = func(**a)
+    tr.set(out, p)
+    if weights is not None:  # (N, [H,] L, S): the samples first
+        tr.set(weights, p.moved(0))
+    return out, weights
+
+
 _MHA = inspect.signature(torch.nn.functional.multi_head_attention_forward)
 
 
@@ -383,9 +404,12 @@ def _mha(tr, func, args, kwargs, held):
     pq, pk, pv = (tr.get(t) for t in (query, key, value))
     for name in ("attn_mask", "key_padding_mask"):
         _check_mask(tr, a[name])
+    if pq is not None and pq.dim == 1 and pq == pk == pv:
+        return _mha_per_sample(tr, func, a, pq)
     if pq is None or pq.dim != 0 or (pk is None) != (pv is None) or any(p is not None and p.dim != 0 for p in (pk, pv)):
         raise _Why("multi-head attention with the bands elsewhere than in the tokens (dim 0 of (L, N, E), the "
-                   "query's and, for keys from bands, the key's and value's) has no rule")
+                   "query's and, for keys from bands, the key's and value's) or, for all three alike, in the batch "
+                   "(dim 1) has no rule: reshape so that the tokens or the batch hold the bands")
     if a["training"] and a["dropout_p"]:
         raise _Why(f"dropout={a['dropout_p']} in training draws its own mask on every band (not one process's draw)")
     if a["static_k"] is not None or a["static_v"] is not None:

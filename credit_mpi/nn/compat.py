@@ -36,8 +36,8 @@ from torch import nn
 from ..manager import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
 from . import conv, norm, resample
 from .base import adopt
+from .conv import fold_edge_rows
 from .exchange import HaloExchange
-from .functions import active_tracker
 
 __all__ = [
     "DomainParallelConv2d", "DomainParallelConv3d", "DomainParallelConvTranspose2d", "DomainParallelConvTranspose3d",
@@ -92,24 +92,6 @@ DomainParallelConvTranspose3d = _wrapping("DomainParallelConvTranspose3d", nn.Co
 DomainParallelGroupNorm = _wrapping("DomainParallelGroupNorm", nn.GroupNorm, norm.DomainParallelGroupNorm, None)
 
 
-def _edge_pad(manager: Any, x: torch.Tensor, before: int, after: int, dim: int, mode: str = "constant") -> torch.Tensor:
-    """``x`` padded along the sharded ``dim`` at the field's edges only: the first band's top, the last band's bottom.
-
-    Inside a converted forward that judges this module, ``F.pad`` itself is judged (its rule pads the
-    field's edges, and describe() follows the padded layout); otherwise (the module trusted by a custom
-    converter, or no converted model) the band decides from the manager.
-    """
-    axis = dim % x.ndim
-    pad = [0, 0] * (x.ndim - axis - 1) + [before, after]
-    tracker = active_tracker()
-    if tracker is None or tracker.trusted:
-        manager = get_domain_parallel_manager() if manager is None else manager
-        if manager is not None and manager.domain_parallel_size > 1:
-            rank, size = manager.domain_rank, manager.domain_parallel_size
-            pad[-2], pad[-1] = (before if rank == 0 else 0), (after if rank == size - 1 else 0)
-    return F.pad(x, tuple(pad), mode=mode)
-
-
 class _WrapsConv:
     """CREDIT's wrappers expose their conv's ``weight`` and ``bias``."""
 
@@ -156,10 +138,11 @@ class DomainParallelPeriodicConv2d(_WrapsConv, nn.Module):
 class DomainParallelCrossEmbedBranch(_WrapsConv, nn.Module):
     """CREDIT's ``DomainParallelCrossEmbedBranch(branch, shard_dim=-2)``: a ``ZeroPad2d`` + ``Conv2d`` branch on bands.
 
-    The ``ZeroPad2d`` pads the longitude as it is and the latitude at the field's edges only (the
-    first band's top, the last band's bottom); the conv is credit_mpi's
-    :class:`~credit_mpi.nn.DomainParallelConv2d`, which reads the neighbours' rows itself. credit_mpi's
-    converter does the same with the branch as it is (no custom converter needed).
+    The ``ZeroPad2d`` pads the longitude as it is; its latitude rows are the conv's own padding at
+    the field's edges (:func:`credit_mpi.nn.conv.fold_edge_rows`): the conv is credit_mpi's
+    :class:`~credit_mpi.nn.DomainParallelConv2d`, which reads the neighbours' rows itself and owns the
+    output rows anchored on the unpadded field, so every branch of a CrossEmbedLayer gives the same
+    bands. credit_mpi's converter does the same with the branch as it is (no custom converter needed).
     """
 
     _dp_trusted = True
@@ -172,10 +155,12 @@ class DomainParallelCrossEmbedBranch(_WrapsConv, nn.Module):
         left, right, top, bottom = zero_pad.padding
         self.w_padding, self.h_padding = (left, right), (top, bottom)
         self.halo_width = self.conv.halo_width
+        # the sharded dim's padding folded into the conv (spatial dim 0 for shard_dim -2, 1 for -1); the other padded here
+        self._sd = shard_dim % 2
+        fold_edge_rows(self.conv, (self._sd, *(self.h_padding if self._sd == 0 else self.w_padding)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.pad(x, (*self.w_padding, 0, 0))
-        return self.conv(_edge_pad(self.conv.dp_manager, x, *self.h_padding, self.shard_dim))
+        return self.conv(F.pad(x, (*self.w_padding, 0, 0) if self._sd == 0 else (0, 0, *self.h_padding)))
 
 
 def DomainParallelInterpolate(size, mode: str = "bilinear", shard_dim: int = -2) -> resample.DomainParallelInterpolate:  # noqa: N802

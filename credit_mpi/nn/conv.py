@@ -42,6 +42,7 @@ __all__ = [
     "DomainParallelConvTranspose3d",
     "DomainParallelPeriodicConv2d",
     "conv_paddings",
+    "fold_edge_rows",
 ]
 
 #: Overlap a band convolution's halo exchange with its interior rows (:mod:`credit_mpi.nn._overlap`).
@@ -54,17 +55,52 @@ _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 def conv_paddings(module: nn.Module) -> list[tuple[int, int]]:
-    """``(before, after)`` padding of each spatial dim of a convolution (``"same"``/``"valid"`` resolved like torch)."""
+    """``(before, after)`` padding of each spatial dim of a convolution (``"same"``/``"valid"`` resolved like torch).
+
+    Zero rows folded in from an ``F.pad`` of the sharded dim just before the layer (``dp_edge_rows``,
+    see :func:`fold_edge_rows`) are part of the padding: the layer's ownership rule then anchors its
+    output rows on the unpadded field, so branches padded differently (WXFormer's CrossEmbed
+    branches) give their outputs one band layout.
+    """
     nd = len(module.kernel_size)
     if isinstance(module.padding, str):
         if module.padding == "valid":
-            return [(0, 0)] * nd
-        out = []
-        for k, d in zip(module.kernel_size, module.dilation, strict=True):
-            total = d * (k - 1)
-            out.append((total // 2, total - total // 2))
-        return out
-    return [(p, p) for p in module.padding]
+            out = [(0, 0)] * nd
+        else:
+            out = []
+            for k, d in zip(module.kernel_size, module.dilation, strict=True):
+                total = d * (k - 1)
+                out.append((total // 2, total - total // 2))
+    else:
+        out = [(p, p) for p in module.padding]
+    edge = module.__dict__.get("dp_edge_rows")
+    if edge is not None:
+        sd, before, after = edge
+        out[sd] = (out[sd][0] + before, out[sd][1] + after)
+    return out
+
+
+def fold_edge_rows(module: nn.Module, edge: tuple[int, int, int] | None) -> None:
+    """Set (``(sd, before, after)``) or clear (None) the zero rows a convolution adds at the field's edges of spatial dim ``sd``.
+
+    The function-level tracker folds ``F.pad(x, zeros)`` of the sharded dim into the next
+    convolution (padding only the first and last band would shift every band's start, and with
+    it the output rows each band owns): for the length of one call, then cleared.
+    """
+    if edge is None:
+        module.__dict__.pop("dp_edge_rows", None)
+    else:
+        module.__dict__["dp_edge_rows"] = tuple(int(v) for v in edge)
+
+
+def _edge_padded(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` with the folded edge rows (:func:`fold_edge_rows`) as zeros: the original forward's input on one band."""
+    edge = module.__dict__.get("dp_edge_rows")
+    if edge is None:
+        return x
+    sd, before, after = edge
+    nd = len(module.kernel_size)
+    return F.pad(x, [0, 0] * (nd - 1 - sd) + [before, after])
 
 
 def conv_layout(module: nn.Module, sizes: list[int], sd: int) -> geometry.Layout:
@@ -95,13 +131,14 @@ class _ConvMixin(DomainParallelModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp_local(x):
-            return super().forward(x)
+            return super().forward(_edge_padded(self, x))
         if self.dp_on_grid():
             return self._grid_forward(x)
         manager, nd = self.dp_manager, self._nd
         overlap = bool(OVERLAP)  # agreed with the input: it decides the exchange's MPI calls
+        edge = self.__dict__.get("dp_edge_rows")
         bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path,
-                      extra=lambda: ("overlap", overlap), mode=self.dp_mode())
+                      extra=lambda: ("overlap", overlap, edge), mode=self.dp_mode())
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         lay = conv_layout(self, bands.sizes, sd)

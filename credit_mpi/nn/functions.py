@@ -13,8 +13,11 @@ that holds bands and judges each torch function applied to one:
   ``matmul`` and ``cat`` over other dims, permutes, reshapes that keep the
   band's rows whole;
 * what has an exact rule runs it: ``F.interpolate`` along the sharded dim by
-  an integer factor (the :class:`~credit_mpi.nn.DomainParallelInterpolate`
-  layer), ``pixel_shuffle`` (output rows ``[r a, r b)`` from input rows
+  an integer factor, or to a ``size`` stored for the whole field (a plain
+  int: the field's rows, computed in global coordinates; the
+  :class:`~credit_mpi.nn.DomainParallelInterpolate` layer); ``F.pad`` of the
+  sharded dim by zeros (the field's edges; folded into the convolution that
+  takes it, so differently padded branches keep one band layout), ``pixel_shuffle`` (output rows ``[r a, r b)`` from input rows
   ``[a, b)``), ``pixel_unshuffle`` and a reshape into windows when every
   band is a whole number of them; ``F.batch_norm`` in training (the
   statistics of the whole field, through the BatchNorm layer: timm's
@@ -203,6 +206,9 @@ class Tracker(TorchFunctionMode):
         self.stack: list[tuple[str, bool, tuple | None]] = [(self._path(root), bool(self.trusted), None)]
         self.place: dict[int, tuple[weakref.ref, Sharded]] = {}
         self._locals: list = []
+        # F.pad of the sharded dim by zeros: padded tensor id -> (padded ref, input, (before, after), the other pads)
+        self.edge_pads: dict[int, tuple] = {}
+        self._folded: list[torch.nn.Module | None] = []  # per open layer call: the conv whose edge rows were folded
         self._leaves: dict[int, list[Callable[[Any], Any]]] = {}  # per module: how its module rule ends (a stack)
         self._hooks: list = []
 
@@ -282,6 +288,7 @@ class Tracker(TorchFunctionMode):
                 h.remove()
             _STATE.tracker = self._outer
             self.place.clear()
+            self.edge_pads.clear()
 
     def _trusts(self, module: torch.nn.Module) -> bool:
         return isinstance(module, DomainParallelModule) or getattr(module, "_dp_trusted", False)
@@ -299,7 +306,8 @@ class Tracker(TorchFunctionMode):
             local_ctx = base.batch_bands()
             local_ctx.__enter__()
             self._locals.append(local_ctx)
-        new = None
+        new = self._fold_edge_rows(module, args) if trusted and not self.trusted else None
+        self._folded.append(module if new is not None else None)
         if not trusted and not self.trusted:  # a module judged by its forward: its module rules (window_rules)
             for rule in _MODULE_RULES:
                 if (got := rule(self, module, args)) is not None:
@@ -317,6 +325,7 @@ class Tracker(TorchFunctionMode):
         self.trusted -= trusted
         if local is not None:
             self._locals.pop().__exit__(None, None, None)
+        folded = self._folded.pop() if self._folded else None
         leaves = self._leaves.get(id(module)) if not trusted and not self.trusted else None
         if leaves:
             out = leaves.pop()(out)
@@ -329,10 +338,41 @@ class Tracker(TorchFunctionMode):
             finally:
                 self.trusted -= 1
             out = out if new is None else new
+        if folded is not None:
+            from .conv import fold_edge_rows
+
+            fold_edge_rows(folded, None)
         if trusted and not self.trusted:  # a layer's output: a band along the sharded dim (or replicated)
             for t in _tensors(out):
                 self.set(t, local[0] if local is not None else self.band(t))
         return out
+
+    def _fold_edge_rows(self, module: torch.nn.Module, args: tuple) -> tuple | None:
+        """A convolution of an ``F.pad`` of the sharded dim by zeros: the padding folded into the layer (new args).
+
+        Padded as a band, the first band gains the rows before the field and the last the rows after
+        it, which moves every band's start and so the output rows each band owns: WXFormer's
+        CrossEmbed branches (a ``ZeroPad2d`` of ``kernel - stride`` rows each, then an unpadded strided
+        conv) would give bands of different rows to one ``torch.cat``. Folded, the layer pads the
+        field's edges itself and owns the output rows anchored on the unpadded field, the same for
+        every branch (and for a conv with that padding). Decided from the forward's structure (the
+        same on every rank); the layer agrees on the folded rows with its input.
+        """
+        from .conv import _ConvMixin, fold_edge_rows
+
+        if not isinstance(module, _ConvMixin) or module.padding_mode != "zeros" or len(args) != 1:
+            return None
+        entry = self.edge_pads.get(id(args[0]))
+        if entry is None or entry[0]() is not args[0]:
+            return None
+        _, x, (before, after), others = entry
+        p = self.get(x)
+        sd = None if p is None else p.dim - (x.ndim - len(module.kernel_size))
+        if sd is None or sd < 0 or (self.manager is not None and self.manager.domain_parallel_size <= 1):
+            return None
+        source = torch.nn.functional.pad(x, others) if any(others) else x  # the other dims padded as the forward did
+        fold_edge_rows(module, (sd, before, after))
+        return (source,)
 
     def _check_layer_input(self, module: torch.nn.Module, args: tuple) -> tuple[bool, Sharded | None]:
         """A layer (or a user's trusted module) takes bands along ``shard_dim``: not tokens, not a permuted band.
@@ -353,6 +393,10 @@ class Tracker(TorchFunctionMode):
                                   "spread over the bands (windows moved into the batch dim)")
                 return True, p
             if p is not None and p != want and self.as_band(t, p) != want:
+                from .dropout import _DropoutMixin
+
+                if isinstance(module, _DropoutMixin) and not (module.training and module.p):
+                    return True, p  # p == 0 or eval: the identity on any placement (training p > 0: refused as a band)
                 raise refusal(self._path(module), "its forward",
                               f"its input holds the bands along {p.describe()} (after a permute or a reshape), "
                               f"but the layer runs on bands along the sharded dim ({want.describe() if want else self.shard_dim})")
@@ -740,6 +784,14 @@ def _indexed(tr, func, args, kwargs, held):
     return tr.run(func, args, kwargs, p.moved(p.dim - shift))
 
 
+# the same words on every rank that sees it (the ranks whose rows happen to match raise it through the agreement)
+_LAYOUTS_DIFFER = (
+    "it joins bands of one height whose band layouts differ (a band holds other rows of one part than of the "
+    "other): on uneven bands a strided convolution's output bands and a transposed convolution's (a UNet's skip "
+    "connection) do not line up. Give every band an offset that is a multiple of the encoder's total stride "
+    "(even bands of a field whose rows are a multiple of the domain size times that stride), as describe() shows")
+
+
 @_rule("cat", "concat", "concatenate", "stack", "hstack", "vstack")
 def _join(tr, func, args, kwargs, held):
     """A join over another dim: every part a band along the same dim (a replicated part would count once per rank)."""
@@ -763,6 +815,8 @@ def _join(tr, func, args, kwargs, held):
         if pl is None and t.ndim > q.dim and t.shape[q.dim] != 1:
             what = "a replicated tensor (a global mean)" if is_replicated(t) else "a tensor that is not a band"
             raise _Why(f"it joins a band with {what} that has {t.shape[q.dim]} rows along the sharded dim")
+    if len({t.shape[q.dim] for t, pl in zip(parts, places, strict=True) if pl is not None and t.ndim > q.dim}) > 1:
+        raise _Why(_LAYOUTS_DIFFER)
     d = q.dim + (1 if op == "stack" and dim <= q.dim else 0)
     return tr.run(func, args, kwargs, q.moved(d))
 
@@ -846,6 +900,17 @@ def _pad(tr, func, args, kwargs, held):
         raise _Why(f"F.pad(mode={mode!r}) of the sharded dim by {[before, after]} has no rule (only constant padding "
                    f"of the field's edges: the rows next to a band are the neighbours')")
     rows = x.shape[p.dim]
+    value = _arg(args, kwargs, 3, "value", None)
+    if not value:  # zeros: a convolution that takes it folds the rows in (Tracker._fold_edge_rows)
+        others = [0 if i in (2 * pair, 2 * pair + 1) else v for i, v in enumerate(pad)]
+        out = _padded(tr, func, args, kwargs, p, x, pad, pair, before, after, rows)
+        tr.edge_pads[id(out)] = (weakref.ref(out), x, (before, after), others)
+        return out
+    return _padded(tr, func, args, kwargs, p, x, pad, pair, before, after, rows)
+
+
+def _padded(tr, func, args, kwargs, p, x, pad, pair, before, after, rows):
+    """``F.pad`` of the sharded dim as a band: the field's edges only (the first band's top, the last band's bottom)."""
     if tr.manager is not None:  # the run: the first band pads the field's first edge, the last band its last
         from ..grid import grid_of
 
@@ -972,13 +1037,26 @@ def _einsum(tr, func, args, kwargs, held):
         q = tr.get(t)
         if q is not None:
             letters.add((spec[q.dim], q.outer, q.inner))
-    if len(letters) != 1 or next(iter(letters))[0] not in out:
-        raise _Why("it sums over the sharded dim (or pairs bands along different letters)")
+    if len(letters) != 1:
+        raise _Why(f"it pairs bands along different letters ({sorted(v[0] for v in letters)}): no rule")
+    if next(iter(letters))[0] not in out:
+        raise _Why(_contracted(equation, ins.split(","), operands, tr, next(iter(letters))[0]))
     letter, outer, inner = letters.pop()
     for spec, t in zip(ins.split(","), operands, strict=True):
         if tr.get(t) is None and letter in spec and t.shape[spec.index(letter)] != 1:
             raise _Why("it pairs a band with a tensor that is not one along the sharded dim")
     return tr.run(func, args, kwargs, Sharded(out.index(letter), outer, inner))
+
+
+def _contracted(equation: str, specs: list[str], operands: list, tr: Tracker, letter: str) -> str:
+    """Why an einsum that sums over the band's rows is refused, and what the model's author changes."""
+    partners = [f"{tuple(t.shape)}" for spec, t in zip(specs, operands, strict=True) if tr.get(t) is None and letter in spec]
+    what = f"a tensor that is not a band ({', '.join(partners)}: a parameter over the field's rows?)" if partners else "itself"
+    return (f"{equation!r} sums over the sharded dim (letter {letter!r}, the band's rows) with {what}: a sum over the "
+            f"rows of every band, which has no rule (a weight stored for the whole field would have to be cut to each "
+            f"band's rows, the sums added over the domain). Change the forward: pool the rows with a layer the "
+            f"converter replaces (e.g. nn.AdaptiveAvgPool2d to a fixed grid, then a Linear over its cells), or run "
+            f"this block on the whole field")
 
 
 @_rule("embedding")
@@ -991,7 +1069,8 @@ def _embedding(tr, func, args, kwargs, held):
 
 @_rule("interpolate")
 def _interpolate(tr, func, args, kwargs, held):
-    """Along the sharded dim by an integer factor: the exact layer (:class:`DomainParallelInterpolate`)."""
+    """Along the sharded dim by an integer factor, or to a size stored for the whole field: the exact layer
+    (:class:`DomainParallelInterpolate`; a stored size: :func:`_stored_size`)."""
     from .resample import DomainParallelInterpolate
 
     x, p = args[0], tr.get(args[0])
@@ -1008,9 +1087,7 @@ def _interpolate(tr, func, args, kwargs, held):
     if size is not None:
         target = _tuple(size, nsp)[sd]
         if not _follows_band(target) and not torch.compiler.is_compiling():  # (a traced forward's sizes: plain ints)
-            raise _Why(f"size={tuple(_tuple(size, nsp))}: the size {int(target)} along the sharded dim is not computed "
-                       f"from the band's shape: a size stored for the whole field (e.g. set in __init__ from the "
-                       f"image size), which no band has. Compute it from x.shape in the forward, or give scale_factor")
+            return _stored_size(tr, x, p, args, kwargs, mode, align)
         if target == rows:
             return tr.run(func, args, kwargs, p)
         if not tr.ratio_ok(rows, target):
@@ -1039,6 +1116,27 @@ def _interpolate(tr, func, args, kwargs, held):
     if align is not None:
         kw["align_corners"] = align
     return tr.run(func, (y,), {"size": rest_size, "scale_factor": rest_scale, **kw}, p)
+
+
+def _stored_size(tr, x, p, args, kwargs, mode, align):
+    """``size=`` whose entry along the sharded dim is a plain int: a size stored for the whole field, the GLOBAL rows.
+
+    CREDIT's ``F.interpolate(x, size=(self.image_height, self.image_width))``: each output row is
+    computed from its source rows in global coordinates (the halo of rows it needs), by
+    :class:`~credit_mpi.nn.DomainParallelInterpolate`; the output is a tensor of the field's rows,
+    banded as the model's input is (:func:`credit_mpi.nn.resample.stored_size_bands`).
+    """
+    from .resample import DomainParallelInterpolate
+
+    nsp = x.ndim - 2
+    size = tuple(int(v) for v in _tuple(_arg(args, kwargs, 1, "size"), nsp))
+    layer = DomainParallelInterpolate(size=size, mode=mode, align_corners=align,
+                                      recompute_scale_factor=_arg(args, kwargs, 5, "recompute_scale_factor"),
+                                      manager=_NoManager, shard_dim=p.dim - x.ndim)
+    layer.dp_manager = tr.manager
+    layer.dp_path = f"{tr.stack[-1][0]}: interpolate"
+    layer.__dict__["dp_stored_size"] = True
+    return layer(x)  # the tracker's module hooks: a layer of the plan, its output a band
 
 
 class _NoManagerType:

@@ -224,16 +224,25 @@ def transposed_layout(
     return lay
 
 
-def resample_layout(sizes: list[int], out_size: int, support: list[tuple[int, int]]) -> Layout:
-    """The resampling rule: ``support[j]`` is the input row range ``(lo, hi)`` with non-zero weight for output row j."""
+def resample_layout(sizes: list[int], out_size: int, support: list[tuple[int, int]],
+                    out_sizes: list[int] | None = None) -> Layout:
+    """The resampling rule: ``support[j]`` is the input row range ``(lo, hi)`` with non-zero weight for output row j.
+
+    ``out_sizes``: the output bands given (a size stored for the whole field: its partition over
+    the domain, as the model's other tensors of that many rows have it) instead of the rule's.
+    """
     size = sum(sizes)
     offsets = offsets_of(sizes)
     n = len(sizes)
+    out_offsets = None if out_sizes is None else offsets_of(out_sizes)
     bands = []
     for r, (a, rows) in enumerate(zip(offsets, sizes, strict=True)):
         b = a + rows
-        o0 = 0 if r == 0 else min(ceil_div(a * out_size, size), out_size)
-        o1 = out_size if r == n - 1 else min(ceil_div(b * out_size, size), out_size)
+        if out_offsets is not None:
+            o0, o1 = out_offsets[r], out_offsets[r] + out_sizes[r]
+        else:
+            o0 = 0 if r == 0 else min(ceil_div(a * out_size, size), out_size)
+            o1 = out_size if r == n - 1 else min(ceil_div(b * out_size, size), out_size)
         o1 = max(o1, o0)
         if o1 > o0:
             lo = min(support[j][0] for j in range(o0, o1))

@@ -365,7 +365,7 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None, traffic=Non
         sf = resample._per_dim(mod.scale_factor, nsp)[sd]
         w = resample.resample_matrix(mod.mode, h_in, h_out if sf is None else None, None if sf is None else float(sf),
                                      mod.align_corners, mod.recompute_scale_factor)
-        lay = geometry.resample_layout(sizes, w.shape[0], resample._support(w))
+        lay = geometry.resample_layout(sizes, w.shape[0], resample._support(w), resample.stored_size_bands(mod, n, w.shape[0]))
     elif isinstance(mod, resample._AdaptiveAvgMixin):
         if h_out == 1 and h_in > 1:
             note += "global mean: one allgather, output replicated"
@@ -396,7 +396,9 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None, traffic=Non
     if note.startswith("global mean"):
         return row  # replicated, not a band layout
     if h_out in layouts and layouts[h_out] != list(out_sizes) and h_out != 1:
-        extra = f"output bands {list(out_sizes)} differ from an earlier {h_out}-row tensor's {layouts[h_out]} (joining them fails)"
+        extra = (f"output bands {list(out_sizes)} differ from an earlier {h_out}-row tensor's {layouts[h_out]} (joining "
+                 f"them fails: give every band an offset that is a multiple of the strides before it, e.g. even bands "
+                 f"of a field whose rows are a multiple of the domain size times the total stride)")
         # A skip connection that joins the two would fail on some ranks only (torch.cat of different rows)
         # while the others wait in the next layer's agreement: not a layout to run.
         row = PlanRow(**{**row.__dict__, "exact": False, "note": f"{row.note}; {extra}" if row.note else extra})

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layout import split
 from . import geometry
 from ._comm import agree, allgather_stats, check_halo, fetch_rows
 from .base import DomainParallelModule
@@ -94,9 +95,20 @@ def _support(w: torch.Tensor) -> list[tuple[int, int]]:
     return out
 
 
+def stored_size_bands(module, n: int, out_size: int) -> list[int] | None:
+    """The output bands of an interpolation to a size stored for the whole field (``dp_stored_size``), else None.
+
+    ``F.interpolate(x, size=(image_height, image_width))`` with the height stored in ``__init__``
+    asks for the field's rows: its output is a tensor of that many rows like the model's input,
+    so it gets their partition over the domain (:func:`credit_mpi.layout.split`, array_split),
+    not the resampling rule's (which follows the input's bands).
+    """
+    return split(out_size, n, uneven=True) if module.__dict__.get("dp_stored_size") else None
+
+
 def _apply_rows(module, x, bands, w: torch.Tensor):
     """Rows of ``w @ x`` along the sharded axis that this rank owns (collective)."""
-    lay = geometry.resample_layout(bands.sizes, w.shape[0], _support(w))
+    lay = geometry.resample_layout(bands.sizes, w.shape[0], _support(w), stored_size_bands(module, len(bands.sizes), w.shape[0]))
     if lay.problem:
         raise layout_error(module.dp_path, lay, 1)
     check_halo(module.dp_path, bands.sizes, lay.width, "zero", bands.axis)
