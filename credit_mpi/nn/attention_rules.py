@@ -172,10 +172,25 @@ def _path(tr) -> str:
 def _gather(tr, t: torch.Tensor, dim: int) -> torch.Tensor:
     """``t`` (a band along ``dim``) joined with every other band: the field's tensor (the dry run: already it)."""
     if tr.manager is None:
+        _report_gather(tr, t, dim)
         return t.view(t.shape)  # global shapes already; a new tensor object, not a band
     from ..ops.allgather_along import allgather_along
 
     return allgather_along(t, dim, tr.manager.domain_group, _path(tr))
+
+
+def _report_gather(tr, t: torch.Tensor, dim: int) -> None:
+    """In the dry run: the gather of a product's operand (a hand-written ``q k^T``, ``a v``, nn.MultiheadAttention's
+    key and value) as a row of describe()'s plan, with its traffic (``tr.on_move``, set by describe)."""
+    on_move, p = getattr(tr, "on_move", None), tr.get(t)
+    if on_move is None or p is None:
+        return
+    from .traffic import gather_traffic
+    from .window_rules import dim_sizes
+
+    counts = dim_sizes(tr, t, p)
+    on_move(_path(tr), "allgather_along()", t.shape[dim], counts, [sum(counts)] * len(counts),
+            gather_traffic((t,), counts, len(counts), dim))
 
 
 def _gathers(tr, specs: list[str], operands: list, out: str) -> tuple[list[tuple[int, int]], set[int]]:
