@@ -22,6 +22,7 @@ from torch import nn  # noqa: E402
 
 from credit_mpi.nn import HaloExchange, describe  # noqa: E402
 
+from .halo_reference import prefix_managers  # noqa: E402
 from .test_windows import SwinStyle, band_cases  # noqa: E402
 from .verdict_reference import verdict_is_the_run  # noqa: E402
 
@@ -99,3 +100,18 @@ class RootWindows(SwinStyle):
 def test_a_windowed_module_as_the_root_is_rebanded(make_manager):
     for _, manager, h in band_cases(make_manager, 2):
         assert verdict_is_the_run("root_windows", RootWindows, (1, 2, h, 4), manager).exact
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shift", [1, 0])
+def test_fewer_windows_than_ranks_is_the_same_refusal_everywhere(shift, make_manager):
+    """Windows of 3 rows, a field of fewer windows than ranks (6 or 9 rows on 4 ranks): re-banded to whole windows a
+    band holds none. The run used to fail on those ranks inside the forward (a division by zero of the empty band,
+    shared as a DomainParallelError) where describe() predicted a ConversionError: both refuse at the re-band now."""
+    from .test_windows import swin
+
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            for h in range(3 * ((d + 2) // 3), 3 * d, 3):  # every band a row or more, fewer windows than ranks
+                plan = verdict_is_the_run("few_windows", swin(3, shift=shift), (1, 2, h, 6), manager)
+                assert not plan.exact and plan.rows[-1].kind == "reband()" and "no window" in plan.rows[-1].note, str(plan)

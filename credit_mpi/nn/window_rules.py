@@ -229,6 +229,7 @@ def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
     with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
         for i, a, p in bands:
             new_args[i], sizes_in, sizes_out = rebanded(a, p.dim, comm, window * p.inner, f"{path}: whole windows")
+            _check_windows_everywhere(path, window, sizes_in, sizes_out, p.inner)  # every rank knows every band
             layout = layout or (sizes_out, sizes_in)  # back= (moved, original)
             tr.set(new_args[i], p)
     dim = bands[0][2].dim
@@ -240,6 +241,23 @@ def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
         return _map_bands(tr, out, lambda t, q: _back(tr, t, q, layout, path))
 
     return tuple(new_args), leave
+
+
+def _check_windows_everywhere(path: str, window: int, sizes_in, sizes_out, inner: int) -> None:
+    """Refuse (on every rank alike: the layouts are agreed) a re-band to whole windows that leaves a band without one.
+
+    A band of no rows cannot run the module's forward (its window count is read from its shape: no
+    window), nor the layers after it; the same refusal in describe()'s dry run and in the run, at
+    the module's boundary, before its forward.
+    """
+    empty = [r for r, s in enumerate(sizes_out) if s == 0]
+    if not empty or not sum(sizes_out):
+        return
+    windows = sum(sizes_out) // (window * inner)
+    raise refusal(path, "reband()", f"re-banded to whole windows of {window} rows, the bands {[s // inner for s in sizes_in]} "
+                  f"become {[s // inner for s in sizes_out]}: rank(s) {', '.join(map(str, empty))} would hold no window "
+                  f"(the field's {windows} window(s) on {len(sizes_out)} ranks); use at most {max(windows, 1)} rank(s), "
+                  f"or a field of at least {len(sizes_out)} windows")
 
 
 def _back(tr: Tracker, t: torch.Tensor, q: Sharded, layout: tuple, path: str) -> torch.Tensor:
@@ -280,6 +298,7 @@ def _dry(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], An
     for _, b, q in bands:  # the run: each band argument re-banded to whole windows (of window x inner entries)
         sizes_in = dim_sizes(tr, b, q)
         sizes_out = list(whole_windows(sizes_in, window * q.inner))
+        _check_windows_everywhere(path, window, sizes_in, sizes_out, q.inner)
         layout = layout or (sizes_out, sizes_in)
         report_move(tr, path, "reband()", b, q.dim, sizes_in, sizes_out, _identity_moves(sizes_in, sizes_out),
                     sizes_in != sizes_out)
