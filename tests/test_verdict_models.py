@@ -67,23 +67,6 @@ def with_the_manager(module, manager, shard_dim):
 TRUSTED = {OwnHalo: with_the_manager}
 
 
-@pytest.mark.mpi(min_size=1)
-def test_a_tensor_made_on_the_host_is_judged_not_a_failure(make_manager):
-    for _, manager, h in band_cases(make_manager, 1):
-        assert verdict_is_the_run("host_tensors", HostTensors, (1, 2, h, 4), manager).exact
-
-
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("width", [1, 2])
-def test_a_trusted_module_with_its_own_halo_exchange(width, make_manager):
-    """Exact where every band holds the halo; a band thinner than the halo is refused (by describe, as by the run)."""
-    for d, manager, h in band_cases(make_manager, 1):
-        plan = verdict_is_the_run("own_halo", own_halo(width), (1, 2, h, 4), manager, custom=TRUSTED)
-        assert plan.exact, str(plan)
-        (row,) = [r for r in plan.rows if r.kind == "HaloExchange"]
-        assert row.path == "1.halo" and row.halo_before == width and row.traffic is not None
-
-
 def test_describe_refuses_a_halo_wider_than_a_band():
     plan = describe(own_halo(2)().double(), (1, 2, 3, 4), 3, custom_converters=TRUSTED)
     assert not plan.exact and plan.rows[-1].kind == "HaloExchange" and "halo" in plan.rows[-1].note, str(plan)
@@ -96,10 +79,23 @@ class RootWindows(SwinStyle):
         super().__init__(2, 2, 1)
 
 
+CASES = {
+    # name: (build, row unit of the heights, custom_converters)
+    "host_tensors": (HostTensors, 1, None),
+    "own_halo": (own_halo(1), 1, TRUSTED),  # the exchange a row of the plan (tests/test_describe_traffic.py counts it)
+    "own_halo_2": (own_halo(2), 1, TRUSTED),
+    "root_windows": (RootWindows, 2, None),
+}
+
+
 @pytest.mark.mpi(min_size=1)
-def test_a_windowed_module_as_the_root_is_rebanded(make_manager):
-    for _, manager, h in band_cases(make_manager, 2):
-        assert verdict_is_the_run("root_windows", RootWindows, (1, 2, h, 4), manager).exact
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_verdict_is_what_the_run_does(name, make_manager):
+    """Exact on even bands and on uneven ones (not whole windows: re-banded), on 1..W ranks."""
+    build, unit, custom = CASES[name]
+    for _, manager, h in band_cases(make_manager, unit):
+        plan = verdict_is_the_run(name, build, (1, 2, h, 4), manager, custom=custom)
+        assert plan.exact and all(r.traffic is not None for r in plan.rows), str(plan)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -115,3 +111,35 @@ def test_fewer_windows_than_ranks_is_the_same_refusal_everywhere(shift, make_man
             for h in range(3 * ((d + 2) // 3), 3 * d, 3):  # every band a row or more, fewer windows than ranks
                 plan = verdict_is_the_run("few_windows", swin(3, shift=shift), (1, 2, h, 6), manager)
                 assert not plan.exact and plan.rows[-1].kind == "reband()" and "no window" in plan.rows[-1].note, str(plan)
+
+
+def _nn_cases():
+    """Every layer and model case of tests/test_nn.py, with the shapes it runs on d = 1..4 bands (array_split only:
+    describe() plans that layout; the explicit stride-aligned layouts of its UNet and FuXi are left to the run)."""
+    from . import test_nn as t
+
+    for d in range(1, 5):
+        for name, build in t.CONVS.items():
+            for h in t._heights(d, 8):
+                yield f"conv {name}", build, (2, 4 if name == "groups" else 2, h, 6), d
+        for name, build in t.NORMS.items():
+            for h in t._heights(d, 3):
+                norm = build or (lambda h=h: nn.LayerNorm((4, h, 5)))
+                yield (f"norm {name}", lambda b=norm: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), b(), nn.Conv2d(4, 2, 3, padding=1)),
+                       (2, 3, h, 5), d)
+        for name, build in t.RESAMPLE.items():
+            for h in t._heights(d, 6):
+                if not (name == "adaptive_5x3" and h // d < 3):
+                    yield f"resample {name}", build, (2, 2, h, 6), d
+        for name, (build, base, width) in t.MODELS.items():
+            h = base * d * (2 if name.startswith("crossembed") and d > 1 else 1)
+            for rows in (h,) if name in ("fuxi", "unet") else (h, h + 1):
+                yield f"model {name}", build, (2, 2, 4, rows, width) if name == "cube" else (2, 3 if name == "fuxi" else 2, rows, width), d
+
+
+def test_describe_says_exact_on_every_case_the_nn_tests_run_exactly():
+    """tests/test_nn.py runs these exactly against one process on 1..4 ranks (its run_both): describe() must agree."""
+    wrong = [(name, shape, d, str(plan)) for name, build, shape, d in _nn_cases()
+             if not (plan := describe(build().double(), shape, d)).exact]
+    assert not wrong, "\n".join(map(str, wrong[:3]))
+

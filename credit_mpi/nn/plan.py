@@ -35,8 +35,15 @@ from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
 from .functions import Tracker
 from .replicated import is_replicated, replicated
-from .traffic import (AGREEMENT_BYTES, Traffic, alltoall_traffic, gather_traffic, halo_traffic, layer_traffic,
-                      ring_traffic)
+from .traffic import (
+    AGREEMENT_BYTES,
+    Traffic,
+    alltoall_traffic,
+    gather_traffic,
+    halo_traffic,
+    layer_traffic,
+    ring_traffic,
+)
 
 __all__ = ["describe", "Plan", "PlanRow", "GridPlan"]
 
