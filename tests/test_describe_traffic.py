@@ -193,6 +193,16 @@ def _hand_written(shape=None) -> nn.Module:
     return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), HandWritten(4)).double()
 
 
+def _masked(shape) -> nn.Module:
+    """sdpa with is_causal (gathered K/V: every rank's token count gathered too) and nn.MultiheadAttention with a
+    causal attn_mask in the field's coordinates (its key and value gathered, and the counts)."""
+    from .test_attention import MHA, Heads
+
+    tokens = shape[-2] * shape[-1]
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Heads(mask="causal", tokens=tokens),
+                         MHA(batch_first=False, mask="causal", tokens=tokens)).double()
+
+
 def _own_halo(shape=None) -> nn.Module:
     """A trusted block (custom_converters) that calls a HaloExchange itself (tests/test_verdict_models.py)."""
     from .test_verdict_models import own_halo
@@ -216,7 +226,7 @@ _EVEN = (_shifted_windows, _windows, _long_attention)
     (_attention, False, "auto"), (_attention, True, "auto"),  # 2 heads: all-to-all on 2 ranks, the ring on 3 and 4
     (_attention, True, "gather"), (_norms, True, "auto"),
     (_shifted_windows, True, "auto"), (_windows, True, "auto"), (_long_attention, True, "auto"),
-    (_hand_written, True, "auto"), (_own_halo, True, "auto"),
+    (_hand_written, True, "auto"), (_own_halo, True, "auto"), (_masked, True, "gather"),
 ])
 def test_describe_traffic_equals_what_the_run_sends(build, requires_grad, sdpa, make_manager, monkeypatch):
     """Per layer (the rows of a module that moves rows itself, in total) and in total, forward and backward."""

@@ -193,6 +193,19 @@ def _report_gather(tr, t: torch.Tensor, dim: int) -> None:
             gather_traffic((t,), counts, len(counts), dim))
 
 
+def _report_counts(tr, ranks: int) -> None:
+    """In the dry run: :func:`_counts`' gather of every rank's token count (the offsets of a mask in the field's
+    coordinates), one float64 per rank, as a row of describe()'s plan."""
+    on_move = getattr(tr, "on_move", None)
+    if on_move is None or ranks <= 1:
+        return
+    from .traffic import gather_traffic
+
+    counts = [1] * ranks
+    on_move(_path(tr), "allgather_along(counts)", ranks, counts, [ranks] * ranks,
+            gather_traffic((torch.empty(ranks, dtype=torch.float64, device="meta"),), counts, ranks, 0))
+
+
 def _gathers(tr, specs: list[str], operands: list, out: str) -> tuple[list[tuple[int, int]], set[int]]:
     """Which operands of a product to gather (``(index, dim)``) and the output's global dims.
 
@@ -349,6 +362,9 @@ def _sdpa(tr, func, args, kwargs, held):
     if gqa:
         rest["enable_gqa"] = True
     if tr.manager is None:  # the dry run: global shapes, every layout gives the one-process result
+        ranks = len(tr.band_sizes(q.shape[-2]))
+        if (mask is not None or causal) and (memory or sdpa_path(q, k, v, ranks, gqa, SDPA_PATH) == "gather"):
+            _report_counts(tr, ranks)  # the run's offsets of the global mask (_attend)
         out = func(q, k, v, attn_mask=_on(mask, q), is_causal=causal, **rest)
     else:
         out = _attend(tr, func, q, k, v, mask, bool(causal), rest, memory)
@@ -417,6 +433,8 @@ def _mha(tr, func, args, kwargs, held):
                                       a["key"].shape[0], query, _path(tr))
         a["is_causal"] = False  # a hint of the mask's shape: this band's rows of it are not a square causal one
     if tr.manager is None:  # the dry run (meta): a mask made on the host goes along
+        if a["attn_mask"] is not None:
+            _report_counts(tr, len(tr.band_sizes(query.shape[0])))  # the run's offsets of the global mask
         a["attn_mask"], a["key_padding_mask"] = _on(a["attn_mask"], query), _on(a["key_padding_mask"], query)
     out, weights = func(**a)
     tr.set(out, pq)

@@ -62,6 +62,7 @@ _MOVES = {
     "to_groups()": "to the group layout of rows at a stride (ops.group_rows)",
     "from_groups()": "back from the group layout (ops.group_rows)",
     "allgather_along()": "a product's operand gathered (every band's tokens)",
+    "allgather_along(counts)": "every rank's token count (the offsets of a mask in the field's coordinates)",
 }
 
 
