@@ -12,7 +12,10 @@ Each row also carries what every rank sends in that layer call, forward and
 backward, and its agreements (:mod:`credit_mpi.nn.traffic`): the dry run
 tracks which tensors require grad (the parameters do; the input when
 ``requires_grad``), so a layer whose input needs no gradient sends nothing
-backward, as in the run.
+backward, as in the run. The rules' own moves (a re-band to whole windows, a roll
+across bands, the group layout, a gathered operand of a hand-written attention)
+and a trusted module's own ``HaloExchange`` are rows of their own, with their
+traffic.
 """
 
 from __future__ import annotations
@@ -307,7 +310,7 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
     try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.functions)
         # grad on (meta tensors: no memory, no compute): a layer sees whether its input requires grad
         with torch.enable_grad(), Tracker(dry, shard_dim, None, sizes_of, record, judge=domain_size > 1,
-                                          adopt_layout=adopt) as tracker, _Attention(tracker, gathered):
+                                          adopt_layout=adopt) as tracker, _DryRun(tracker, gathered):
             dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
             x = torch.empty(input_shape, device="meta", dtype=dtype, requires_grad=requires_grad)
             tracker.on_move = moved  # the rules' row moves and gathers (window_rules, attention_rules)
@@ -333,8 +336,9 @@ def _halo_rows(dry: nn.Module, plan: Plan, sizes_of, grid) -> None:
         ax = normalize_dim(mod.dim, x.ndim)
         sizes, w = sizes_of(x.shape[ax]), mod.halo_width
         problem = _halo_problem(sizes, w, mod.boundary, ax) if n > 1 else None
-        traffic = None if grid or problem else tuple(halo_traffic(tuple(x.shape), x.dtype, ax, n, w, mod.boundary == "periodic",
-                                                                  x.requires_grad) if n > 1 else ())
+        counted = mod.boundary in ("zero", "periodic", "reflect")  # "earth" crosses the poles: no rule here yet
+        traffic = None if grid or problem or not counted else tuple(
+            halo_traffic(tuple(x.shape), x.dtype, ax, n, w, mod.boundary == "periodic", x.requires_grad) if n > 1 else ())
         plan.rows.append(PlanRow(path, "HaloExchange", x.shape[ax], out.shape[ax], tuple(sizes), tuple(s + 2 * w for s in sizes),
                                  w, w, 1, w, problem is None, problem or f"a halo of {w} row(s) (its own agreement)", traffic))
 
@@ -352,7 +356,7 @@ def _halo_rows(dry: nn.Module, plan: Plan, sizes_of, grid) -> None:
             mod.register_forward_hook(lambda m, a, o, p=path or "<root>": row(p, m, a, o))
 
 
-class _Attention(TorchFunctionMode):
+class _DryRun(TorchFunctionMode):
     """In the dry run, above the :class:`Tracker`: ``on_call(tracker, q, k, v)`` before each attention it judges.
 
     A tensor the forward made on the host (``torch.linspace(...)`` without ``device=``) joins the dry run's
