@@ -17,7 +17,8 @@ def bands_of(total: int, manager) -> tuple[int, int]:
     return band_range(total, manager.domain_parallel_size, manager.domain_rank, uneven=True)
 
 
-def run_both(build, shape, manager, *, seed=0, shard_dim=-2, dtype=torch.float64, replicated=False, steps=0, lr=0.05, sizes=None):
+def run_both(build, shape, manager, *, seed=0, shard_dim=-2, dtype=torch.float64, replicated=False, steps=0, lr=0.05, sizes=None,
+             custom_converters=None):
     """Forward + backward of ``build()`` on one process and on bands; returns the pieces to compare.
 
     The loss is sum(out * weight) with a fixed random weight (each band: its rows; a replicated
@@ -27,7 +28,7 @@ def run_both(build, shape, manager, *, seed=0, shard_dim=-2, dtype=torch.float64
     """
     torch.manual_seed(seed)
     ref = build().to(dtype)
-    model = convert_to_domain_parallel(copy.deepcopy(ref), manager, shard_dim)
+    model = convert_to_domain_parallel(copy.deepcopy(ref), manager, shard_dim, custom_converters=custom_converters)
     gen = torch.Generator().manual_seed(seed + 1)
     xg = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
     axis = shard_dim % len(shape)

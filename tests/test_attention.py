@@ -16,7 +16,7 @@ from torch import nn  # noqa: E402
 
 from credit_mpi.nn import ConversionError, attention_rules, convert_to_domain_parallel  # noqa: E402
 
-from .nn_reference import assert_same, run_both, same_error_everywhere  # noqa: E402
+from .nn_reference import same_error_everywhere  # noqa: E402
 from .verdict_reference import verdict_is_the_run  # noqa: E402
 
 F = torch.nn.functional
@@ -177,7 +177,7 @@ def test_every_sdpa_layout_is_exact(path, mask, make_manager, monkeypatch):
     for h in (2 * d, 2 * d + 1):
         build = lambda h=h: nn.Sequential(nn.Conv2d(2, 4 * heads // 2, 3, padding=1),  # noqa: E731
                                           Heads(c=4 * heads // 2, heads=heads, mask=mask, tokens=h * W))
-        assert_same(run_both(build, (2, 2, h, W), manager, seed=h))
+        assert verdict_is_the_run(f"sdpa {path} {mask}", build, (2, 2, h, W), manager, seed=h).exact
 
 
 def _moved(path: str, manager, heads: int, c: int, h: int, monkeypatch) -> int:

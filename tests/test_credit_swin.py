@@ -102,15 +102,32 @@ def test_credit_swin_block_is_refused_on_every_rank(shift, make_manager):
                 run_both(build, (1, 2, h, 4), manager)
 
 
-@pytest.mark.mpi(min_size=2)
-def test_credit_patch_embed_asserting_the_global_height_raises_on_every_rank(make_manager):
-    """PatchEmbed asserts its input is the whole field's height: every rank raises the assertion's message.
+@pytest.mark.mpi(min_size=1)
+def test_credit_patch_embed_asserting_the_global_height_is_refused_on_every_rank(make_manager):
+    """PatchEmbed asserts ``H == self.img_size[0]`` (the field's height, stored in __init__): describe() and every
+    rank refuse that comparison (the band's rows against a size stored for the whole field) before the assertion."""
+    for d, manager, h in band_cases(make_manager, 2):
+        build = lambda h=h: swin.PatchEmbed(img_size=(h, 4), patch_size=2, in_chans=2, embed_dim=4)  # noqa: E731
+        plan = verdict_is_the_run("patch_embed", build, (1, 2, h, 4), manager)
+        assert plan.exact == (d == 1), str(plan)
+        if d > 1:
+            assert plan.rows[-1].path == "<root> (PatchEmbed)" and "stored for the whole field" in plan.rows[-1].note
 
-    (describe() does not see it: its dry run runs the forward on the field's global shape.)
-    """
-    manager = make_manager()
-    h = 8 * manager.domain_parallel_size
-    with pytest.raises(Exception, match="doesn't match model") as info:
-        run_both(lambda: swin.PatchEmbed(img_size=(h, 4), patch_size=2, in_chans=2, embed_dim=4), (1, 2, h, 4), manager)
-    names = manager.domain_group.allgather(type(info.value).__name__)
-    assert len(set(names)) == 1, names
+
+def test_comparisons_that_follow_the_band_are_not_refused():
+    """Sizes compared with sizes read from the band, with 0, 1 and -1, or equal on every band: exact."""
+    from credit_mpi.nn import describe
+
+    class Checks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.window = nn.Conv2d(2, 2, 3, padding=1), 2
+
+        def forward(self, x):
+            b, c, h, w = x.shape
+            assert h == x.shape[-2] and h % self.window == 0 and h != 1 and h != -1 and (h // h) == 1
+            assert w == 4 and c == 2  # not the sharded dim: plain ints
+            return self.conv(x)
+
+    assert describe(Checks().double(), (1, 2, 16, 4), 2).exact
+    assert describe(Checks().double(), (1, 2, 8, 4), 4).exact

@@ -163,13 +163,73 @@ def _norms(shape) -> nn.Module:
     ).double()
 
 
+def _shifted_windows(shape=None) -> nn.Module:
+    """Swin-style shifted windows (tests/test_windows.py): rolls across bands, re-banded to whole windows of 2 rows."""
+    from .test_windows import SwinStyle
+
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), SwinStyle(4, 2, 1)).double()
+
+
+def _windows(shape=None) -> nn.Module:
+    """Windows of 2 rows, no shift: re-banded to whole windows and back where the bands are not."""
+    from .test_windows import SwinStyle
+
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), SwinStyle(4, 2, 0)).double()
+
+
+def _long_attention(shape=None) -> nn.Module:
+    """CREDIT CrossFormer's long-distance attention (tests/test_long_attention.py): to the group layout and back."""
+    pytest.importorskip("einops")
+    pytest.importorskip("credit")
+    from .test_long_attention import long_attention
+
+    return nn.Sequential(nn.Conv2d(2, 2, 1), long_attention(2)()).double()
+
+
+def _hand_written(shape=None) -> nn.Module:
+    """softmax(q k^T) v by ``@`` (tests/test_attention.py): the keys gathered for q k^T, the values for a v."""
+    from .test_attention import HandWritten
+
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), HandWritten(4)).double()
+
+
+def _masked(shape) -> nn.Module:
+    """sdpa with is_causal (gathered K/V: every rank's token count gathered too) and nn.MultiheadAttention with a
+    causal attn_mask in the field's coordinates (its key and value gathered, and the counts)."""
+    from .test_attention import MHA, Heads
+
+    tokens = shape[-2] * shape[-1]
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Heads(mask="causal", tokens=tokens),
+                         MHA(batch_first=False, mask="causal", tokens=tokens)).double()
+
+
+def _own_halo(shape=None) -> nn.Module:
+    """A trusted block (custom_converters) that calls a HaloExchange itself (tests/test_verdict_models.py)."""
+    from .test_verdict_models import own_halo
+
+    return own_halo(1)().double()
+
+
+def _custom(build):
+    from .test_verdict_models import TRUSTED
+
+    return TRUSTED if build is _own_halo else None
+
+
+# the heights of the even and the uneven bands of each model (windows of 2 need an even field)
+_EVEN = (_shifted_windows, _windows, _long_attention)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize(("build", "requires_grad", "sdpa"), [
     (_model, False, "auto"), (_model, True, "auto"),
     (_attention, False, "auto"), (_attention, True, "auto"),  # 2 heads: all-to-all on 2 ranks, the ring on 3 and 4
     (_attention, True, "gather"), (_norms, True, "auto"),
+    (_shifted_windows, True, "auto"), (_windows, True, "auto"), (_long_attention, True, "auto"),
+    (_hand_written, True, "auto"), (_own_halo, True, "auto"), (_masked, True, "gather"),
 ])
 def test_describe_traffic_equals_what_the_run_sends(build, requires_grad, sdpa, make_manager, monkeypatch):
+    """Per layer (the rows of a module that moves rows itself, in total) and in total, forward and backward."""
     from credit_mpi.nn import attention_rules
 
     monkeypatch.setattr(attention_rules, "SDPA_PATH", sdpa)
@@ -177,25 +237,28 @@ def test_describe_traffic_equals_what_the_run_sends(build, requires_grad, sdpa, 
         for d, manager in managers:
             if d == 1:
                 continue
-            for rows in (8 * d, 8 * d + 3):  # even and uneven bands (describe assumes array_split, as here)
-                shape = (1, 2, rows, 6)
-                plan = describe(build(shape), shape, d, requires_grad=requires_grad)
+            for rows in (8 * d, 8 * d + (2 if build in _EVEN else 3)):  # even and uneven bands (array_split, as here)
+                shape = (1, 2, rows, 6 if build not in _EVEN else 4)
+                plan = describe(build(shape), shape, d, requires_grad=requires_grad, custom_converters=_custom(build))
                 assert plan.exact and plan.traffic is not None, str(plan)
-                model = convert_to_domain_parallel(build(shape), manager)
+                model = convert_to_domain_parallel(build(shape), manager, custom_converters=_custom(build))
                 a, b = band(rows, manager)
                 x = torch.randn(shape, dtype=torch.float64).narrow(2, a, b - a).contiguous().requires_grad_(requires_grad)
-                paths = {r.path for r in plan.rows}
+                # a module's own moves happen at its boundary (before its hooks) and between its layers: those
+                # modules are counted with their parent, and compared in the total
+                moving = {r.path for r in plan.rows if r.note in _MOVE_NOTES}
+                paths = {r.path for r in plan.rows} - moving
                 with counting(manager) as comm:
                     _step(model, x, comm, paths)  # the first call of each layer shape plans (and agrees on its table)
                     comm.counts.clear()
                     _step(model, x, comm, paths)
                 rank = manager.domain_rank
                 counted = comm.counts
-                for r in plan.rows:
-                    mine = r.traffic[rank]
-                    got = counted.get(r.path, Traffic())
+                for path in paths:
+                    mine = sum((r.traffic[rank] for r in plan.rows if r.path == path), Traffic())
+                    got = counted.get(path, Traffic())
                     assert (got.forward_bytes, got.forward_messages, got.agreements) == (
-                        mine.forward_bytes, mine.forward_messages, mine.agreements), (d, rows, rank, r.path, got, mine)
+                        mine.forward_bytes, mine.forward_messages, mine.agreements), (d, rows, rank, path, got, mine)
                 total = plan.traffic[rank]
                 forward = sum((counted.get(p, Traffic()) for p in paths | {"forward"}), Traffic())
                 back = counted.get("backward", Traffic())
@@ -204,6 +267,15 @@ def test_describe_traffic_equals_what_the_run_sends(build, requires_grad, sdpa, 
                 assert (back.forward_bytes, back.forward_messages, back.agreements) == (
                     total.backward_bytes, total.backward_messages, 0), (d, rows, rank, back, total)
                 assert total.forward_messages and total.backward_messages
+
+
+def _move_notes() -> set:
+    from credit_mpi.nn import plan
+
+    return set(plan._MOVES.values())
+
+
+_MOVE_NOTES = _move_notes()
 
 
 def test_describe_prints_the_traffic():

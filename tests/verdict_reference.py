@@ -12,13 +12,13 @@ def _outcome(comm, fn):
     """``(result, None)`` or ``(None, error)``: an error of the same type on every rank (asserted)."""
     try:
         return fn(), None
-    except (ConversionError, DomainParallelError) as exc:
+    except (ConversionError, DomainParallelError, ValueError) as exc:  # ValueError: a layer refusing the bands
         names = comm.allgather(type(exc).__name__)
         assert len(set(names)) == 1, names
         return None, exc
 
 
-def verdict_is_the_run(name: str, build, shape: tuple, manager, seed: int = 3, same_op: bool = True):
+def verdict_is_the_run(name: str, build, shape: tuple, manager, seed: int = 3, same_op: bool = True, custom=None):
     """Plan ``build()`` for ``shape`` on the manager's bands and run it; returns the plan.
 
     Exact against one process (forward, input gradient, parameter gradients) when the plan
@@ -28,8 +28,8 @@ def verdict_is_the_run(name: str, build, shape: tuple, manager, seed: int = 3, s
     windows than the whole field, which the dry run sees and the run cannot).
     """
     d, comm = manager.domain_parallel_size, manager.domain_group
-    plan = describe(build().double(), shape, d)
-    result, error = _outcome(comm, lambda: run_both(build, shape, manager, seed=seed))
+    plan = describe(build().double(), shape, d, custom_converters=custom)
+    result, error = _outcome(comm, lambda: run_both(build, shape, manager, seed=seed, custom_converters=custom))
     flags = comm.allgather((plan.exact, error is None))
     assert all(f == flags[0] for f in flags), flags
     if plan.exact:
@@ -41,7 +41,8 @@ def verdict_is_the_run(name: str, build, shape: tuple, manager, seed: int = 3, s
     # a layout the layers cannot join (a cat of bands of different rows), or with same_op=False a model's
     # own rank-local exception (einops on a band that is not whole windows): every rank raises it through
     # the forward guard, a DomainParallelError; a function without a rule: its ConversionError
-    expected = ConversionError if (refused and same_op) else (ConversionError, DomainParallelError)
+    # a layer's own refusal of the layout (a band with no output row, a halo wider than a band): its ValueError
+    expected = ConversionError if (refused and same_op) else (ConversionError, DomainParallelError, ValueError)
     assert isinstance(error, expected), f"{name} {shape} on {d}: plan says NO, run gave {error!r}\n{plan}"
     if same_op and refused:
         assert row.path.split(" (")[0] in str(error) and row.kind in str(error), (row, error)

@@ -172,10 +172,38 @@ def _path(tr) -> str:
 def _gather(tr, t: torch.Tensor, dim: int) -> torch.Tensor:
     """``t`` (a band along ``dim``) joined with every other band: the field's tensor (the dry run: already it)."""
     if tr.manager is None:
+        _report_gather(tr, t, dim)
         return t.view(t.shape)  # global shapes already; a new tensor object, not a band
     from ..ops.allgather_along import allgather_along
 
     return allgather_along(t, dim, tr.manager.domain_group, _path(tr))
+
+
+def _report_gather(tr, t: torch.Tensor, dim: int) -> None:
+    """In the dry run: the gather of a product's operand (a hand-written ``q k^T``, ``a v``, nn.MultiheadAttention's
+    key and value) as a row of describe()'s plan, with its traffic (``tr.on_move``, set by describe)."""
+    on_move, p = getattr(tr, "on_move", None), tr.get(t)
+    if on_move is None or p is None:
+        return
+    from .traffic import gather_traffic
+    from .window_rules import dim_sizes
+
+    counts = dim_sizes(tr, t, p)
+    on_move(_path(tr), "allgather_along()", t.shape[dim], counts, [sum(counts)] * len(counts),
+            gather_traffic((t,), counts, len(counts), dim))
+
+
+def _report_counts(tr, ranks: int) -> None:
+    """In the dry run: :func:`_counts`' gather of every rank's token count (the offsets of a mask in the field's
+    coordinates), one float64 per rank, as a row of describe()'s plan."""
+    on_move = getattr(tr, "on_move", None)
+    if on_move is None or ranks <= 1:
+        return
+    from .traffic import gather_traffic
+
+    counts = [1] * ranks
+    on_move(_path(tr), "allgather_along(counts)", ranks, counts, [ranks] * ranks,
+            gather_traffic((torch.empty(ranks, dtype=torch.float64, device="meta"),), counts, ranks, 0))
 
 
 def _gathers(tr, specs: list[str], operands: list, out: str) -> tuple[list[tuple[int, int]], set[int]]:
@@ -334,6 +362,9 @@ def _sdpa(tr, func, args, kwargs, held):
     if gqa:
         rest["enable_gqa"] = True
     if tr.manager is None:  # the dry run: global shapes, every layout gives the one-process result
+        ranks = len(tr.band_sizes(q.shape[-2]))
+        if (mask is not None or causal) and (memory or sdpa_path(q, k, v, ranks, gqa, SDPA_PATH) == "gather"):
+            _report_counts(tr, ranks)  # the run's offsets of the global mask (_attend)
         out = func(q, k, v, attn_mask=_on(mask, q), is_causal=causal, **rest)
     else:
         out = _attend(tr, func, q, k, v, mask, bool(causal), rest, memory)
@@ -426,6 +457,8 @@ def _mha(tr, func, args, kwargs, held):
                                       a["key"].shape[0], query, _path(tr))
         a["is_causal"] = False  # a hint of the mask's shape: this band's rows of it are not a square causal one
     if tr.manager is None:  # the dry run (meta): a mask made on the host goes along
+        if a["attn_mask"] is not None:
+            _report_counts(tr, len(tr.band_sizes(query.shape[0])))  # the run's offsets of the global mask
         a["attn_mask"], a["key_padding_mask"] = _on(a["attn_mask"], query), _on(a["key_padding_mask"], query)
     out, weights = func(**a)
     tr.set(out, pq)

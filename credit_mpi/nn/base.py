@@ -231,8 +231,8 @@ class ForwardGuard:
         agreements must run every call), the model's own forward below it is still compiled."""
         comm = manager.domain_group
         try:
-            with judged(module, self.shard_dim, manager, (args, kwargs)):
-                out = forward(module, *args, **kwargs)
+            with judged(module, self.shard_dim, manager, (args, kwargs)) as tracker:
+                out = _at_root(tracker, module, forward, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - raised again on every rank
             share_failure(comm, exc)
         forward_done(comm)
@@ -250,6 +250,22 @@ class ForwardGuard:
 
     def __reduce__(self):
         return (ForwardGuard, (self.module, self.ref, self.shard_dim))
+
+
+def _at_root(tracker: Any, module: torch.nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+    """The root's forward, between the tracker's module boundary as every other module has it.
+
+    The run calls the root's ``forward`` from inside its own ``__call__`` (this guard), so no module
+    hook sees the root; describe()'s dry run calls the root through its hooks. Entering and leaving
+    the root's boundary here gives the root the same module rules (a windowed module re-banded to
+    whole windows, long attention moved to the group layout) in the run as in the plan.
+    """
+    if tracker is None:  # a converted model inside a converted forward: the outer tracker's hooks saw it
+        return forward(module, *args, **kwargs)
+    new = tracker._pre(module, args)
+    out = forward(module, *(args if new is None else new), **kwargs)
+    new_out = tracker._post(module, args, out)
+    return out if new_out is None else new_out
 
 
 def guard_forward(root: torch.nn.Module, manager: DomainParallelManager | None, shard_dim: int = -2) -> torch.nn.Module:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -104,12 +105,64 @@ class Extent(int):
     reshape can tell a size that follows the band from one stored for the whole field, in the
     dry run and on every band alike. Its hash differs from the int's so that caches keyed by
     shapes (einops' recipes) do not hand back sizes computed from plain ints.
+
+    In the dry run an ``Extent`` also carries every band's value (``bands``), so a comparison with a
+    plain int is judged there as on each band: ``H == self.img_size[0]`` (a size stored for the
+    whole field) is equal on one process and not on a band, and is refused alike (:func:`_compared`).
     """
 
-    __slots__ = ()
+    bands: tuple[int, ...] | None = None  # every band's value (the dry run), None at run time
+
+    def __new__(cls, value: int, bands: Any = None) -> Extent:
+        out = super().__new__(cls, value)
+        if bands is not None:
+            out.bands = tuple(int(b) for b in bands)
+        return out
 
     def __hash__(self) -> int:
         return hash(("credit_mpi.Extent", int(self)))
+
+    def __eq__(self, other: Any) -> bool:
+        return _compared(self, other, "==")
+
+    def __ne__(self, other: Any) -> bool:
+        out = _compared(self, other, "!=")
+        return out if out is NotImplemented else not out
+
+
+# plain ints a size read from the band may be compared with on every band (an empty band, one row, -1 for "any")
+_COMPARABLE = (0, 1, -1)
+
+
+def _compared(extent: Extent, other: Any, op: str):
+    """``extent == other``, refused where the band's rows are compared with a plain int that is not the band's.
+
+    A plain int that is not the band's size (on some band, in the dry run) is one that does not follow the
+    band (a size stored for the whole field, or a constant): the run would take another branch on a band
+    than one process takes on the field. Judged in user code only (not inside a rule or a layer, whose
+    own shapes are the band's), and not against 0, 1 or -1 (an empty band, a row, "any").
+    """
+    if type(other) is not int or other in _COMPARABLE:
+        return int.__eq__(extent, other)
+    tr = active_tracker()
+    values = extent.bands if extent.bands is not None else (int(extent),)
+    if tr is None or tr.trusted or not _in_user_code(tr, sys._getframe(2)) or all(v == other for v in values):
+        return int.__eq__(extent, other)
+    raise refusal(tr.stack[-1][0], f"x.shape {op} {other}",
+                  f"it compares the band's rows ({', '.join(map(str, sorted(set(values))))} rows, read from x.shape) "
+                  f"with a size stored for the whole field ({other}, e.g. set in __init__ from the image size), "
+                  f"which the bands do not have: compare with sizes computed from x.shape in the forward, or build "
+                  f"the module with the band's height")
+
+
+def _in_user_code(tr: Tracker, frame) -> bool:
+    """True in the model's own code: not credit_mpi's (the tracker's hooks and rules, whose shapes are the band's),
+    not torch's inside a rule (the tracker is then off torch's mode stack) or with dispatch disabled."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    if frame.f_globals.get("__name__", "").startswith("credit_mpi."):
+        return False
+    return torch._C._is_torch_function_enabled() and any(m is tr for m in _get_current_function_mode_stack())
 
 
 def _keeps_mark(name: str):
@@ -117,7 +170,15 @@ def _keeps_mark(name: str):
 
     def op(self, *other):
         out = method(self, *other)
-        return Extent(out) if type(out) is int else out
+        if type(out) is not int:
+            return out
+        if self.bands is None:
+            return Extent(out)
+        theirs = [getattr(o, "bands", None) or (o,) * len(self.bands) for o in other]
+        try:
+            return Extent(out, [method(int(b), *(int(t[i]) for t in theirs)) for i, b in enumerate(self.bands)])
+        except ArithmeticError:  # an empty band divided: its value is unknown (not judged)
+            return Extent(out)
 
     op.__name__ = name
     return op
@@ -734,8 +795,16 @@ def _shape(tr, func, args, kwargs, held):
     if p is None:
         return out
     if isinstance(out, int):
-        return Extent(out) if normalize_dim(int(_arg(args, kwargs, 1, "dim")), x.ndim) == p.dim else out
-    return torch.Size([Extent(v) if i == p.dim else v for i, v in enumerate(out)])
+        return _extent(tr, out, p) if normalize_dim(int(_arg(args, kwargs, 1, "dim")), x.ndim) == p.dim else out
+    return torch.Size([_extent(tr, v, p) if i == p.dim else v for i, v in enumerate(out)])
+
+
+def _extent(tr: Tracker, size: int, p: Sharded) -> Extent:
+    """The band's ``size`` along its dim; in the dry run with every band's value (the layout of its rows)."""
+    merged = p.outer * p.inner
+    if tr.band_sizes is None or size % merged:
+        return Extent(size)
+    return Extent(size, [merged * s for s in tr.band_sizes(size // merged)])
 
 
 _PERMUTES = "transpose swapaxes swapdims permute movedim moveaxis t adjoint T mT H mH".split()

@@ -12,7 +12,10 @@ Each row also carries what every rank sends in that layer call, forward and
 backward, and its agreements (:mod:`credit_mpi.nn.traffic`): the dry run
 tracks which tensors require grad (the parameters do; the input when
 ``requires_grad``), so a layer whose input needs no gradient sends nothing
-backward, as in the run.
+backward, as in the run. The rules' own moves (a re-band to whole windows, a roll
+across bands, the group layout, a gathered operand of a hand-written attention)
+and a trusted module's own ``HaloExchange`` are rows of their own, with their
+traffic.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..grid import check_grid, grid_of
 from ..partition import band_sizes, check_halo_width, normalize_dim
@@ -34,7 +38,15 @@ from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
 from .functions import Tracker
 from .replicated import is_replicated, replicated
-from .traffic import AGREEMENT_BYTES, Traffic, alltoall_traffic, gather_traffic, layer_traffic, ring_traffic
+from .traffic import (
+    AGREEMENT_BYTES,
+    Traffic,
+    alltoall_traffic,
+    gather_traffic,
+    halo_traffic,
+    layer_traffic,
+    ring_traffic,
+)
 
 __all__ = ["describe", "Plan", "PlanRow", "GridPlan"]
 
@@ -43,6 +55,17 @@ _ATTENTION_LAYOUTS = {
     "gather": ("K and V gathered (allgather_along)", gather_traffic),
     "alltoall": ("all-to-all to heads and back (ops.alltoall)", alltoall_traffic),
     "ring": ("a ring of K/V bands (ops.ring)", ring_traffic),
+}
+
+
+# What describe() says of each row move of the rules (credit_mpi.nn.window_rules, attention_rules).
+_MOVES = {
+    "reband()": "re-banded to whole windows (ops.reband)",
+    "roll_along()": "the field's cyclic shift across bands (ops.roll)",
+    "to_groups()": "to the group layout of rows at a stride (ops.group_rows)",
+    "from_groups()": "back from the group layout (ops.group_rows)",
+    "allgather_along()": "a product's operand gathered (every band's tokens)",
+    "allgather_along(counts)": "every rank's token count (the offsets of a mask in the field's coordinates)",
 }
 
 
@@ -232,6 +255,7 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
     axis = normalize_dim(shard_dim, len(input_shape))
     layouts = {input_shape[axis]: band_sizes(input_shape[axis], domain_size, uneven=True)}
     plan = Plan(domain_size, tuple(input_shape))
+    _halo_rows(dry, plan, lambda rows: sizes_of(rows), grid)
 
     def record(mod, args, out):
         x = args[0]
@@ -278,12 +302,18 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         plan.rows.append(PlanRow(path, "scaled_dot_product_attention()", k.shape[-2], q.shape[-2],
                                  tuple(counts), tuple(counts), 0, 0, 1, 1, True, how, tuple(moved)))
 
+    def moved(path: str, kind: str, rows: int, sizes_in, sizes_out, traffic) -> None:
+        """A row move or gather of a rule (re-band, roll, group layout, a product's operand): a row of its own."""
+        plan.rows.append(PlanRow(path.rsplit(" (", 1)[0], kind, rows, rows, tuple(sizes_in), tuple(sizes_out), 0, 0, 1,
+                                 0, True, _MOVES.get(kind.split()[0], ""), None if grid else tuple(traffic)))
+
     try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.functions)
         # grad on (meta tensors: no memory, no compute): a layer sees whether its input requires grad
         with torch.enable_grad(), Tracker(dry, shard_dim, None, sizes_of, record, judge=domain_size > 1,
-                                          adopt_layout=adopt) as tracker, _Attention(tracker, gathered):
+                                          adopt_layout=adopt) as tracker, _DryRun(tracker, gathered):
             dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
             x = torch.empty(input_shape, device="meta", dtype=dtype, requires_grad=requires_grad)
+            tracker.on_move = moved  # the rules' row moves and gathers (window_rules, attention_rules)
             tracker.mark_inputs(x)
             dry(x)
     except ConversionError as exc:  # a function without a rule: the run raises this on every rank
@@ -294,8 +324,44 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
     return plan
 
 
-class _Attention(TorchFunctionMode):
-    """In the dry run, above the :class:`Tracker`: ``on_call(tracker, q, k, v)`` before each attention it judges."""
+def _halo_rows(dry: nn.Module, plan: Plan, sizes_of, grid) -> None:
+    """Every :class:`~credit_mpi.nn.HaloExchange` of the dry copy (a trusted module's own) pads the field locally and
+    is a row of the plan: the bands it reads from (a halo wider than a band is refused, as the run does), its traffic."""
+    from .exchange import HaloExchange
+
+    n = plan.domain_size
+
+    def row(path, mod, args, out):
+        x = args[0]
+        ax = normalize_dim(mod.dim, x.ndim)
+        sizes, w = sizes_of(x.shape[ax]), mod.halo_width
+        problem = _halo_problem(sizes, w, mod.boundary, ax) if n > 1 else None
+        counted = mod.boundary in ("zero", "periodic", "reflect")  # "earth" crosses the poles: no rule here yet
+        traffic = None if grid or problem or not counted else tuple(
+            halo_traffic(tuple(x.shape), x.dtype, ax, n, w, mod.boundary == "periodic", x.requires_grad) if n > 1 else ())
+        plan.rows.append(PlanRow(path, "HaloExchange", x.shape[ax], out.shape[ax], tuple(sizes), tuple(s + 2 * w for s in sizes),
+                                 w, w, 1, w, problem is None, problem or f"a halo of {w} row(s) (its own agreement)", traffic))
+
+    def padded(mod, x):  # the shape of the one-rank padding (its rows' values do not matter on meta)
+        ax = normalize_dim(mod.dim, x.ndim)
+        edge = list(x.shape)
+        edge[ax] = mod.halo_width
+        with torch._C.DisableTorchFunction():
+            zeros = x.new_zeros(edge)
+            return torch.cat([zeros, x, zeros], ax)
+
+    for path, mod in dry.named_modules():
+        if isinstance(mod, HaloExchange):
+            mod.forward = lambda x, m=mod: padded(m, x)
+            mod.register_forward_hook(lambda m, a, o, p=path or "<root>": row(p, m, a, o))
+
+
+class _DryRun(TorchFunctionMode):
+    """In the dry run, above the :class:`Tracker`: ``on_call(tracker, q, k, v)`` before each attention it judges.
+
+    A tensor the forward made on the host (``torch.linspace(...)`` without ``device=``) joins the dry run's
+    meta tensors on the meta device, as it joins the bands on their device in the run.
+    """
 
     def __init__(self, tracker: Tracker, on_call) -> None:
         super().__init__()
@@ -303,10 +369,21 @@ class _Attention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if any(t.is_meta for t in tensors) and any(not t.is_meta and t.ndim for t in tensors):
+            args, kwargs = tree_map(_to_meta, (args, kwargs))
         if getattr(func, "__name__", "") == "scaled_dot_product_attention":
             named = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(("query", "key", "value"))]
             self.on_call(self.tracker, *named, bool(args[7] if len(args) > 7 else kwargs.get("enable_gqa", False)))
         return func(*args, **kwargs)
+
+
+def _to_meta(t):
+    """A host tensor of the forward's own on the meta device (the dry run's); everything else as it is."""
+    if isinstance(t, torch.Tensor) and not t.is_meta and t.ndim:
+        with torch._C.DisableTorchFunction():
+            return t.to("meta")
+    return t
 
 
 def _halo_problem(sizes: list[int], width: int, boundary: str | None, axis: int) -> str | None:

@@ -12,7 +12,10 @@ statistics one ``Allgather`` forward and one backward (Group / Instance /
 LayerNorm) or an ``Allreduce`` backward (BatchNorm, a global mean; BatchNorm's
 over the domain group, as in a job without data-parallel ranks); attention
 over every band's tokens as the layout it runs in (:func:`gather_traffic`:
-K and V gathered; :func:`alltoall_traffic`: heads; :func:`ring_traffic`).
+K and V gathered, and the operand a hand-written ``q k^T`` or ``a v`` gathers;
+:func:`alltoall_traffic`: heads; :func:`ring_traffic`); a row move
+(:func:`move_traffic`: re-banding to whole windows, ``torch.roll`` across
+bands, the group layout) one ``Alltoallv`` of the rows that leave the band.
 
 Bytes of a collective are the bytes of this rank's data that the other ranks
 receive (an ``Allgather`` of ``b`` bytes: ``b x (n - 1)``; an ``Allreduce``:
@@ -35,7 +38,8 @@ import torch
 from ..partition import halo_neighbors
 from . import conv, dropout, norm, resample
 
-__all__ = ["Traffic", "AGREEMENT_BYTES", "layer_traffic", "gather_traffic", "alltoall_traffic", "ring_traffic"]
+__all__ = ["Traffic", "AGREEMENT_BYTES", "layer_traffic", "gather_traffic", "alltoall_traffic", "ring_traffic",
+           "halo_traffic", "move_traffic"]
 
 #: The bytes each rank contributes to one agreement (:func:`credit_mpi.validation.agree`: five int64).
 AGREEMENT_BYTES = 40
@@ -142,13 +146,44 @@ def _rule(mod, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
     return None
 
 
-def _token_bytes(x) -> int:
-    """Bytes of one token (dim -2) of the dry run's global ``x``."""
-    return math.prod(x.shape) // x.shape[-2] * x.element_size()
+def halo_traffic(shape: tuple[int, ...], dtype: torch.dtype, axis: int, n: int, width: int, periodic: bool,
+                 grad: bool) -> list[Traffic]:
+    """Every rank's :class:`Traffic` of one :func:`credit_mpi.halo_exchange` call (a :class:`~credit_mpi.nn.HaloExchange`
+    a trusted module calls itself): its own agreement, a message per neighbour, the same back when ``grad``."""
+    rows_bytes = _row_bytes(shape, axis, torch.empty((), dtype=dtype).element_size())
+    out = []
+    for rank in range(n):
+        b, m = _halo(rank, n, width, rows_bytes, periodic)
+        out.append(Traffic(b, m, *((b, m) if grad else (0, 0)), 1))
+    return out
 
 
-def gather_traffic(tensors, counts: list[int], n: int) -> list[Traffic]:
-    """Every rank's :class:`Traffic` of :func:`credit_mpi.ops.allgather_along.allgather_along` of each of ``tensors`` along dim -2.
+def move_traffic(moves_of, n: int, row_bytes: int, grad: bool, moves: bool = True) -> list[Traffic]:
+    """Every rank's :class:`Traffic` of one row move (:mod:`credit_mpi.ops.reband`: a re-band to whole windows and
+    back, ``torch.roll`` across bands, the group layout of long attention and back).
+
+    ``moves_of(rank)`` is that rank's :class:`~credit_mpi.ops.reband.RowMoves`; forward one
+    ``Alltoallv`` of the rows it sends to other ranks (what stays is copied) and the op's
+    agreement; backward (``grad``) the move back: the rows it received. ``moves=False``: a
+    re-band whose target is the layout it has (nothing moves: the agreement only).
+    """
+    if not moves:
+        return [Traffic(agreements=1)] * n
+    out = []
+    for rank in range(n):
+        m = moves_of(rank)
+        back = (m.inverse().sent_rows(rank) * row_bytes, 1) if grad else (0, 0)
+        out.append(Traffic(m.sent_rows(rank) * row_bytes, 1, *back, 1))
+    return out
+
+
+def _token_bytes(x, dim: int = -2) -> int:
+    """Bytes of one token (along ``dim``) of the dry run's global ``x``."""
+    return math.prod(x.shape) // x.shape[dim] * x.element_size()
+
+
+def gather_traffic(tensors, counts: list[int], n: int, dim: int = -2) -> list[Traffic]:
+    """Every rank's :class:`Traffic` of :func:`credit_mpi.ops.allgather_along.allgather_along` of each of ``tensors`` along ``dim``.
 
     ``tensors`` are global (the dry run's: ``counts[r]`` of their ``N``
     tokens on rank ``r``); forward one ``Allgatherv`` and one agreement
@@ -159,7 +194,7 @@ def gather_traffic(tensors, counts: list[int], n: int) -> list[Traffic]:
     for rank in range(n):
         t = Traffic()
         for x in tensors:
-            token = _token_bytes(x)
+            token = _token_bytes(x, dim)
             mine, others = counts[rank] * token, (sum(counts) - counts[rank]) * token
             back = (others, 1) if x.requires_grad else (0, 0)
             t = t + Traffic(mine * (n - 1), 1, *back, 1)

@@ -25,9 +25,9 @@ Rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
   computed from the band), which is why this is a rule at the module's
   boundary, not in the reshape. When the bands are whole windows already,
   nothing moves (one agreement). In ``describe()``'s dry run the same
-  layout holds for the forward of the module. Not for the converted model's
-  root (whose forward the run calls directly): wrap it, or give its input
-  bands of whole windows.
+  layout holds for the forward of the module. The converted model's root
+  gets the same (its forward guard enters the root's boundary as the module
+  hooks enter every other module's).
 * A module whose ``window_size`` counts rows at a stride across the field
   (:data:`STRIDED_WINDOWS`: CrossFormer's long-distance attention, whose
   group ``j`` holds the rows ``i * (H / window) + j``) gets its input bands
@@ -86,6 +86,12 @@ def _roll(tr: Tracker, func, args, kwargs, held):
 
         y = roll_along(y, along, p.dim, tr.manager.domain_group, tr.stack[-1][0])
     elif along:  # the dry run: the field's own roll (the layout stays)
+        from ..ops.reband import plan_moves
+
+        sizes = dim_sizes(tr, y, p)
+        total = sum(sizes)
+        report_move(tr, tr.stack[-1][0], "roll_along()", y, p.dim, sizes, sizes,
+                    lambda r: plan_moves(sizes, sizes, lambda j: (j - along) % max(total, 1), r))
         y = func(y, along, p.dim)
     elif y is x:
         y = func(x, 0, p.dim)  # a roll by nothing is still a new tensor
@@ -136,6 +142,28 @@ def _pair(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (tuple, list)) else [int(value)] * 2
 
 
+# -- what the dry run tells describe() of each row move (its plan row and traffic) -------------------
+
+
+def dim_sizes(tr: Tracker, t: torch.Tensor, p: Sharded) -> list[int]:
+    """In the dry run: every band's entries along ``p.dim`` of ``t`` (rows times the merged inner ones)."""
+    return [p.outer * p.inner * s for s in tr.band_sizes(t.shape[p.dim] // (p.outer * p.inner))]
+
+
+def report_move(tr: Tracker, path: str, kind: str, t: torch.Tensor, dim: int, sizes_in, sizes_out, moves_of,
+                moves: bool = True) -> None:
+    """In the dry run: a row move of ``t`` along ``dim`` (``moves_of(rank)``: that rank's RowMoves) for describe()'s plan
+    (``tr.on_move``, set by :func:`credit_mpi.nn.describe`; absent elsewhere)."""
+    on_move = getattr(tr, "on_move", None)
+    if on_move is None:
+        return
+    from .traffic import _row_bytes, move_traffic
+
+    traffic = move_traffic(moves_of, len(sizes_in), _row_bytes(tuple(t.shape), dim, t.element_size()), t.requires_grad,
+                           moves)
+    on_move(path, kind, t.shape[dim], sizes_in, sizes_out, traffic)
+
+
 # -- whole windows at the boundary of a windowed module ---------------------------------------------
 
 
@@ -181,8 +209,6 @@ def strided_rows(module: torch.nn.Module) -> int | None:
 def _enter(tr: Tracker, module: torch.nn.Module, args: tuple) -> tuple[tuple, Callable[[Any], Any]] | None:
     """Re-band the band arguments of a windowed module to whole windows (or move them to the group layout of a
     strided one); returns the new args and the way back."""
-    if tr.paths.get(id(module)) == "<root>":  # the run calls the root's forward without hooks
-        return None
     if (groups := strided_rows(module)) is not None:
         return _enter_groups(tr, module, args, groups)
     window = window_rows(module)
@@ -192,7 +218,7 @@ def _enter(tr: Tracker, module: torch.nn.Module, args: tuple) -> tuple[tuple, Ca
     if not bands or any(p.dim == 0 or p.outer != 1 for _, _, p in bands):
         return None  # windows in the batch dim already (Swin's window attention), or rows that are not contiguous
     if tr.manager is None:
-        return args, _dry(tr, bands, window)
+        return args, _dry(tr, bands, window, tr._path(module))
     return _run_enter(tr, args, bands, window, tr._path(module))
 
 
@@ -203,6 +229,7 @@ def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
     with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
         for i, a, p in bands:
             new_args[i], sizes_in, sizes_out = rebanded(a, p.dim, comm, window * p.inner, f"{path}: whole windows")
+            _check_windows_everywhere(path, window, sizes_in, sizes_out, p.inner)  # every rank knows every band
             layout = layout or (sizes_out, sizes_in)  # back= (moved, original)
             tr.set(new_args[i], p)
     dim = bands[0][2].dim
@@ -214,6 +241,23 @@ def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
         return _map_bands(tr, out, lambda t, q: _back(tr, t, q, layout, path))
 
     return tuple(new_args), leave
+
+
+def _check_windows_everywhere(path: str, window: int, sizes_in, sizes_out, inner: int) -> None:
+    """Refuse (on every rank alike: the layouts are agreed) a re-band to whole windows that leaves a band without one.
+
+    A band of no rows cannot run the module's forward (its window count is read from its shape: no
+    window), nor the layers after it; the same refusal in describe()'s dry run and in the run, at
+    the module's boundary, before its forward.
+    """
+    empty = [r for r, s in enumerate(sizes_out) if s == 0]
+    if not empty or not sum(sizes_out):
+        return
+    windows = sum(sizes_out) // (window * inner)
+    raise refusal(path, "reband()", f"re-banded to whole windows of {window} rows, the bands {[s // inner for s in sizes_in]} "
+                  f"become {[s // inner for s in sizes_out]}: rank(s) {', '.join(map(str, empty))} would hold no window "
+                  f"(the field's {windows} window(s) on {len(sizes_out)} ranks); use at most {max(windows, 1)} rank(s), "
+                  f"or a field of at least {len(sizes_out)} windows")
 
 
 def _back(tr: Tracker, t: torch.Tensor, q: Sharded, layout: tuple, path: str) -> torch.Tensor:
@@ -242,14 +286,22 @@ def _map_bands(tr: Tracker, out: Any, fn: Callable) -> Any:
     return out
 
 
-def _dry(tr: Tracker, bands: list, window: int) -> Callable[[Any], Any]:
+def _dry(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], Any]:
     """The dry run: the module's forward sees the re-banded layout (at the input's height, and heights that divide it
-    or are multiples of it); the way back restores the input's layout."""
+    or are multiples of it); the way back restores the input's layout. Each move is reported as the run makes it."""
     from ..ops.reband import whole_windows
 
     _, a, p = bands[0]
     rows, old = a.shape[p.dim] // p.inner, tr.band_sizes
     new = list(whole_windows(list(old(rows)), window))
+    layout = None
+    for _, b, q in bands:  # the run: each band argument re-banded to whole windows (of window x inner entries)
+        sizes_in = dim_sizes(tr, b, q)
+        sizes_out = list(whole_windows(sizes_in, window * q.inner))
+        _check_windows_everywhere(path, window, sizes_in, sizes_out, q.inner)
+        layout = layout or (sizes_out, sizes_in)
+        report_move(tr, path, "reband()", b, q.dim, sizes_in, sizes_out, _identity_moves(sizes_in, sizes_out),
+                    sizes_in != sizes_out)
 
     def sizes_of(h: int) -> list[int]:
         if h == rows:
@@ -268,11 +320,22 @@ def _dry(tr: Tracker, bands: list, window: int) -> Callable[[Any], Any]:
         # the run moves an output back to the input's bands and then takes windows merged back
         # (rows x inner) as a band (no layout to compare at run time): the dry run the same
         if q.outer == 1:
+            moved, original = layout
+            if moved != original:  # the run's move back: the same proportion of the input's layout
+                height, unit = t.shape[q.dim], max(sum(moved), 1)
+                here, there = [m * height // unit for m in moved], [o * height // unit for o in original]
+                report_move(tr, path, "reband() back", t, q.dim, here, there, _identity_moves(here, there))
             tr.set(t, Sharded(q.dim))
         return t
 
     tr.band_sizes = sizes_of
     return leave
+
+
+def _identity_moves(sizes_in: list[int], sizes_out: list[int]) -> Callable[[int], Any]:
+    from ..ops.reband import plan_moves
+
+    return lambda r: plan_moves(tuple(sizes_in), tuple(sizes_out), lambda j: j, r)
 
 
 # -- the group layout at the boundary of a module that attends rows at a stride --------------------
@@ -294,6 +357,7 @@ def _enter_groups(tr: Tracker, module: torch.nn.Module, args: tuple, window: int
 
             if (why := group_layout_problem(a.shape[p.dim], window, len(tr.band_sizes(a.shape[p.dim])), 1)):
                 raise refusal(path, _LONG, why)
+            layout = _dry_groups(tr, a, p, window, path)
             with torch._C.DisableTorchFunction():
                 new_args[i] = a.view_as(a)  # the dry run: the field's shape; the rows are now its groups
         else:
@@ -314,6 +378,24 @@ def _enter_groups(tr: Tracker, module: torch.nn.Module, args: tuple, window: int
         return _map_bands(tr, out, lambda t, q: _from_groups(tr, t, q, window, layout, path, dim))
 
     return tuple(new_args), leave
+
+
+class _DryGroups(tuple):
+    """The dry run's layout of a move to groups: ``(moves_of(rank), bands, groups)`` (the way back reports its traffic)."""
+
+
+def _dry_groups(tr: Tracker, a: torch.Tensor, p: Sharded, window: int, path: str) -> _DryGroups:
+    """The dry run's move of ``a`` to the group layout, reported; returns what the move back needs."""
+    from ..ops.group_rows import group_sizes, group_source
+    from ..ops.reband import plan_moves
+
+    height = a.shape[p.dim]
+    bands = tuple(tr.band_sizes(height))
+    groups = group_sizes(height, window, len(bands))
+    src = group_source(height, window, len(bands))
+    moves_of = lambda r: plan_moves(bands, groups, src, r)  # noqa: E731
+    report_move(tr, path, "to_groups()", a, p.dim, bands, groups, moves_of)
+    return _DryGroups((moves_of, bands, groups))
 
 
 def _to_groups(tr: Tracker, a: torch.Tensor, p: Sharded, window: int, path: str) -> tuple:
@@ -346,7 +428,10 @@ def _from_groups(tr: Tracker, t: torch.Tensor, q: Sharded, window: int, layout: 
         raise refusal(path, "its output", f"it returns bands along {q.describe()}, not in the group layout its "
                       f"input had ({Sharded(dim, window, 1).describe()}), which cannot be moved back to its input's bands")
     with torch._C.DisableTorchFunction():
-        if layout is None:
+        if layout is None or isinstance(layout, _DryGroups):
+            if layout is not None:
+                moves_of, bands, groups = layout
+                report_move(tr, path, "from_groups()", t, q.dim, groups, bands, lambda r: moves_of(r).inverse())
             y = t.view_as(t)
         else:
             from ..ops.group_rows import from_groups
