@@ -51,7 +51,7 @@ from ..engine import Op
 from ..grid import grid_of, opposite_pieces
 from ..layout import Layout
 from ..manager import domain_of
-from ..partition import BOUNDARIES, HALO_BOUNDARIES, Boundary, check_halo_width, halo_edge_rows, normalize_dim
+from ..partition import BOUNDARIES, Boundary, check_halo_width, halo_edge_rows, normalize_dim
 from ..transport import arrays, moves, rowops
 from ..transport.limits import TAG_DOWN, TAG_E, TAG_N, TAG_POLE_N, TAG_POLE_S, TAG_S, TAG_UP, TAG_W
 from ..validation import Local, check_bands_fit, check_int, check_transport
@@ -62,8 +62,14 @@ __all__ = [
     "check_boundaries", "LON_BOUNDARIES",
 ]
 
-# the longitude boundaries of a 2-D grid: every row of the table that is not a latitude edge's (the default first)
-LON_BOUNDARIES = tuple(sorted((n for n, b in BOUNDARIES.items() if not b.latitude_only), key=lambda n: n != "periodic"))
+
+
+def _lon_boundaries() -> tuple[str, ...]:
+    """The longitude boundaries of a 2-D grid: every row of the table that is not a latitude edge's (the default first)."""
+    return tuple(sorted((n for n, b in BOUNDARIES.items() if not b.latitude_only), key=lambda n: n != "periodic"))
+
+
+LON_BOUNDARIES = _lon_boundaries()
 _SIDES = ("before", "after")
 _POLE_TAGS = (TAG_POLE_N, TAG_POLE_S)  # the fold's messages at the first (north) and the last (south) edge
 _TAGS = {1: ((TAG_UP, TAG_DOWN),), 2: ((TAG_N, TAG_S), (TAG_W, TAG_E))}  # per split dims: each phase's two directions
@@ -505,8 +511,8 @@ def check_width(width: Any) -> int:
 
 
 def check_boundary_name(boundary: Any) -> str:
-    if boundary not in HALO_BOUNDARIES:
-        raise ValueError(f"unknown boundary {boundary!r}; valid: {', '.join(map(repr, HALO_BOUNDARIES))}")
+    if not isinstance(boundary, str) or boundary not in BOUNDARIES:  # the table itself: a new row is valid at once
+        raise ValueError(f"unknown boundary {boundary!r}; valid: {', '.join(map(repr, BOUNDARIES))}")
     return boundary
 
 
@@ -544,10 +550,10 @@ def check_widths(halo_width: Any) -> tuple[int, int]:
 def check_boundaries(boundary: Any) -> tuple[str, str]:
     """``(lat, lon)`` boundaries; a single string is the latitude boundary with a periodic longitude (the globe)."""
     lat, lon = (boundary, "periodic") if isinstance(boundary, str) else _pair(boundary, "boundary")
-    if lat not in HALO_BOUNDARIES:
-        raise ValueError(f"unknown latitude boundary {lat!r}; valid: {', '.join(map(repr, HALO_BOUNDARIES))}")
-    if lon not in LON_BOUNDARIES:
-        raise ValueError(f"unknown longitude boundary {lon!r}; valid: {', '.join(map(repr, LON_BOUNDARIES))}"
+    if not isinstance(lat, str) or lat not in BOUNDARIES:
+        raise ValueError(f"unknown latitude boundary {lat!r}; valid: {', '.join(map(repr, BOUNDARIES))}")
+    if lon not in (valid := _lon_boundaries()):
+        raise ValueError(f"unknown longitude boundary {lon!r}; valid: {', '.join(map(repr, valid))}"
                          + (f" ({lon!r} folds across a pole, a latitude edge)" if lon in BOUNDARIES else ""))
     return lat, lon
 
