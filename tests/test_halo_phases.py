@@ -36,14 +36,14 @@ def test_bands_are_one_phase():
     assert (edge.prev, edge.next) == (2, 1)  # the table's "wraps": the first band's neighbour before is the last
     (pole,) = op.phases(Layout.bands([3, 4, 3]), 2, (2,), (2,), ("earth",), (2, 3, 3, 6), (3, None))
     # the whole longitude on every rank: the fold is a roll by half of it, all local
-    assert pole.next is None and pole.fold.remote == () and pole.fold.local == ((0, 3, 3), (3, 0, 3))
+    assert pole.next is None and pole.fold == op.Fold(3, (), (), 3)
 
 
 def test_a_grid_is_the_latitude_phase_then_the_longitude_phase():
     layout = Layout(((3, 3), (4, 4)))
     lat, lon = op.phases(layout, 1, (1, 2), (2, 1), ("earth", "periodic"), (5, 3, 4), (2, 1))
     assert (lat.axis, lat.prev, lat.next, lat.tags) == (1, None, 3, (TAG_N, TAG_S))  # rank 1 sits at (0, 1)
-    assert lat.fold.remote == ((0, 0, 4),) and lat.fold.local == ()  # the opposite longitudes: all on rank 0
+    assert lat.fold.remote == ((0, 0, 4),) and lat.fold.local == () and lat.fold.half is None  # all on rank 0
     assert lon.shape == (5, 7, 4) and lon.padded == (5, 7, 6)  # the latitude-padded block: its columns carry the corners
     assert (lon.prev, lon.next, lon.tags, lon.fold) == (0, 0, (TAG_W, TAG_E), None)
     plan = op.Plan2d(None, (2, 2), 0, 1, 1, 2, 2, 1, "earth", "periodic", (5, 3, 4), (3, 3), (4, 4))

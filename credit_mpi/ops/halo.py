@@ -189,13 +189,15 @@ class Fold:
     column ``mine`` come from this rank's own column ``theirs``; ``remote``:
     ``(peer, mine, length)``: they come from rank ``peer``, which needs this
     rank's columns ``[mine, mine + length)`` in turn (the relation is
-    symmetric, :func:`credit_mpi.grid.opposite_pieces`). Bands hold the whole
-    longitude: every piece is local (a roll by half the globe).
+    symmetric, :func:`credit_mpi.grid.opposite_pieces`). Where the whole
+    longitude is on this rank (bands, a grid of one column) every piece is
+    local: a roll by half the globe, ``half``.
     """
 
     axis: int  # the longitude axis
     local: tuple
     remote: tuple
+    half: int | None = None  # the whole longitude is here: roll by this (half of it) instead of the pieces
 
 
 @dataclass(frozen=True)
@@ -217,9 +219,11 @@ class Phase:
     inner: int = field(init=False, repr=False)  # elements of one row of one outer slice
 
     def __post_init__(self) -> None:
-        for name, value in (("rows", self.shape[self.axis]), ("padded", _padded(self.shape, self.axis, self.width)),
-                            ("outer", math.prod(self.shape[: self.axis])), ("inner", math.prod(self.shape[self.axis + 1 :]))):
-            object.__setattr__(self, name, value)
+        shape, axis, put = self.shape, self.axis, object.__setattr__
+        put(self, "rows", shape[axis])
+        put(self, "padded", _padded(shape, axis, self.width))
+        put(self, "outer", math.prod(shape[:axis]))
+        put(self, "inner", math.prod(shape[axis + 1 :]))
 
 
 def phases(layout: Layout, rank: int, axes: tuple, widths: tuple, boundaries: tuple, shape: tuple,
@@ -233,11 +237,12 @@ def phases(layout: Layout, rank: int, axes: tuple, widths: tuple, boundaries: tu
     ``layout``, or whole on every rank (None).
     """
     coords, out, shape = layout.coords(rank), [], tuple(shape)
-    tags = _TAGS[len(layout.grid)]
+    tags = _TAGS[len(coords)]
     for d, (axis, width, name) in enumerate(zip(axes, widths, boundaries, strict=True)):
         rule = BOUNDARIES[name]
-        prev, nxt = (None if c is None else layout.rank(coords[:d] + (c,) + coords[d + 1 :])
-                     for c in layout.neighbors(coords[d], d, rule.wraps))
+        prev, nxt = layout.neighbors(coords[d], d, rule.wraps)  # parts along d: the ranks beside mine
+        if len(coords) > 1:
+            prev, nxt = (None if c is None else layout.rank(coords[:d] + (c,) + coords[d + 1 :]) for c in (prev, nxt))
         fold = _fold(layout, coords, shape, lon) if rule.fold and width else None
         out.append(Phase(axis, width, rule, shape, prev, nxt, tags[d], fold))
         shape = _padded(shape, axis, width)
@@ -246,11 +251,11 @@ def phases(layout: Layout, rank: int, axes: tuple, widths: tuple, boundaries: tu
 
 def _fold(layout: Layout, coords: tuple, shape: tuple, lon: tuple[int, int | None]) -> Fold:
     axis, d = lon
-    if d is None:  # the whole longitude on every rank
-        sizes, col, peers = (shape[axis],), 0, (layout.rank(coords),)
-    else:
-        sizes, col = layout.sizes[d], coords[d]
-        peers = tuple(layout.rank(coords[:d] + (j,) + coords[d + 1 :]) for j in range(len(sizes)))
+    sizes = (shape[axis],) if d is None else layout.sizes[d]
+    if len(sizes) == 1:  # the whole longitude on this rank: a roll by half of it
+        return Fold(axis, (), (), sizes[0] // 2)
+    col = coords[d]
+    peers = tuple(layout.rank(coords[:d] + (j,) + coords[d + 1 :]) for j in range(len(sizes)))
     pieces = opposite_pieces(col, list(sizes)) if sum(sizes) else []
     return Fold(axis, tuple((mine, theirs, length) for other, mine, theirs, length in pieces if other == col),
                 tuple((peers[other], mine, length) for other, mine, _, length in pieces if other != col))
@@ -415,7 +420,7 @@ def _edge(out: Any, x: Any, ph: Phase, transfer: Any, side: int, at: int) -> Non
         return
     halo = rowops.flipped_rows(x, ph.axis, halo_edge_rows(ph.rule.name, ph.rows, ph.width, _SIDES[side]), ph.width)
     if ph.fold is not None:
-        halo = _opposite(arrays.contiguous(halo), ph.fold, transfer, _POLE_TAGS[side])
+        halo = _opposite(halo, ph.fold, transfer, _POLE_TAGS[side])
     rowops.copy_rows(out, ph.axis, at, halo)
 
 
@@ -427,6 +432,9 @@ def _opposite(src: Any, fold: Fold, transfer: Any, tag: int) -> Any:
     adjoint sends the pole gradients back the same way.
     """
     ax = fold.axis
+    if fold.half is not None:
+        return rowops.roll(src, fold.half, ax)
+    src = arrays.contiguous(src)
     result = arrays.empty(src, src.shape)
     for mine, theirs, length in fold.local:
         rowops.copy_rows(result, ax, mine, arrays.narrow(src, ax, theirs, length))
@@ -485,7 +493,7 @@ def phase_adjoint(grad: Any, ph: Phase, transfer: Any, host: bool = False) -> An
             if neighbour is None:
                 back = rowops.flipped_rows(grad, axis, at, w)
                 if ph.fold is not None:
-                    back = _opposite(arrays.contiguous(back), ph.fold, transfer, _POLE_TAGS[side])
+                    back = _opposite(back, ph.fold, transfer, _POLE_TAGS[side])
                 rowops.add_rows(gx, axis, halo_edge_rows(ph.rule.name, rows, w, _SIDES[side]), back)
     return gx
 
