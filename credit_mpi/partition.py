@@ -12,7 +12,9 @@ consecutive bands, one per rank of a domain group. Two layouts:
   2, 4 or 8 ranks).
 
 The module also builds the MPI derived datatypes that let a collective land
-each rank's band straight in its place in one output buffer.
+each rank's band straight in its place in one output buffer, and holds the
+halo's boundary table (:data:`BOUNDARIES`: what a halo holds past an outer
+edge, along any split dim) with the width check that reads it.
 """
 
 from __future__ import annotations
@@ -195,7 +197,7 @@ def halo_edge_rows(boundary: str, rows: int, width: int, side: str) -> int | Non
     """
     if side not in ("before", "after"):
         raise ValueError(f"side must be 'before' or 'after', got {side!r}")
-    skip = BOUNDARIES[boundary].mirror
+    skip = BOUNDARIES.get(boundary, _UNLISTED).mirror
     if skip is None:
         return None
     return skip if side == "before" else rows - skip - width
