@@ -21,7 +21,7 @@ neighbour (an outer edge of the domain), the boundary's row of
 and folded across the pole (``earth``: the rows of the longitudes half the
 globe away, taken from the ranks that hold them, :func:`_opposite`). Host
 numpy arrays over MPI (and torch CPU tensors, through a numpy view) take a
-byte-view fast path in each phase (:func:`_host_pad`; the output from the
+view fast path in each phase (:func:`_host_pad`; the output from the
 reuse pool).
 
 The two forms have their own operation codes (a rank that passed a single
@@ -39,6 +39,7 @@ phase in reverse. The public function is :func:`credit_mpi.halo_exchange`
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -226,9 +227,13 @@ class Phase:
         put(self, "inner", math.prod(shape[axis + 1 :]))
 
 
+@functools.lru_cache(maxsize=256)
 def phases(layout: Layout, rank: int, axes: tuple, widths: tuple, boundaries: tuple, shape: tuple,
            lon: tuple[int, int | None]) -> tuple[Phase, ...]:
     """The phases of ``rank``'s exchange: one per split dim of ``layout``, in order (pure arithmetic, no MPI).
+
+    Remembered (a call planned again, as on a domain of one rank, asks the
+    layout nothing); the arguments are hashable tuples.
 
     ``axes[d]``, ``widths[d]`` and ``boundaries[d]`` (names in the table) are
     split dim ``d``'s array axis, halo width and boundary; ``shape`` is
@@ -366,33 +371,37 @@ def pad_phase(x: Any, ph: Phase, transfer: Any) -> Any:
 
 
 def _host_pad(x: np.ndarray, ph: Phase, transfer: Any) -> np.ndarray:
-    """:func:`pad_phase` of a contiguous numpy array over MPI: byte views, one round of non-blocking messages.
+    """:func:`pad_phase` of a contiguous numpy array over MPI: 3-D views, one round of non-blocking messages.
 
     The output comes from the reuse pool (:func:`~credit_mpi.transport.arrays.pooled_empty`):
     a loop that drops last step's padded band does not first-touch new pages every call.
     """
-    w, rows, outer, inner = ph.width, ph.rows, ph.outer, ph.inner * x.itemsize
+    w, rows, outer, inner = ph.width, ph.rows, ph.outer, ph.inner
     out = arrays.pooled_empty(x, ph.padded)
     ob, xb = _host_rows(out, outer, rows + 2 * w, inner), _host_rows(x, outer, rows, inner)
     ob[:, w : w + rows] = xb
     if w == 0:
         return out
     if (ph.prev is not None or ph.next is not None) and outer * inner:
-        # the edges' byte views straight to the one edge swap (the per-call fast path: no closures)
+        # the edges' views straight to the one edge swap (the per-call fast path: no closures)
         moves.swap_edges(transfer, xb[:, :w], xb[:, rows - w :], ph.prev, ph.next, ph.tags,
                          into=(ob[:, w + rows :], ob[:, :w]))
     for side, neighbour, at in ((0, ph.prev, 0), (1, ph.next, w + rows)):
         if neighbour is None:
             if ph.rule.mirror is None:
-                ob[:, at : at + w] = 0  # all-zero bytes are zero in every dtype credit_mpi moves
+                ob[:, at : at + w] = 0
             else:
                 _edge(out, x, ph, transfer, side, at)
     return out
 
 
-def _host_rows(x: Any, outer: int, rows: int, row_bytes: int) -> Any:
-    """Contiguous host ``x`` as an ``(outer, rows, row_bytes)`` uint8 numpy view."""
-    return arrays.host_bytes(x).reshape(outer, rows, row_bytes)
+def _host_rows(x: np.ndarray, outer: int, rows: int, inner: int) -> np.ndarray:
+    """Contiguous numpy ``x`` as an ``(outer, rows, inner)`` view of its own dtype.
+
+    Typed, not bytes: a phase along the last dim has rows of one element,
+    which numpy copies several times slower as single bytes.
+    """
+    return x.reshape(outer, rows, inner)
 
 
 def _swap(a: Any, ph: Phase, transfer: Any, lo: int, hi: int) -> tuple[Any, Any]:
@@ -473,7 +482,7 @@ def halo_adjoint(grad: Any, p: Any) -> Any:
 def phase_adjoint(grad: Any, ph: Phase, transfer: Any, host: bool = False) -> Any:
     """The transpose of :func:`pad_phase`: contiguous ``grad`` (padded along ``ph.axis``) to the gradient of its input.
 
-    ``host``: ``grad`` is a numpy array over MPI (the halo rows go home from byte views).
+    ``host``: ``grad`` is a numpy array over MPI (the halo rows go home from views of it).
     """
     w, rows, axis = ph.width, ph.rows, ph.axis
     gx = rowops.clone_rows(grad, axis, w, rows)
@@ -500,7 +509,7 @@ def phase_adjoint(grad: Any, ph: Phase, transfer: Any, host: bool = False) -> An
 
 def _host_edges_home(grad: np.ndarray, ph: Phase, transfer: Any) -> tuple[Any, Any]:
     """:func:`_swap` of the adjoint for a contiguous numpy ``grad``: ``(from_next, from_prev)`` as new arrays."""
-    w, outer, inner = ph.width, ph.outer, ph.inner * grad.itemsize
+    w, outer, inner = ph.width, ph.outer, ph.inner
     edge = ph.shape[: ph.axis] + (w,) + ph.shape[ph.axis + 1 :]
     from_next = np.empty(edge, grad.dtype) if ph.next is not None else None
     from_prev = np.empty(edge, grad.dtype) if ph.prev is not None else None
