@@ -74,7 +74,8 @@ def halo_exchange(
         dim: The sharded dimension (default: -2, latitude in BCHW / BCTHW).
             A pair ``(lat_dim, lon_dim)`` (with ``halo_width`` and
             ``boundary`` optionally pairs too) exchanges the blocks of a 2-D
-            ``domain_grid``, corners included (:mod:`credit_mpi.halo2d`).
+            ``domain_grid``, corners included (latitude first, then longitude
+            on the latitude-padded block).
         manager: DomainParallelManager (uses the global singleton if None; with
             none, or a domain size of 1, the whole field is on this rank).
         boundary: ``"zero"``, ``"periodic"``, ``"reflect"`` or ``"earth"``

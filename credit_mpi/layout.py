@@ -115,6 +115,13 @@ class Layout:
             out.append(c)
         return tuple(reversed(out))
 
+    def rank(self, coords: tuple[int, ...]) -> int:
+        """The rank at grid ``coords`` (row-major: the inverse of :meth:`coords`)."""
+        rank = 0
+        for c, parts in zip(coords, self.grid, strict=True):
+            rank = rank * parts + c
+        return rank
+
     def block(self, rank: int) -> tuple[tuple[int, int], ...]:
         """``(start, size)`` of ``rank``'s part in every split dimension."""
         return tuple((self.start(c, d), self.sizes[d][c]) for d, c in enumerate(self.coords(rank)))

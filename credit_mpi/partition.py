@@ -12,12 +12,15 @@ consecutive bands, one per rank of a domain group. Two layouts:
   2, 4 or 8 ranks).
 
 The module also builds the MPI derived datatypes that let a collective land
-each rank's band straight in its place in one output buffer.
+each rank's band straight in its place in one output buffer, and holds the
+halo's boundary table (:data:`BOUNDARIES`: what a halo holds past an outer
+edge, along any split dim) with the width check that reads it.
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 from mpi4py import MPI
 
@@ -118,7 +121,30 @@ def _row_type(outer: int, rows: int, row_bytes: int) -> MPI.Datatype:
 
 # -- halo exchange -------------------------------------------------------
 
-HALO_BOUNDARIES = ("zero", "periodic", "reflect", "earth")
+@dataclass(frozen=True)
+class Boundary:
+    """What a halo holds past an outer edge of the domain along one split dim: one row of :data:`BOUNDARIES`.
+
+    The halo exchange (:mod:`credit_mpi.ops.halo`) reads only these fields,
+    the same way along every split dim, so a boundary made of them is one
+    table entry (and its test).
+    """
+
+    name: str
+    wraps: bool = False  # the first and the last part are neighbours (the halo comes from the other end)
+    mirror: int | None = None  # the halo is the edge rows flipped, the first ``mirror`` edge rows skipped; None: zeros
+    fold: bool = False  # across the pole: the mirrored rows come from the longitudes half the globe away
+    latitude_only: bool = False  # a latitude edge only (the 2-D grid's longitude boundary may not be it)
+
+
+BOUNDARIES = {b.name: b for b in (
+    Boundary("zero"),  # the reference's behaviour
+    Boundary("periodic", wraps=True),  # numpy.pad(mode="wrap"), torch's "circular"
+    Boundary("reflect", mirror=1),  # mode="reflect": padded row -k is row k
+    Boundary("earth", mirror=0, fold=True, latitude_only=True),  # CREDIT's TensorPadding(mode="earth"): row -k is row k - 1, half the globe away
+)}
+HALO_BOUNDARIES = tuple(BOUNDARIES)
+_UNLISTED = Boundary("", wraps=True)  # check_halo_width of a name not in the table: every band supplies width rows
 
 
 def halo_neighbors(rank: int, n: int, periodic: bool) -> tuple[int | None, int | None]:
@@ -141,21 +167,22 @@ def check_halo_width(sizes: list[int], width: int, boundary: str, dim: int) -> N
     """
     if width == 0:
         return
-    n = len(sizes)
-    if n == 1 and boundary == "zero":
+    n, rule = len(sizes), BOUNDARIES.get(boundary, _UNLISTED)
+    skip = rule.mirror or 0  # the edge rows a mirrored halo steps over
+    if n == 1 and rule.mirror is None and not rule.wraps:  # a single band's halo reads no row ("zero")
         return
     for rank, size in enumerate(sizes):
-        need = width + 1 if boundary == "reflect" and rank in (0, n - 1) else width
+        need = width + skip if rank in (0, n - 1) else width
         if size < need:
             why = (
-                "reflect mirrors without repeating the edge row, so an outer band needs halo_width + 1 rows"
+                f"{boundary} mirrors without repeating the edge row, so an outer band needs halo_width + {skip} rows"
                 if need > width
                 else "a halo may not be wider than the band that supplies it"
             )
             raise ValueError(
                 f"halo_width={width} with boundary={boundary!r} does not fit: domain rank {rank} "
                 f"holds {size} row(s) along dim {dim} (bands: {sizes}); {why}. Use halo_width <= "
-                f"{max(0, min(sizes) - (1 if boundary == 'reflect' else 0))} or fewer domain ranks"
+                f"{max(0, min(sizes) - skip)} or fewer domain ranks"
             )
 
 
@@ -170,8 +197,7 @@ def halo_edge_rows(boundary: str, rows: int, width: int, side: str) -> int | Non
     """
     if side not in ("before", "after"):
         raise ValueError(f"side must be 'before' or 'after', got {side!r}")
-    if boundary == "reflect":
-        return 1 if side == "before" else rows - 1 - width
-    if boundary == "earth":
-        return 0 if side == "before" else rows - width
-    return None
+    skip = BOUNDARIES.get(boundary, _UNLISTED).mirror
+    if skip is None:
+        return None
+    return skip if side == "before" else rows - skip - width
