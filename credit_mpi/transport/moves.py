@@ -33,10 +33,11 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ..layout import offsets
 from . import arrays, rowops, staging
 from .limits import SLICE_BYTES, TAG_DOWN, TAG_UP
 
-__all__ = ["SEND", "RECV", "MpiMoves", "swap_edges", "gather_blocks"]
+__all__ = ["SEND", "RECV", "MpiMoves", "Posted", "transport_name", "transport_of", "swap_edges", "gather_blocks"]
 
 SEND, RECV = "send", "recv"
 
@@ -57,14 +58,22 @@ class MpiMoves:
 
     def exchange(self, ops: Sequence[tuple[str, Any, int, int]]) -> None:
         """Post every receive, then every send of ``ops`` (``Irecv``/``Isend``), and one ``Waitall``."""
-        if not ops:
-            return
+        if ops:
+            self.post(ops).wait()
+
+    def post(self, ops: Sequence[tuple[str, Any, int, int]]) -> Posted:
+        """Post every receive, then every send of ``ops``; the returned :class:`Posted` waits for them.
+
+        Between the two the caller may compute (the ring attends one band
+        while the next travels); it must not write a sent array or read a
+        received one before ``wait()``.
+        """
         mine = self._lock.acquire(blocking=False)
         scratch = self._scratch if mine else {}
-        stack = None  # staging contexts of device arrays (host arrays need none)
+        posted = Posted(self._lock if mine else None)
         comm, byte = self.comm, MPI.BYTE
         try:
-            requests, sends, unpack = [], [], []
+            sends = []
             for i, (kind, x, peer, tag) in enumerate(ops):
                 if type(x) is np.ndarray:  # the fast path: host memory, in place or through a kept buffer
                     if x.flags.c_contiguous:
@@ -76,33 +85,35 @@ class MpiMoves:
                         if kind == SEND:
                             buf[...] = x
                         else:
-                            unpack.append((x, buf))
+                            posted.unpack.append((x, buf))
                 else:
                     buf = _host_buffer(x, kind)
                     if buf is None:
-                        if stack is None:
-                            stack = contextlib.ExitStack()
                         move = staging.send_buffer if kind == SEND else staging.recv_buffer
-                        buf = stack.enter_context(move(arrays.contiguous(x) if kind == SEND else x, comm))
+                        buf = posted.stack().enter_context(move(arrays.contiguous(x) if kind == SEND else x, comm))
                 if kind == RECV:
-                    requests.append(comm.Irecv([buf, byte], peer, tag))
+                    posted.requests.append(comm.Irecv([buf, byte], peer, tag))
                 else:
                     sends.append((buf, peer, tag))
             for buf, peer, tag in sends:
-                requests.append(comm.Isend([buf, byte], peer, tag))
-            MPI.Request.Waitall(requests)
-            for dst, src in unpack:
-                dst[...] = src
-        finally:
-            if stack is not None:
-                stack.close()  # received device data copied back (after Waitall)
-            if mine:
-                self._lock.release()
+                posted.requests.append(comm.Isend([buf, byte], peer, tag))
+        except BaseException:
+            posted.close()
+            raise
+        return posted
 
     def allgatherv(self, send: Any, recv: Any, counts: Sequence[int], displs: Sequence[int]) -> None:
         """``Allgatherv`` of byte buffers (host or device, as staging routes them)."""
         with staging.send_buffer(send, self.comm) as s, staging.recv_buffer(recv, self.comm) as r:
             self.comm.Allgatherv([s, MPI.BYTE], [r, (list(counts), list(displs)), MPI.BYTE])
+
+    def alltoallv(self, send: Any, send_counts: Sequence[int], recv: Any, recv_counts: Sequence[int]) -> None:
+        """``send_counts[r]`` bytes of contiguous ``send`` to rank ``r``, packed in rank order; from rank ``r``
+        ``recv_counts[r]`` bytes into ``recv``, packed likewise (one ``Alltoallv``; host, staged or CUDA-aware)."""
+        send_counts, recv_counts = list(send_counts), list(recv_counts)
+        with staging.send_buffer(arrays.contiguous(send), self.comm) as s, staging.recv_buffer(recv, self.comm) as r:
+            self.comm.Alltoallv([s, (send_counts, offsets(send_counts)), MPI.BYTE],
+                                [r, (recv_counts, offsets(recv_counts)), MPI.BYTE])
 
     def allgather_slices(self, send: Any, recv: Any, outer: int) -> bool:
         """Slice ``p`` of every rank's ``send`` (viewed as ``outer`` equal slices of bytes) into slice ``p`` of ``recv``, rank after rank.
@@ -122,6 +133,38 @@ class MpiMoves:
         return True
 
 
+class Posted:
+    """Messages :meth:`MpiMoves.post` put in flight: :meth:`wait` completes them (received data then in place)."""
+
+    def __init__(self, lock: threading.Lock | None) -> None:
+        self.requests: list = []
+        self.unpack: list = []  # (target, kept buffer): strided host receives, copied into place after the wait
+        self._stack: contextlib.ExitStack | None = None  # staging contexts of device arrays (host arrays need none)
+        self._lock = lock  # the MpiMoves' kept buffers, held until the wait
+
+    def stack(self) -> contextlib.ExitStack:
+        if self._stack is None:
+            self._stack = contextlib.ExitStack()
+        return self._stack
+
+    def wait(self) -> None:
+        """Wait for every message, then copy the received data into place (staged device data after the wait)."""
+        try:
+            MPI.Request.Waitall(self.requests)
+            for dst, src in self.unpack:
+                dst[...] = src
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
 def _host_buffer(x: Any, kind: str) -> Any:
     """The bytes of a host array that is not a numpy array (a torch CPU tensor), in place; None for device arrays.
 
@@ -130,6 +173,29 @@ def _host_buffer(x: Any, kind: str) -> Any:
     unpacked after a receive.)
     """
     return arrays.host_bytes(arrays.contiguous(x) if kind == SEND else x)
+
+
+_PROTOCOL = ("post", "exchange", "allgatherv", "alltoallv")
+
+
+def transport_name(transport: Any, path: str) -> str:
+    """``"mpi"``, or the class name of a transport object (what the ranks agree on); ValueError for anything else.
+
+    The ops that take a communicator take ``transport="mpi"`` (an
+    :class:`MpiMoves` over it) or a transport object whose peers are the
+    communicator's ranks, e.g. ``TorchMoves(manager.torch_group("domain"))``.
+    """
+    if isinstance(transport, str) and transport == "mpi":
+        return "mpi"
+    if not isinstance(transport, str) and all(callable(getattr(transport, m, None)) for m in _PROTOCOL):
+        return type(transport).__name__
+    raise ValueError(f"{path}: transport={transport!r} is not a transport; give 'mpi' or a transport object over "
+                     f"the same ranks (credit_mpi.transport.torch_moves.TorchMoves(manager.torch_group('domain')))")
+
+
+def transport_of(transport: Any, comm: MPI.Comm) -> Any:
+    """The moves object of an agreed ``transport`` (:func:`transport_name`): ``"mpi"`` -> an :class:`MpiMoves` over ``comm``."""
+    return MpiMoves(comm) if isinstance(transport, str) else transport
 
 
 def swap_edges(moves: Any, up: Any, down: Any, prev: int | None, nxt: int | None,
