@@ -86,11 +86,13 @@ class MpiMoves:
                             buf[...] = x
                         else:
                             posted.unpack.append((x, buf))
-                else:
-                    buf = _host_buffer(x, kind)
-                    if buf is None:
+                else:  # its adapter looked up once for its questions
+                    adapter = arrays.adapter(x)
+                    data = adapter.contiguous(x) if kind == SEND else x
+                    buf = arrays.host_bytes(data, adapter)  # a torch CPU tensor's bytes, in place
+                    if buf is None:  # device memory
                         move = staging.send_buffer if kind == SEND else staging.recv_buffer
-                        buf = posted.stack().enter_context(move(arrays.contiguous(x) if kind == SEND else x, comm))
+                        buf = posted.stack().enter_context(move(data, comm, adapter=adapter))
                 if kind == RECV:
                     posted.requests.append(comm.Irecv([buf, byte], peer, tag))
                 else:
@@ -165,16 +167,6 @@ class Posted:
             self._lock = None
 
 
-def _host_buffer(x: Any, kind: str) -> Any:
-    """The bytes of a host array that is not a numpy array (a torch CPU tensor), in place; None for device arrays.
-
-    (numpy arrays take :meth:`MpiMoves.exchange`'s fast path: in place when
-    contiguous, else through a buffer it keeps, packed before a send and
-    unpacked after a receive.)
-    """
-    return arrays.host_bytes(arrays.contiguous(x) if kind == SEND else x)
-
-
 _PROTOCOL = ("post", "exchange", "allgatherv", "alltoallv")
 
 
@@ -240,13 +232,13 @@ def gather_blocks(moves: Any, x: Any, out: Any, layout: Any, axes: tuple[int, ..
     copy of the field). Bands are a layout of one split axis, blocks of two.
     ``out`` has the global shape.
     """
-    x = arrays.contiguous(x)
-    info = arrays.describe(x)
-    if len(axes) == 1 and _straight(moves, x, out, layout.sizes[0], axes[0], info.itemsize):
+    adapter = arrays.adapter(x)
+    x = adapter.contiguous(x)
+    itemsize = adapter.describe(x).itemsize
+    if len(axes) == 1 and _straight(moves, x, out, layout.sizes[0], axes[0], itemsize):
         return out
-    itemsize = info.itemsize
     pieces, total = _pieces(layout, tuple(x.shape), tuple(axes))
-    packed = arrays.pooled_empty(x, (total,))  # dropped below: its pages serve the next call
+    packed = arrays.pooled_empty(x, (total,), adapter)  # dropped below: its pages serve the next call
     moves.allgatherv(x, packed, [c * itemsize for _, _, c, _ in pieces], [s * itemsize for _, s, c, _ in pieces])
     for shape, start, count, place in pieces:
         if not count:
@@ -254,7 +246,7 @@ def gather_blocks(moves: Any, x: Any, out: Any, layout: Any, axes: tuple[int, ..
         target = out
         for axis, first, size in place[:-1]:
             target = rowops.band(target, axis, first, size)
-        rowops.copy_rows(target, place[-1][0], place[-1][1], arrays.narrow(packed, 0, start, count).reshape(shape))
+        rowops.copy_rows(target, place[-1][0], place[-1][1], adapter.narrow(packed, 0, start, count).reshape(shape))
     return out
 
 
