@@ -120,7 +120,7 @@ class _NumpyLike:
 
     @classmethod
     def contiguous(cls, x: Any) -> Any:
-        return cls._xp().ascontiguousarray(x)
+        return cls.xp.ascontiguousarray(x)
 
     @classmethod
     def narrow(cls, x: Any, dim: int, start: int, length: int) -> Any:
@@ -128,8 +128,7 @@ class _NumpyLike:
 
     @classmethod
     def shares_memory(cls, a: Any, b: Any) -> bool:
-        xp = cls._xp()
-        return adapter_of(b) is cls and bool(xp.may_share_memory(a, b))
+        return adapter_of(b) is cls and bool(cls.xp.may_share_memory(a, b))
 
     @staticmethod
     def mark_written(x: Any) -> None:
@@ -143,16 +142,15 @@ class _NumpyLike:
     def pooled_empty(cls, like: Any, shape: tuple[int, ...]) -> Any:
         return cls.empty(like, shape)
 
-    @classmethod
-    def _xp(cls) -> Any:
-        return cls.xp
-
 
 class NumpyAdapter(_NumpyLike):
     """numpy arrays (treated as on a device only under ``_SIMULATE_DEVICE``)."""
 
     name = "numpy"
     xp = np
+    contiguous = staticmethod(np.ascontiguousarray)  # (the inherited ones, without the module lookup: the hot path)
+    is_contiguous = staticmethod(lambda x: x.flags.c_contiguous)
+    shares_memory = staticmethod(lambda a, b: isinstance(b, np.ndarray) and bool(np.may_share_memory(a, b)))
 
     @staticmethod
     def describe(x: Any) -> ArrayInfo:
@@ -258,7 +256,7 @@ class TorchAdapter:
     """torch tensors: bytes through DLPack, streams through torch.cuda."""
 
     name = "torch"
-    _xp = staticmethod(lambda: None)  # not numpy-like: its own methods
+    xp = None  # not numpy-like: its own methods
 
     @staticmethod
     def describe(x: Any) -> ArrayInfo:
@@ -410,11 +408,7 @@ def _torch_bytes(x: Any) -> Any:
 class CupyAdapter(_NumpyLike):
     """CuPy arrays: bytes through DLPack, streams through cupy.cuda."""
 
-    name = "cupy"
-
-    @staticmethod
-    def _xp() -> Any:
-        return _cupy()
+    name = "cupy"  # xp: the cupy module, set when the first CuPy array is seen (never imported here)
 
     @staticmethod
     def describe(x: Any) -> ArrayInfo:
@@ -477,8 +471,15 @@ class CupyAdapter(_NumpyLike):
             _cupy().cuda.get_current_stream().synchronize()
 
 
+def _matches_cupy(x: Any) -> bool:
+    if not _is_cupy(x):
+        return False
+    CupyAdapter.xp = _cupy()
+    return True
+
+
 NumpyAdapter.matches = staticmethod(lambda x: isinstance(x, np.ndarray))
-CupyAdapter.matches = staticmethod(_is_cupy)
+CupyAdapter.matches = staticmethod(_matches_cupy)
 TorchAdapter.matches = staticmethod(_is_torch)
 
 ADAPTERS: dict[str, Any] = {}  # kind -> adapter, in lookup order

@@ -111,7 +111,7 @@ def describe(x: Any, adapter: Any = None) -> ArrayInfo:
         TypeError: ``x`` is not a supported array type (or device type).
         ValueError: ``x`` is on a GPU other than this rank's.
     """
-    return (adapter or _ops(x)).describe(x)
+    return (adapter or _BY_TYPE.get(type(x)) or _ops(x)).describe(x)
 
 
 # --------------------------------------------------------------------------- allocation, layout
@@ -119,7 +119,7 @@ def describe(x: Any, adapter: Any = None) -> ArrayInfo:
 
 def is_contiguous(x: Any, adapter: Any = None) -> bool:
     """True when ``x`` is C-contiguous (it can be sent or received in place)."""
-    return (adapter or _ops(x)).is_contiguous(x)
+    return (adapter or _BY_TYPE.get(type(x)) or _ops(x)).is_contiguous(x)
 
 
 def contiguous(x: Any, adapter: Any = None) -> Any:
@@ -129,12 +129,12 @@ def contiguous(x: Any, adapter: Any = None) -> Any:
     handled by :mod:`credit_mpi.autograd`), and lazy conjugate/negative views
     are resolved, since DLPack cannot carry them.
     """
-    return (adapter or _ops(x)).contiguous(x)
+    return (adapter or _BY_TYPE.get(type(x)) or _ops(x)).contiguous(x)
 
 
 def empty(like: Any, shape: Sequence[int], adapter: Any = None) -> Any:
     """A new uninitialised array of ``shape`` with ``like``'s kind, dtype and device."""
-    return (adapter or _ops(like)).empty(like, shape)
+    return (adapter or _BY_TYPE.get(type(like)) or _ops(like)).empty(like, shape)
 
 
 def empty_described(info: ArrayInfo, shape: Sequence[int], dtype: Any = None) -> Any:
@@ -169,7 +169,7 @@ def _local_index(kind: str) -> int:
 def _numpy_like(x: Any):
     """numpy or cupy, the module whose functions apply to ``x``; None for torch (and unsupported types)."""
     found = _BY_TYPE.get(type(x)) or adapter_of(x)
-    return None if found is None else found._xp()
+    return None if found is None else found.xp
 
 
 def dtype_of(x: Any) -> Any:
@@ -179,7 +179,7 @@ def dtype_of(x: Any) -> Any:
 
 def shares_memory(a: Any, b: Any, adapter: Any = None) -> bool:
     """True when ``a`` and ``b`` may overlap in memory (same kind of array; conservative)."""
-    return (adapter or _ops(a)).shares_memory(a, b)
+    return (adapter or _BY_TYPE.get(type(a)) or _ops(a)).shares_memory(a, b)
 
 
 def check_writable(x: Any, what: str, adapter: Any = None) -> None:
@@ -189,7 +189,7 @@ def check_writable(x: Any, what: str, adapter: Any = None) -> None:
     in-place write into a leaf of the graph), torch inference tensors outside
     inference mode.
     """
-    (adapter or _ops(x)).check_writable(x, what)
+    (adapter or _BY_TYPE.get(type(x)) or _ops(x)).check_writable(x, what)
 
 
 def mark_written(x: Any, adapter: Any = None) -> None:
@@ -199,7 +199,7 @@ def mark_written(x: Any, adapter: Any = None) -> None:
     then overwrote is then an error at ``backward()``, as after torch's own
     in-place operations, instead of a silently wrong gradient.
     """
-    (adapter or _ops(x)).mark_written(x)
+    (adapter or _BY_TYPE.get(type(x)) or _ops(x)).mark_written(x)
 
 
 def narrow(x: Any, dim: int, start: int, length: int, adapter: Any = None) -> Any:
@@ -208,7 +208,7 @@ def narrow(x: Any, dim: int, start: int, length: int, adapter: Any = None) -> An
     Shares memory with ``x`` when that band is already contiguous (as
     ``torch.Tensor.narrow(...).contiguous()`` does), otherwise a copy.
     """
-    return (adapter or _ops(x)).narrow(x, dim, start, length)
+    return (adapter or _BY_TYPE.get(type(x)) or _ops(x)).narrow(x, dim, start, length)
 
 
 def as_torch_bytes(x: Any) -> Any:
@@ -228,7 +228,7 @@ def in_device_memory(buf: Any, adapter: Any = None) -> bool:
     that must treat device pointers differently (non-blocking collectives,
     reusing scratch) asks here.
     """
-    return (adapter or _ops(buf)).on_device(buf)
+    return (adapter or _BY_TYPE.get(type(buf)) or _ops(buf)).on_device(buf)
 
 
 def sync_stream(x: Any, adapter: Any = None) -> None:
@@ -237,7 +237,7 @@ def sync_stream(x: Any, adapter: Any = None) -> None:
     Before MPI writes memory that device kernels queued earlier still read
     (scratch reused across iterations), as :func:`send_buffer` does before MPI reads.
     """
-    (adapter or _ops(x)).sync_stream(x)
+    (adapter or _BY_TYPE.get(type(x)) or _ops(x)).sync_stream(x)
 
 
 def after_torch_wrote(x: Any, adapter: Any = None) -> None:
@@ -248,7 +248,7 @@ def after_torch_wrote(x: Any, adapter: Any = None) -> None:
     numpy arrays and torch tensors need nothing (host copies block; torch
     orders its own streams).
     """
-    (adapter or _ops(x)).after_torch_wrote(x)
+    (adapter or _BY_TYPE.get(type(x)) or _ops(x)).after_torch_wrote(x)
 
 
 def mpi_datatype(x: Any) -> MPI.Datatype:
@@ -329,7 +329,7 @@ def host_numpy(x: Any, adapter: Any = None) -> np.ndarray | None:
 
 def from_host_numpy(like: Any, y: np.ndarray, adapter: Any = None) -> Any:
     """``y`` (a result computed on :func:`host_numpy` views) as an array of ``like``'s kind (shares memory)."""
-    return (adapter or _ops(like)).from_host_numpy(like, y)
+    return (adapter or _BY_TYPE.get(type(like)) or _ops(like)).from_host_numpy(like, y)
 
 
 def host_bytes(x: Any, adapter: Any = None) -> np.ndarray | None:
@@ -353,7 +353,7 @@ def pooled_empty(like: Any, shape: Sequence[int], adapter: Any = None) -> Any:
     first-touch new pages every call. Device arrays: :func:`empty` (torch
     and CuPy have caching allocators of their own).
     """
-    found = adapter or _ops(like)
+    found = adapter or _BY_TYPE.get(type(like)) or _ops(like)
     if _SIMULATE_DEVICE:
         return found.empty(like, shape)
     if type(shape) is not tuple:
