@@ -27,11 +27,10 @@ from credit_mpi.transport import arrays, staging
 from .conftest import reset_torch_distributed
 
 torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
-if not dist.is_available():  # pragma: no cover
+if not pytest.importorskip("torch.distributed").is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from credit_mpi.ops.allgather_along import allgather_along  # noqa: E402
+from credit_mpi.ops.allgather_along import allgather_along  # noqa: E402 (after the skips: torch)
 from credit_mpi.ops.alltoall import alltoall  # noqa: E402
 from credit_mpi.ops.group_rows import from_groups, grouped  # noqa: E402
 from credit_mpi.ops.reband import reband, rebanded  # noqa: E402
@@ -39,13 +38,15 @@ from credit_mpi.ops.ring import ring_attention  # noqa: E402
 from credit_mpi.ops.roll import roll_along  # noqa: E402
 from credit_mpi.transport.torch_moves import TorchMoves  # noqa: E402
 
-TIMEOUT = timedelta(seconds=60)
 
-
-@pytest.fixture(autouse=True)
-def clean_torch():
-    yield
-    reset_torch_distributed()
+@pytest.fixture
+def over_torch(make_manager):
+    """A manager of the whole world with gloo groups mirroring it, and the TorchMoves of its domain (torch reset after)."""
+    manager = credit_mpi.init_torch_distributed(make_manager(), "gloo", timeout=timedelta(seconds=60))
+    try:
+        yield manager, TorchMoves(manager.torch_group("domain"))
+    finally:
+        reset_torch_distributed()
 
 
 def _bits(t) -> bytes:
@@ -107,13 +108,12 @@ def _forward_backward(run, inputs, transport):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_the_ops_over_torch_equal_mpi_bit_for_bit(make_manager):
-    manager = credit_mpi.init_torch_distributed(make_manager(), "gloo", timeout=TIMEOUT)
+def test_the_ops_over_torch_equal_mpi_bit_for_bit(over_torch):
+    (manager, moves) = over_torch
     comm = manager.domain_group
-    over_torch = TorchMoves(manager.torch_group("domain"))
     for name, (run, inputs, expected) in _cases(comm).items():
         via_mpi = _forward_backward(run, inputs, "mpi")
-        via_torch = _forward_backward(run, inputs, over_torch)
+        via_torch = _forward_backward(run, inputs, moves)
         torch.testing.assert_close(via_mpi[0], expected, rtol=1e-12, atol=1e-12, msg=name)
         assert [_bits(t) for t in via_torch] == [_bits(t) for t in via_mpi], name
 
@@ -155,13 +155,12 @@ def test_a_bad_transport_is_an_error_on_every_rank(make_manager):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_ranks_on_different_transports_raise_together(make_manager):
-    manager = credit_mpi.init_torch_distributed(make_manager(), "gloo", timeout=TIMEOUT)
+def test_ranks_on_different_transports_raise_together(over_torch):
+    (manager, moves) = over_torch
     comm = manager.domain_group
-    over_torch = TorchMoves(manager.torch_group("domain"))
     band = torch.ones(3, 2, dtype=torch.float64)
     with pytest.raises(credit_mpi.DomainParallelError, match="TorchMoves"):
-        reband(band, 0, comm, sizes=(3,) * comm.Get_size(), transport=over_torch if comm.Get_rank() == 0 else "mpi")
+        reband(band, 0, comm, sizes=(3,) * comm.Get_size(), transport=moves if comm.Get_rank() == 0 else "mpi")
 
 
 @pytest.mark.mpi(min_size=1)

@@ -130,13 +130,7 @@ class _NumpyLike:
     def shares_memory(cls, a: Any, b: Any) -> bool:
         return adapter_of(b) is cls and bool(cls.xp.may_share_memory(a, b))
 
-    @staticmethod
-    def mark_written(x: Any) -> None:
-        pass
-
-    @staticmethod
-    def after_torch_wrote(x: Any) -> None:
-        pass
+    mark_written = after_torch_wrote = staticmethod(lambda x: None)  # no autograd; no torch stream to wait for
 
     @classmethod
     def pooled_empty(cls, like: Any, shape: tuple[int, ...]) -> Any:
@@ -202,13 +196,7 @@ class NumpyAdapter(_NumpyLike):
     def as_bytes(x: Any) -> Any:
         return x.reshape(-1).view(np.uint8)
 
-    @staticmethod
-    def sync_stream(x: Any) -> None:
-        pass
-
-    @staticmethod
-    def sync_device(x: Any) -> None:
-        pass
+    sync_stream = sync_device = staticmethod(lambda x: None)  # host memory: no stream, no device
 
     @staticmethod
     def device_context(x: Any) -> Any:

@@ -1,14 +1,22 @@
-"""One transport protocol, and the edge swap written once against it.
+"""One transport protocol, and the edge swap and the gather written once against it.
 
-A transport (a *moves* object) does two things on whole arrays of bytes:
+A transport (a *moves* object) does these things on whole arrays of bytes:
 
-* ``exchange(ops)``: post every point-to-point message of ``ops`` (each
+* ``post(ops)``: post every point-to-point message of ``ops`` (each
   ``(SEND or RECV, array, peer, tag)``, peers are ranks of the domain
-  group) and wait for all of them. The order of ``ops`` is the same on
-  every rank for the same algorithm, which is what a transport that matches
-  messages in issue order (NCCL) needs; MPI matches by tag.
+  group) and return a handle whose ``wait()`` completes them (the caller
+  may compute in between: the ring attention); ``exchange(ops)`` is both at
+  once. The order of ``ops`` is the same on every rank for the same
+  algorithm, which is what a transport that matches messages in issue
+  order (NCCL) needs; MPI matches by tag.
 * ``allgatherv(send, recv, counts, displs)``: every rank's ``send`` bytes at
-  ``displs[r]`` of every rank's ``recv``.
+  ``displs[r]`` of every rank's ``recv``;
+* ``alltoallv(send, send_counts, recv, recv_counts)``: ``send_counts[r]``
+  bytes to rank ``r`` and ``recv_counts[r]`` from it, both packed in rank
+  order (the all-to-all of heads, the row moves of re-banding, the roll and
+  the group layout);
+* ``allgather_slices(send, recv, outer)``: the gather of equal bands
+  straight into place (False: not this way).
 
 :class:`MpiMoves` moves over an MPI communicator: host memory as numpy byte
 views in place (the fast path: no staging, packed copies of strided views
@@ -17,8 +25,9 @@ in buffers it keeps), device memory through :mod:`~credit_mpi.transport.staging`
 :class:`credit_mpi.transport.torch_moves.TorchMoves` moves over a
 torch.distributed group. An algorithm written against the protocol, such
 as :func:`swap_edges` (the halo exchange's edge rows, forward and backward,
-1-D and 2-D) or :func:`gather_blocks` (the 2-D gather over torch), works
-over both.
+1-D and 2-D), :func:`gather_blocks` (the 2-D gather, and the bands' over
+torch) or the ops that take a communicator (:func:`transport_name`,
+:func:`transport_of`), works over both.
 """
 
 from __future__ import annotations
@@ -27,13 +36,12 @@ import contextlib
 import functools
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from ..layout import offsets
 from . import arrays, rowops, staging
 from .limits import SLICE_BYTES, TAG_DOWN, TAG_UP
 
@@ -106,16 +114,14 @@ class MpiMoves:
 
     def allgatherv(self, send: Any, recv: Any, counts: Sequence[int], displs: Sequence[int]) -> None:
         """``Allgatherv`` of byte buffers (host or device, as staging routes them)."""
-        with staging.send_buffer(send, self.comm) as s, staging.recv_buffer(recv, self.comm) as r:
+        with self._buffers(send, recv) as (s, r):
             self.comm.Allgatherv([s, MPI.BYTE], [r, (list(counts), list(displs)), MPI.BYTE])
 
     def alltoallv(self, send: Any, send_counts: Sequence[int], recv: Any, recv_counts: Sequence[int]) -> None:
         """``send_counts[r]`` bytes of contiguous ``send`` to rank ``r``, packed in rank order; from rank ``r``
         ``recv_counts[r]`` bytes into ``recv``, packed likewise (one ``Alltoallv``; host, staged or CUDA-aware)."""
-        send_counts, recv_counts = list(send_counts), list(recv_counts)
-        with staging.send_buffer(arrays.contiguous(send), self.comm) as s, staging.recv_buffer(recv, self.comm) as r:
-            self.comm.Alltoallv([s, (send_counts, offsets(send_counts)), MPI.BYTE],
-                                [r, (recv_counts, offsets(recv_counts)), MPI.BYTE])
+        with self._buffers(send, recv) as (s, r):  # (no displacements: mpi4py packs the parts in rank order)
+            self.comm.Alltoallv([s, list(send_counts), MPI.BYTE], [r, list(recv_counts), MPI.BYTE])
 
     def allgather_slices(self, send: Any, recv: Any, outer: int) -> bool:
         """Slice ``p`` of every rank's ``send`` (viewed as ``outer`` equal slices of bytes) into slice ``p`` of ``recv``, rank after rank.
@@ -124,7 +130,7 @@ class MpiMoves:
         calls for device memory, which CUDA-aware Open MPI takes in blocking
         collectives only). Returns True (MPI can always land them in place).
         """
-        with staging.send_buffer(send, self.comm) as s, staging.recv_buffer(recv, self.comm) as r:
+        with self._buffers(send, recv) as (s, r):
             mine, whole = len(s) // outer, len(r) // outer
             slices = [([s[p * mine : (p + 1) * mine], MPI.BYTE], [r[p * whole : (p + 1) * whole], MPI.BYTE]) for p in range(outer)]
             if arrays.in_device_memory(r):
@@ -133,6 +139,22 @@ class MpiMoves:
             else:
                 MPI.Request.Waitall([self.comm.Iallgather(*args) for args in slices])
         return True
+
+    @contextlib.contextmanager
+    def _buffers(self, send: Any, recv: Any) -> Iterator[tuple[Any, Any]]:
+        """The byte buffers MPI reads ``send`` from and writes ``recv`` through (each array's adapter looked up once).
+
+        Host memory: numpy byte views in place (no staging); device memory
+        through :mod:`~credit_mpi.transport.staging` (staged or CUDA-aware).
+        """
+        a, b = arrays.adapter(send), arrays.adapter(recv)
+        send = a.contiguous(send)
+        s, r = arrays.host_bytes(send, a), arrays.host_bytes(recv, b)
+        if s is not None and r is not None:
+            yield s, r
+            return
+        with staging.send_buffer(send, self.comm, a) as s, staging.recv_buffer(recv, self.comm, adapter=b) as r:
+            yield s, r
 
 
 class Posted:
