@@ -67,7 +67,7 @@ class MpiMoves:
     def exchange(self, ops: Sequence[tuple[str, Any, int, int]]) -> None:
         """Post every receive, then every send of ``ops`` (``Irecv``/``Isend``), and one ``Waitall``."""
         if ops:
-            self.post(ops).wait()
+            _finish(*self._start(ops))  # (no Posted in between: the halo's per-call path)
 
     def post(self, ops: Sequence[tuple[str, Any, int, int]]) -> Posted:
         """Post every receive, then every send of ``ops``; the returned :class:`Posted` waits for them.
@@ -76,12 +76,16 @@ class MpiMoves:
         while the next travels); it must not write a sent array or read a
         received one before ``wait()``.
         """
+        return Posted(self._start(ops))
+
+    def _start(self, ops: Sequence[tuple[str, Any, int, int]]) -> tuple:
+        """Post ``ops``: ``(requests, unpack, staging contexts or None, the kept buffers' lock or None)`` for :func:`_finish`."""
         mine = self._lock.acquire(blocking=False)
         scratch = self._scratch if mine else {}
-        posted = Posted(self._lock if mine else None)
+        stack = None  # staging contexts of device arrays (host arrays need none)
         comm, byte = self.comm, MPI.BYTE
+        requests, sends, unpack = [], [], []  # unpack: (target, kept buffer), strided host receives
         try:
-            sends = []
             for i, (kind, x, peer, tag) in enumerate(ops):
                 if type(x) is np.ndarray:  # the fast path: host memory, in place or through a kept buffer
                     if x.flags.c_contiguous:
@@ -93,24 +97,26 @@ class MpiMoves:
                         if kind == SEND:
                             buf[...] = x
                         else:
-                            posted.unpack.append((x, buf))
+                            unpack.append((x, buf))
                 else:  # its adapter looked up once for its questions
                     adapter = arrays.adapter(x)
                     data = adapter.contiguous(x) if kind == SEND else x
                     buf = arrays.host_bytes(data, adapter)  # a torch CPU tensor's bytes, in place
                     if buf is None:  # device memory
+                        if stack is None:
+                            stack = contextlib.ExitStack()
                         move = staging.send_buffer if kind == SEND else staging.recv_buffer
-                        buf = posted.stack().enter_context(move(data, comm, adapter=adapter))
+                        buf = stack.enter_context(move(data, comm, adapter=adapter))
                 if kind == RECV:
-                    posted.requests.append(comm.Irecv([buf, byte], peer, tag))
+                    requests.append(comm.Irecv([buf, byte], peer, tag))
                 else:
                     sends.append((buf, peer, tag))
             for buf, peer, tag in sends:
-                posted.requests.append(comm.Isend([buf, byte], peer, tag))
+                requests.append(comm.Isend([buf, byte], peer, tag))
         except BaseException:
-            posted.close()
+            _release(stack, self._lock if mine else None)
             raise
-        return posted
+        return requests, unpack, stack, self._lock if mine else None
 
     def allgatherv(self, send: Any, recv: Any, counts: Sequence[int], displs: Sequence[int]) -> None:
         """``Allgatherv`` of byte buffers (host or device, as staging routes them)."""
@@ -160,33 +166,31 @@ class MpiMoves:
 class Posted:
     """Messages :meth:`MpiMoves.post` put in flight: :meth:`wait` completes them (received data then in place)."""
 
-    def __init__(self, lock: threading.Lock | None) -> None:
-        self.requests: list = []
-        self.unpack: list = []  # (target, kept buffer): strided host receives, copied into place after the wait
-        self._stack: contextlib.ExitStack | None = None  # staging contexts of device arrays (host arrays need none)
-        self._lock = lock  # the MpiMoves' kept buffers, held until the wait
+    __slots__ = ("_state",)
 
-    def stack(self) -> contextlib.ExitStack:
-        if self._stack is None:
-            self._stack = contextlib.ExitStack()
-        return self._stack
+    def __init__(self, state: tuple) -> None:
+        self._state = state
 
     def wait(self) -> None:
         """Wait for every message, then copy the received data into place (staged device data after the wait)."""
-        try:
-            MPI.Request.Waitall(self.requests)
-            for dst, src in self.unpack:
-                dst[...] = src
-        finally:
-            self.close()
+        _finish(*self._state)
 
-    def close(self) -> None:
-        if self._stack is not None:
-            self._stack.close()
-            self._stack = None
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+
+def _finish(requests: list, unpack: list, stack: contextlib.ExitStack | None, lock: threading.Lock | None) -> None:
+    """Wait for posted messages, unpack strided host receives, close the staging (copies back) and release the lock."""
+    try:
+        MPI.Request.Waitall(requests)
+        for dst, src in unpack:
+            dst[...] = src
+    finally:
+        _release(stack, lock)
+
+
+def _release(stack: contextlib.ExitStack | None, lock: threading.Lock | None) -> None:
+    if stack is not None:
+        stack.close()  # received device data copied back (after Waitall)
+    if lock is not None:
+        lock.release()
 
 
 _PROTOCOL = ("post", "exchange", "allgatherv", "alltoallv")
