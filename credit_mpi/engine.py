@@ -52,7 +52,7 @@ from mpi4py import MPI
 from . import watchdog
 from .agreement import AGREED_ENTRIES, Local, agree_cached, on_forget, register_operation, remembered
 
-__all__ = ["Op", "run", "run_args", "run_agreed", "agreed_plan", "apply_agreed", "records_grad", "AGREED_PLANS", "Counter"]
+__all__ = ["Op", "run", "run_planned", "run_args", "run_agreed", "agreed_plan", "apply_agreed", "records_grad", "AGREED_PLANS", "Counter"]
 
 
 class Counter:
@@ -145,7 +145,12 @@ def run(op: Op, x: Any, comm: MPI.Comm, *, check: bool = True, **args: Any) -> A
     return run_args(op, x, comm, args, check)
 
 
-def run_args(op: Op, x: Any, comm: MPI.Comm, args: dict, check: bool = True) -> Any:
+def run_planned(op: Op, x: Any, comm: MPI.Comm, *, check: bool = True, **args: Any) -> tuple[Any, Any]:
+    """:func:`run`, returning ``(result, plan)``: for a caller that needs what was agreed (a layout the op chose)."""
+    return run_args(op, x, comm, args, check, with_plan=True)
+
+
+def run_args(op: Op, x: Any, comm: MPI.Comm, args: dict, check: bool = True, with_plan: bool = False) -> Any:
     """:func:`run` with the op's arguments as one dict (the facades' per-call fast path: no repacking)."""
     # (the per-call fast path: few Python calls between the facade and the kernel)
     grad = op.adjoint is not None and getattr(x, "requires_grad", False) and records_grad(x)
@@ -168,6 +173,8 @@ def run_args(op: Op, x: Any, comm: MPI.Comm, args: dict, check: bool = True) -> 
         )
     if op.binds:
         plan = op.bind(plan, args)
+    if with_plan:
+        return _apply(op, x, plan, grad), plan
     return _apply(op, x, plan, grad)
 
 

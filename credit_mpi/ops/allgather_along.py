@@ -1,10 +1,12 @@
 """All-gather of a tensor along one dim over the domain (the K/V tokens of attention across bands), differentiable.
 
 Exact global attention with the queries on bands: every rank gathers the
-keys and values of every band (``Allgatherv``, uneven bands included) and
-attends its own queries to all of them. The backward of the gather is the
-reduce-scatter of the gradient (``Reduce_scatter``: each rank gets the sum,
-over the ranks, of the gradient of its own tokens). Per rank and per gathered
+keys and values of every band (one ``allgatherv`` of the transport protocol,
+:mod:`credit_mpi.transport.moves`, uneven bands included) and attends its
+own queries to all of them. The backward of the gather is the
+reduce-scatter of the gradient: one ``alltoallv`` brings every rank the
+part of every rank's gradient that belongs to its own tokens, summed in
+rank order (so MPI and torch.distributed give the same bits). Per rank and per gathered
 tensor of ``N`` tokens of ``d`` elements the forward receives
 ``N d (P - 1) / P`` elements (K and V together: ``2 N d (P - 1) / P``, what a
 ring of K/V bands moves), the backward sends as many.
@@ -19,18 +21,18 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
 from ..engine import Counter, Op, run
-from ..partition import normalize_dim
+from ..layout import offsets
+from ..transport.moves import transport_of
 from ..validation import Local
+from .reband import check_band, transport_key
 
 __all__ = ["allgather_along", "received_elements"]
 
 _RECEIVED = Counter()
-_DTYPES = (torch.float32, torch.float64)
 
 
 def received_elements(reset: bool = False) -> int:
@@ -42,6 +44,7 @@ class _Plan(NamedTuple):
     dim: int
     comm: MPI.Comm
     counts: tuple[int, ...]
+    transfer: Any  # the transport the tokens move on
 
 
 class AllgatherAlong(Op):
@@ -50,41 +53,42 @@ class AllgatherAlong(Op):
     name = "allgather_along"
 
     def key(self, t: Any, args: dict) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return None
-        return (args["path"], args["dim"], tuple(t.shape), t.dtype)
+        return transport_key(t, args, args["path"], args["dim"])
 
     def local(self, t: Any, args: dict) -> Local:
-        path = args["path"]
-        if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES:
-            raise TypeError(f"{path}: gathers float32/float64 tensors, got {getattr(t, 'dtype', type(t).__name__)}")
-        axis = normalize_dim(args["dim"], t.ndim)
-        rest = tuple(t.shape[:axis]) + tuple(t.shape[axis + 1 :])
-        return Local(axis, (path, axis, t.ndim, rest, str(t.dtype)), (), t.shape[axis])
+        axis, rest, transport = check_band(t, args, "gathers")
+        return Local(axis, (args["path"], axis, t.ndim, rest, str(t.dtype), transport), (), t.shape[axis])
 
     def plan(self, axis: int, counts: list[int], comm: MPI.Comm, args: dict) -> _Plan:
-        return _Plan(axis, comm, tuple(int(c) for c in counts))
+        return _Plan(axis, comm, tuple(int(c) for c in counts), transport_of(args["transport"], comm))
 
     def kernel(self, t: torch.Tensor, p: _Plan) -> torch.Tensor:
-        moved = np.ascontiguousarray(t.detach().movedim(p.dim, 0).cpu().numpy())
+        moved = t.detach().movedim(p.dim, 0).contiguous()
         inner = math.prod(moved.shape[1:])
-        recv = np.empty((sum(p.counts),) + moved.shape[1:], moved.dtype)
-        p.comm.Allgatherv(moved, [recv, [c * inner for c in p.counts]])
+        recv = torch.empty((sum(p.counts),) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
+        row = inner * t.element_size()
+        p.transfer.allgatherv(moved, recv, [c * row for c in p.counts], [o * row for o in offsets(p.counts)])
         _RECEIVED.add((sum(p.counts) - p.counts[p.comm.Get_rank()]) * inner)
-        return torch.from_numpy(recv).to(t.device).movedim(0, p.dim)
+        return recv.movedim(0, p.dim)
 
     def adjoint(self, grad: torch.Tensor, p: _Plan) -> torch.Tensor:
-        g = np.ascontiguousarray(grad.detach().movedim(p.dim, 0).cpu().numpy())
-        inner = math.prod(g.shape[1:])
-        mine = np.empty((p.counts[p.comm.Get_rank()],) + g.shape[1:], g.dtype)
-        p.comm.Reduce_scatter(g, mine, [c * inner for c in p.counts], op=MPI.SUM)
-        return torch.from_numpy(mine).to(grad.device).movedim(0, p.dim)
+        """Each rank's tokens of every rank's gradient (one ``alltoallv``), summed in rank order."""
+        g = grad.detach().movedim(p.dim, 0).contiguous()
+        rest, mine = tuple(g.shape[1:]), p.counts[p.comm.Get_rank()]
+        row = math.prod(rest) * g.element_size()
+        parts = torch.empty((len(p.counts), mine) + rest, dtype=g.dtype, device=g.device)
+        p.transfer.alltoallv(g, [c * row for c in p.counts], parts, [mine * row] * len(p.counts))
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total.movedim(0, p.dim)
 
 
 _OP = AllgatherAlong()
 
 
-def allgather_along(t: torch.Tensor, dim: int, comm: MPI.Comm, path: str = "allgather_along") -> torch.Tensor:
+def allgather_along(t: torch.Tensor, dim: int, comm: MPI.Comm, path: str = "allgather_along", *,
+                    transport: Any = "mpi") -> torch.Tensor:
     """Every rank's ``t`` joined along ``dim`` in rank order (collective; differentiable).
 
     Args:
@@ -92,9 +96,11 @@ def allgather_along(t: torch.Tensor, dim: int, comm: MPI.Comm, path: str = "allg
         dim: The dim to join along (its size may differ between ranks).
         comm: The domain's communicator.
         path: Named in errors (the module that gathers).
+        transport: ``"mpi"``, or a transport object over the same ranks (as :func:`credit_mpi.ops.reband.reband`).
 
     Raises:
         TypeError: ``t`` is not a float32/float64 tensor (on every rank alike).
-        ValueError: ``dim`` is not a dim of ``t``; or the ranks' other dims, dtypes or autograd states differ.
+        ValueError: ``dim`` is not a dim of ``t``, ``transport`` not a transport; or the ranks' other dims,
+            dtypes, transports or autograd states differ.
     """
-    return run(_OP, t, comm, dim=dim, path=path)
+    return run(_OP, t, comm, dim=dim, path=path, transport=transport)

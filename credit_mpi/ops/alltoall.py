@@ -2,7 +2,8 @@
 
 Exact global attention when the heads divide among the ranks: every rank
 sends the tokens of its band, one group of ``H / P`` heads to each rank
-(``Alltoallv``), so rank ``s`` holds heads ``[s H / P, (s + 1) H / P)`` of
+(one ``alltoallv`` of the transport protocol, :mod:`credit_mpi.transport.moves`:
+MPI, or torch.distributed with ``transport=TorchMoves(group)``), so rank ``s`` holds heads ``[s H / P, (s + 1) H / P)`` of
 every token in the field's order and attends them locally; the output goes
 back the reverse way. Uneven token bands are allowed (the counts are agreed).
 
@@ -26,18 +27,18 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
 from ..engine import Counter, Op, run
 from ..partition import normalize_dim
+from ..transport.moves import transport_name, transport_of
 from ..validation import Local
+from .reband import check_float, transport_key
 
 __all__ = ["alltoall", "received_elements"]
 
 _RECEIVED = Counter()
-_DTYPES = (torch.float32, torch.float64)
 received_elements = _RECEIVED.received  # elements of alltoall forwards received from other ranks (this thread; reset=True)
 
 
@@ -48,6 +49,7 @@ class _Plan(NamedTuple):
     send: tuple[int, ...]  # the size along ``split`` of the part for each rank
     recv: tuple[int, ...]  # the size along ``cat`` of the part from each rank
     keep: bool  # split by agreed counts (the way back) instead of evenly
+    transfer: Any  # the transport the parts move on
 
 
 class Alltoall(Op):
@@ -56,24 +58,23 @@ class Alltoall(Op):
     name = "alltoall"
 
     def key(self, t: Any, args: dict) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return None
-        return (args["path"], args["split_dim"], args["cat_dim"], args["keep"], tuple(t.shape), t.dtype)
+        return transport_key(t, args, args["path"], args["split_dim"], args["cat_dim"], args["keep"])
 
     def local(self, t: Any, args: dict) -> Local:
         path, keep = args["path"], args["keep"]
-        if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES:
-            raise TypeError(f"{path}: all-to-all of float32/float64 tensors, got {getattr(t, 'dtype', type(t).__name__)}")
+        check_float(t, path, "all-to-all of")
+        transport = transport_name(args["transport"], path)
         split, cat = normalize_dim(args["split_dim"], t.ndim), normalize_dim(args["cat_dim"], t.ndim)
         if split == cat:
             raise ValueError(f"{path}: split_dim and cat_dim are both dim {split}; give two different dims")
         if keep is None:
             rest = tuple(s for i, s in enumerate(t.shape) if i != cat)  # equal on every rank; cat's size is the count
-            return Local((split, cat, False, t.shape[split]), (path, split, cat, False, t.ndim, rest, str(t.dtype)), (),
-                         t.shape[cat])
+            return Local((split, cat, False, t.shape[split]), (path, split, cat, False, t.ndim, rest, str(t.dtype), transport),
+                         (), t.shape[cat])
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
             raise ValueError(f"{path}: keep={keep!r} must be this rank's size along split_dim after the all-to-all (an int >= 0)")
-        return Local((split, cat, True, t.shape[split]), (path, split, cat, True, t.ndim, tuple(t.shape), str(t.dtype)), (), keep)
+        return Local((split, cat, True, t.shape[split]), (path, split, cat, True, t.ndim, tuple(t.shape), str(t.dtype), transport),
+                     (), keep)
 
     def plan(self, mine: Any, counts: list[int], comm: MPI.Comm, args: dict) -> _Plan:
         split, cat, keep, size = mine
@@ -83,41 +84,40 @@ class Alltoall(Op):
             if size % p:
                 raise ValueError(f"{path}: dim {split} of size {size} does not split evenly among {p} ranks "
                                  f"(give a size that is a multiple of {p})")
-            return _Plan(split, cat, comm, (size // p,) * p, counts, False)
+            return _Plan(split, cat, comm, (size // p,) * p, counts, False, transport_of(args["transport"], comm))
         if sum(counts) != size:
             raise ValueError(f"{path}: the ranks keep {list(counts)} along dim {split}, {sum(counts)} in all, "
                              f"but the tensor has {size} there")
-        return _Plan(split, cat, comm, counts, None, True)
+        return _Plan(split, cat, comm, counts, None, True, transport_of(args["transport"], comm))
 
     def kernel(self, t: torch.Tensor, p: _Plan) -> torch.Tensor:
-        return _exchange(t, p.split, p.cat, p.comm, p.send, p.recv, count=True)
+        return _exchange(t, p.split, p.cat, p, p.send, p.recv, count=True)
 
     def adjoint(self, grad: torch.Tensor, p: _Plan) -> torch.Tensor:
-        return _exchange(grad, p.cat, p.split, p.comm, p.recv, p.send)
+        return _exchange(grad, p.cat, p.split, p, p.recv, p.send)
 
 
-def _exchange(t: torch.Tensor, split: int, cat: int, comm: MPI.Comm, send: tuple[int, ...] | None,
+def _exchange(t: torch.Tensor, split: int, cat: int, p: _Plan, send: tuple[int, ...] | None,
               recv: tuple[int, ...] | None, count: bool = False) -> torch.Tensor:
-    """One ``Alltoallv``: ``send[s]`` rows of ``split`` to rank ``s``; from rank ``r`` ``recv[r]`` rows of ``cat``.
+    """One ``alltoallv``: ``send[s]`` rows of ``split`` to rank ``s``; from rank ``r`` ``recv[r]`` rows of ``cat``.
 
     ``None`` for either means equal parts (the tensor's size divided by the rank count along that dim
     for ``send``; this rank's size along ``cat`` for ``recv``).
     """
-    size, rank = comm.Get_size(), comm.Get_rank()
+    size, rank = p.comm.Get_size(), p.comm.Get_rank()
     if send is None:
         send = (t.shape[split] // size,) * size
     if recv is None:
         recv = (t.shape[cat],) * size
-    x = t.detach().movedim(split, 0)  # parts of split are contiguous blocks
+    x = t.detach().movedim(split, 0).contiguous()  # parts of split are contiguous blocks
     cat_moved = cat + 1 if cat < split else cat  # cat's index once split is in front
     shape = list(x.shape)
-    inner = math.prod(shape[1:])
-    sendbuf = np.ascontiguousarray(x.cpu().numpy())
+    inner, itemsize = math.prod(shape[1:]), t.element_size()
     mine = send[rank]  # every rank sends this rank the same number of rows of split (the tuples are agreed)
     other = math.prod(s for i, s in enumerate(shape) if i not in (0, cat_moved))
     part_elems = [mine * other * r for r in recv]
-    recvbuf = np.empty(sum(part_elems), sendbuf.dtype)
-    comm.Alltoallv([sendbuf, [s * inner for s in send]], [recvbuf, part_elems])
+    recvbuf = torch.empty(sum(part_elems), dtype=t.dtype, device=t.device)
+    p.transfer.alltoallv(x, [s * inner * itemsize for s in send], recvbuf, [n * itemsize for n in part_elems])
     if count:
         _RECEIVED.add(sum(part_elems) - part_elems[rank])
     parts, at = [], 0
@@ -126,15 +126,14 @@ def _exchange(t: torch.Tensor, split: int, cat: int, comm: MPI.Comm, send: tuple
         part_shape[cat_moved] = r
         parts.append(recvbuf[at : at + n].reshape(part_shape))
         at += n
-    joined = np.concatenate(parts, axis=cat_moved)
-    return torch.from_numpy(joined).to(t.device).movedim(0, split)
+    return torch.cat(parts, dim=cat_moved).movedim(0, split)
 
 
 _OP = Alltoall()
 
 
 def alltoall(t: torch.Tensor, split_dim: int, cat_dim: int, comm: MPI.Comm, *, keep: int | None = None,
-             path: str = "alltoall") -> torch.Tensor:
+             path: str = "alltoall", transport: Any = "mpi") -> torch.Tensor:
     """Part ``s`` of ``t`` along ``split_dim`` sent to rank ``s``; the parts received joined along ``cat_dim`` (collective; differentiable).
 
     Args:
@@ -146,10 +145,11 @@ def alltoall(t: torch.Tensor, split_dim: int, cat_dim: int, comm: MPI.Comm, *, k
         comm: The domain's communicator.
         keep: None, or this rank's size along ``split_dim`` afterwards (the way back to bands).
         path: Named in errors (the module that calls it).
+        transport: ``"mpi"``, or a transport object over the same ranks (as :func:`credit_mpi.ops.reband.reband`).
 
     Raises:
         TypeError: ``t`` is not a float32/float64 tensor (on every rank alike).
         ValueError: the dims are not two dims of ``t``; ``split_dim`` does not divide evenly; the
             ranks' ``keep`` do not add up to its size; the ranks' other dims, dtypes or autograd states differ.
     """
-    return run(_OP, t, comm, split_dim=split_dim, cat_dim=cat_dim, keep=keep, path=path)
+    return run(_OP, t, comm, split_dim=split_dim, cat_dim=cat_dim, keep=keep, path=path, transport=transport)

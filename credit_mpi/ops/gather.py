@@ -225,11 +225,12 @@ class GatherBlocks(_Gathers):
 def gather_kernel(x: Any, p: _Gather) -> Any:
     """Move the bands of an agreed gather (no checks, no autograd): returns the output."""
     shape = _gathered_shape(p.info.shape, p.axis, sum(p.sizes))
+    adapter = arrays.adapter(x)  # x's library, looked up once (out is of its kind: agreed)
     # A new output each call, from memory no live array uses (a loop does not first-touch fresh pages every step).
-    out = arrays.pooled_empty(x, shape) if p.out is None else p.out
+    out = arrays.pooled_empty(x, shape, adapter) if p.out is None else p.out
     if math.prod(shape) == 0:
         return out
-    if p.out is not None and arrays.shares_memory(x, out):
+    if p.out is not None and adapter.shares_memory(x, out):
         x = rowops.clone(x)  # an in-place gather: MPI forbids aliased send and receive buffers
     if p.transport == "torch":
         from ..transport.torch_moves import TorchMoves  # imports torch
@@ -238,15 +239,15 @@ def gather_kernel(x: Any, p: _Gather) -> Any:
     else:
         outer = math.prod(shape[: p.axis])
         row_bytes = math.prod(shape[p.axis + 1 :]) * p.info.itemsize
-        x = arrays.contiguous(x)
-        send, recv = arrays.host_bytes(x), arrays.host_bytes(out)
+        x = adapter.contiguous(x)
+        send, recv = arrays.host_bytes(x, adapter), arrays.host_bytes(out, adapter)
         if send is not None and recv is not None:  # host memory: numpy byte views, no staging
             _allgather_rows(p.comm, send, recv, outer, p.sizes, row_bytes)
         else:
-            with staging.send_buffer(x, p.comm) as send, staging.recv_buffer(out, p.comm) as recv:
+            with staging.send_buffer(x, p.comm, adapter) as send, staging.recv_buffer(out, p.comm, adapter=adapter) as recv:
                 _allgather_rows(p.comm, send, recv, outer, p.sizes, row_bytes)
     if p.out is not None:
-        arrays.mark_written(out)  # autograd sees the write (a tensor it saved is now stale)
+        adapter.mark_written(out)  # autograd sees the write (a tensor it saved is now stale)
     return out
 
 

@@ -13,7 +13,7 @@ from its input's shape (``h_r``), then sees whole groups in the order the
 rearrange expects, and runs locally: exact.
 
 :func:`to_groups` moves a band layout there and :func:`from_groups` back:
-one :func:`~credit_mpi.ops.reband.move_rows` each (an ``Alltoallv``; the map
+one :func:`~credit_mpi.ops.reband.move_rows` each (an ``alltoallv`` of the transport; the map
 is written once, :func:`group_source`), the move back the same pairs with
 sends and receives swapped, which is also each one's adjoint. Per rank the
 move sends the rows of its band that belong to other ranks' groups, about
@@ -28,21 +28,19 @@ data moves.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..engine import Op, run
+from ..engine import Op, run, run_planned
 from ..layout import offsets, split
+from ..transport.moves import transport_of
 from ..validation import Local
-from .reband import RowMoves, check_band, move_rows, plan_moves
+from .reband import RowMoves, check_band, move_rows, plan_moves, transport_key
 
 __all__ = ["to_groups", "from_groups", "grouped", "group_sizes", "group_source", "NoGroupLayout", "group_layout_problem"]
-
-_LAST = threading.local()  # the band layout of this thread's last move to groups (grouped() returns it)
 
 
 class NoGroupLayout(ValueError):
@@ -92,6 +90,7 @@ class _Plan(NamedTuple):
     comm: MPI.Comm
     moves: RowMoves  # this direction's move
     bands: tuple[int, ...]  # the band layout (every rank's rows)
+    transfer: Any  # the transport the rows move on
 
 
 def _check_window(window: int, height: int, n: int, least: int, path: str) -> None:
@@ -108,17 +107,15 @@ class GroupRows(Op):
     name = "group_rows"
 
     def key(self, t: Any, args: dict) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return None
-        return (args["path"], args["dim"], repr(args["window"]), args["back"], tuple(t.shape), t.dtype)
+        return transport_key(t, args, args["path"], args["dim"], repr(args["window"]), args["back"])
 
     def local(self, t: Any, args: dict) -> Local:
-        axis, rest = check_band(t, args)
+        axis, rest, transport = check_band(t, args)
         window = args["window"]
         if isinstance(window, bool) or not isinstance(window, int):
             raise TypeError(f"{args['path']}: window must be an int (the rows of each group), got {window!r}")
-        return Local(axis, (args["path"], axis, t.ndim, rest, str(t.dtype), repr(args["window"]), args["back"], args["least"]), (),
-                     t.shape[axis])
+        calls = (args["path"], axis, t.ndim, rest, str(t.dtype), repr(args["window"]), args["back"], args["least"], transport)
+        return Local(axis, calls, (), t.shape[axis])
 
     def plan(self, axis: int, counts: list[int], comm: MPI.Comm, args: dict) -> _Plan:
         counts, window, back, path = tuple(int(c) for c in counts), args["window"], args["back"], args["path"]
@@ -134,21 +131,20 @@ class GroupRows(Op):
                                  f"{height} rows in groups of {window}, or {list(bands)} is not a band layout of "
                                  f"them (one size >= 0 per rank, the same total)")
         moves = plan_moves(bands, groups, group_source(height, window, n), comm.Get_rank())
-        return _Plan(axis, comm, moves if back is None else moves.inverse(), bands)
+        return _Plan(axis, comm, moves if back is None else moves.inverse(), bands, transport_of(args["transport"], comm))
 
     def kernel(self, t: torch.Tensor, p: _Plan) -> torch.Tensor:
-        _LAST.bands = p.bands
-        return move_rows(t, p.dim, p.moves, p.comm)
+        return move_rows(t, p.dim, p.moves, p.transfer)
 
     def adjoint(self, grad: torch.Tensor, p: _Plan) -> torch.Tensor:
-        return move_rows(grad, p.dim, p.moves.inverse(), p.comm)
+        return move_rows(grad, p.dim, p.moves.inverse(), p.transfer)
 
 
 _OP = GroupRows()
 
 
 def to_groups(t: torch.Tensor, dim: int, window: int, comm: MPI.Comm, path: str = "to_groups",
-              least: int = 0) -> torch.Tensor:
+              least: int = 0, *, transport: Any = "mpi") -> torch.Tensor:
     """This rank's part of the group layout of the field banded along ``dim`` (collective; differentiable).
 
     Args:
@@ -158,6 +154,7 @@ def to_groups(t: torch.Tensor, dim: int, window: int, comm: MPI.Comm, path: str 
         comm: The domain's communicator (bands in rank order).
         path: Named in errors.
         least: The groups every rank must get (a module's forward may need one).
+        transport: ``"mpi"``, or a transport object over the same ranks (as :func:`credit_mpi.ops.reband.reband`).
 
     Returns:
         ``window * h_r`` rows: local row ``i1 * h_r + (j - J_r)`` = global row ``i1 * h + j``.
@@ -165,23 +162,30 @@ def to_groups(t: torch.Tensor, dim: int, window: int, comm: MPI.Comm, path: str 
     Raises:
         TypeError: ``t`` is not a float32/float64 tensor, or ``window`` not an int (on every rank alike).
         ValueError: ``dim`` is not a dim of ``t``, ``window`` < 1; :class:`NoGroupLayout`: the height
-            not a multiple of it, or fewer than ``least`` groups a rank; or the ranks' windows, other dims, dtypes or autograd states differ.
+            not a multiple of it, or fewer than ``least`` groups a rank; ``transport`` not a transport; or the
+            ranks' windows, other dims, dtypes, transports or autograd states differ.
     """
-    return run(_OP, t, comm, dim=dim, window=window, back=None, path=path, least=int(least))
+    return grouped(t, dim, window, comm, path, least, transport=transport)[0]
 
 
 def from_groups(t: torch.Tensor, dim: int, window: int, sizes: tuple[int, ...], comm: MPI.Comm,
-                path: str = "from_groups") -> torch.Tensor:
+                path: str = "from_groups", *, transport: Any = "mpi") -> torch.Tensor:
     """The group layout (:func:`to_groups`) moved back to the band layout ``sizes`` (collective; differentiable).
 
     Raises:
         ValueError: as :func:`to_groups`, or ``t``'s rows are not the group layout, or ``sizes``
             not a layout of the same rows (the same on every rank).
     """
-    return run(_OP, t, comm, dim=dim, window=window, back=tuple(int(s) for s in sizes), path=path, least=0)
+    return run(_OP, t, comm, dim=dim, window=window, back=tuple(int(s) for s in sizes), path=path, least=0,
+               transport=transport)
 
 
-def grouped(t: torch.Tensor, dim: int, window: int, comm: MPI.Comm, path: str = "to_groups", least: int = 0) -> tuple:
-    """:func:`to_groups`; returns ``(part, the band layout)`` (what :func:`from_groups` takes back to)."""
-    out = to_groups(t, dim, window, comm, path, least)
-    return out, _LAST.bands
+def grouped(t: torch.Tensor, dim: int, window: int, comm: MPI.Comm, path: str = "to_groups", least: int = 0, *,
+            transport: Any = "mpi") -> tuple:
+    """:func:`to_groups`; returns ``(part, the band layout)`` (what :func:`from_groups` takes back to).
+
+    The layout is the agreed plan's (:func:`credit_mpi.engine.run_planned`).
+    """
+    out, plan = run_planned(_OP, t, comm, dim=dim, window=window, back=None, path=path, least=int(least),
+                            transport=transport)
+    return out, plan.bands

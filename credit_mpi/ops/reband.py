@@ -11,8 +11,10 @@ gradient.
 The move itself is written once, :func:`move_rows`, for any map "output row
 ``j`` of the field is input row ``src(j)``" between two layouts of one dim:
 every rank sends each other rank the rows of its band that rank's output
-needs, in that rank's order (one ``Alltoallv``; rows that stay are copied by
-MPI too), and places what it receives. :mod:`credit_mpi.ops.roll` (the
+needs, in that rank's order (one ``alltoallv`` of the transport protocol,
+:mod:`credit_mpi.transport.moves`: MPI, staged or CUDA-aware, or
+torch.distributed; rows that stay are copied by the transport too), and
+places what it receives. :mod:`credit_mpi.ops.roll` (the
 cyclic shift) is the same move with another map. A permutation's adjoint is
 its inverse: the same pairs of index lists with sends and receives swapped.
 
@@ -25,7 +27,6 @@ every rank and every rank knows every band before data moves.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -33,12 +34,14 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..engine import Op, run
+from ..engine import Op, run, run_planned
 from ..layout import Layout
 from ..partition import normalize_dim
+from ..transport.moves import transport_name, transport_of
 from ..validation import Local
 
-__all__ = ["reband", "rebanded", "whole_windows", "move_rows", "plan_moves", "RowMoves"]
+__all__ = ["reband", "rebanded", "whole_windows", "move_rows", "plan_moves", "RowMoves", "check_float", "check_band",
+           "transport_key"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -93,17 +96,25 @@ def plan_moves(sizes_in: tuple[int, ...], sizes_out: tuple[int, ...], src: Calla
     return RowMoves(send, recv, sizes_in[rank], sizes_out[rank])
 
 
-def move_rows(t: torch.Tensor, dim: int, moves: RowMoves, comm: MPI.Comm) -> torch.Tensor:
-    """Apply ``moves`` to ``t`` along ``dim``: one ``Alltoallv`` of the rows every rank needs (collective)."""
-    moved = np.ascontiguousarray(t.detach().movedim(dim, 0).cpu().numpy())
-    inner = math.prod(moved.shape[1:])
-    send = np.ascontiguousarray(moved[np.concatenate(moves.send)])
-    recv = np.empty((sum(len(r) for r in moves.recv),) + moved.shape[1:], moved.dtype)
-    counts_s, counts_r = [len(s) * inner for s in moves.send], [len(r) * inner for r in moves.recv]
-    comm.Alltoallv([send, counts_s], [recv, counts_r])
-    out = np.empty((moves.rows_out,) + moved.shape[1:], moved.dtype)
-    out[np.concatenate(moves.recv)] = recv
-    return torch.from_numpy(out).to(t.device).movedim(0, dim)
+def move_rows(t: torch.Tensor, dim: int, moves: RowMoves, transfer: Any) -> torch.Tensor:
+    """Apply ``moves`` to ``t`` along ``dim``: one ``alltoallv`` of the rows every rank needs on ``transfer`` (collective).
+
+    ``transfer`` is a transport of :mod:`credit_mpi.transport.moves` (an
+    ``MpiMoves`` or a ``TorchMoves``): the rows stay on ``t``'s device.
+    """
+    moved = t.detach().movedim(dim, 0)
+    rest = tuple(moved.shape[1:])
+    row_bytes = math.prod(rest) * t.element_size()
+    send = moved[_index(moves.send, t.device)]  # a new contiguous tensor, in the receivers' order
+    recv = torch.empty((sum(len(r) for r in moves.recv),) + rest, dtype=t.dtype, device=t.device)
+    transfer.alltoallv(send, [len(s) * row_bytes for s in moves.send], recv, [len(r) * row_bytes for r in moves.recv])
+    out = torch.empty((moves.rows_out,) + rest, dtype=t.dtype, device=t.device)
+    out[_index(moves.recv, t.device)] = recv
+    return out.movedim(0, dim)
+
+
+def _index(parts: tuple[np.ndarray, ...], device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)).to(device)
 
 
 class _Plan(NamedTuple):
@@ -112,9 +123,7 @@ class _Plan(NamedTuple):
     moves: RowMoves
     sizes_in: tuple[int, ...] = ()
     sizes_out: tuple[int, ...] = ()
-
-
-_LAST = threading.local()  # the layouts of this thread's last re-band (rebanded() returns them)
+    transfer: Any = None  # the transport the rows move on
 
 
 def _target(counts: tuple[int, ...], sizes: Any, window: Any, back: Any, path: str) -> tuple[int, ...]:
@@ -137,13 +146,27 @@ def _target(counts: tuple[int, ...], sizes: Any, window: Any, back: Any, path: s
     return tuple(o * total // max(unit, 1) for o in original)
 
 
-def check_band(t: Any, args: dict) -> tuple[int, tuple]:
-    """A row move's local check: ``t`` a float tensor, ``dim`` one of its dims; returns ``(axis, the other dims)``."""
-    path = args["path"]
+def check_float(t: Any, path: str, verb: str, name: str = "") -> None:
+    """The ops' tensor check: ``t`` a float32/float64 tensor, else the TypeError ``"<path>: <verb> float32/float64 tensors, got ..."``."""
     if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES:
-        raise TypeError(f"{path}: moves float32/float64 tensors, got {getattr(t, 'dtype', type(t).__name__)}")
+        raise TypeError(f"{path}: {verb} float32/float64 tensors, got {name}{getattr(t, 'dtype', type(t).__name__)}")
+
+
+def check_band(t: Any, args: dict, verb: str = "moves") -> tuple[int, tuple, str]:
+    """The local check of an op along one dim: ``t`` a float tensor (:func:`check_float`), ``dim`` one of its
+    dims, ``transport`` a transport; returns ``(axis, the other dims, the transport's name)`` (the last two agreed)."""
+    check_float(t, args["path"], verb)
+    transport = transport_name(args["transport"], args["path"])
     axis = normalize_dim(args["dim"], t.ndim)
-    return axis, tuple(t.shape[:axis]) + tuple(t.shape[axis + 1 :])
+    return axis, tuple(t.shape[:axis]) + tuple(t.shape[axis + 1 :]), transport
+
+
+def transport_key(t: Any, args: dict, *static: Any) -> Any:
+    """The cache key of the ops of a torch tensor over MPI (``static``: the arguments that decide the plan), else None."""
+    transport = args["transport"]
+    if not isinstance(t, torch.Tensor) or not (isinstance(transport, str) and transport == "mpi"):
+        return None
+    return (*static, tuple(t.shape), t.dtype)
 
 
 class Reband(Op):
@@ -152,17 +175,16 @@ class Reband(Op):
     name = "reband"
 
     def key(self, t: Any, args: dict) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return None
-        return (args["path"], args["dim"], args["target"], tuple(t.shape), t.dtype)
+        return transport_key(t, args, args["path"], args["dim"], args["target"])
 
     def local(self, t: Any, args: dict) -> Local:
-        axis, rest = check_band(t, args)
+        axis, rest, transport = check_band(t, args)
         target = args["target"]
         if sum(v is not None for v in target) != 1:
             raise ValueError(f"{args['path']}: give the target layout as one of sizes=, window= or back=, got "
                              f"{dict(zip(('sizes', 'window', 'back'), target, strict=True))}")
-        return Local(axis, (args["path"], axis, t.ndim, rest, str(t.dtype), target), (), t.shape[axis])
+        calls = (args["path"], axis, t.ndim, rest, str(t.dtype), target, transport)
+        return Local(axis, calls, (), t.shape[axis])
 
     def plan(self, axis: int, counts: list[int], comm: MPI.Comm, args: dict) -> _Plan:
         counts = tuple(int(c) for c in counts)
@@ -170,25 +192,26 @@ class Reband(Op):
         if len(sizes) != len(counts) or sum(sizes) != sum(counts) or min(sizes) < 0:
             raise ValueError(f"{args['path']}: the target band sizes {list(sizes)} are not a layout of the "
                              f"{sum(counts)} rows of the bands {list(counts)} (one size >= 0 per rank, the same total)")
-        return _Plan(axis, comm, plan_moves(counts, sizes, lambda j: j, comm.Get_rank()), counts, sizes)
+        moves = plan_moves(counts, sizes, lambda j: j, comm.Get_rank())
+        return _Plan(axis, comm, moves, counts, sizes, transport_of(args["transport"], comm))
 
     def kernel(self, t: torch.Tensor, p: _Plan) -> torch.Tensor:
-        _LAST.layout = (p.sizes_in, p.sizes_out)
         if p.sizes_in == p.sizes_out:  # the same layout on every rank (agreed): nothing moves
             return t.detach().clone()
-        return move_rows(t, p.dim, p.moves, p.comm)
+        return move_rows(t, p.dim, p.moves, p.transfer)
 
     def adjoint(self, grad: torch.Tensor, p: _Plan) -> torch.Tensor:
         if p.sizes_in == p.sizes_out:
             return grad
-        return move_rows(grad, p.dim, p.moves.inverse(), p.comm)
+        return move_rows(grad, p.dim, p.moves.inverse(), p.transfer)
 
 
 _OP = Reband()
 
 
 def reband(t: torch.Tensor, dim: int, comm: MPI.Comm, *, sizes: tuple[int, ...] | None = None,
-           window: int | None = None, back: tuple | None = None, path: str = "reband") -> torch.Tensor:
+           window: int | None = None, back: tuple | None = None, path: str = "reband",
+           transport: Any = "mpi") -> torch.Tensor:
     """This rank's band of ``t`` along ``dim`` in another layout of the same rows (collective; differentiable).
 
     Args:
@@ -201,19 +224,29 @@ def reband(t: torch.Tensor, dim: int, comm: MPI.Comm, *, sizes: tuple[int, ...] 
         back: Instead: ``(moved, original)``, the layouts of an earlier re-band (:func:`rebanded`);
             ``t``'s bands (proportional to ``moved``) go back to the same proportion of ``original``.
         path: Named in errors.
+        transport: ``"mpi"`` (over ``comm``), or a transport object over the same ranks
+            (:func:`credit_mpi.transport.moves.transport_name`), the same kind on every rank.
 
     Raises:
         TypeError: ``t`` is not a float32/float64 tensor (on every rank alike).
         ValueError: ``dim`` is not a dim of ``t``, the target is not a layout of the rows, not one of
-            ``sizes``, ``window``, ``back`` given, or the ranks' other dims, dtypes, targets or autograd
-            states differ.
+            ``sizes``, ``window``, ``back`` given, ``transport`` not a transport, or the ranks' other dims,
+            dtypes, targets, transports or autograd states differ.
     """
+    return run(_OP, t, comm, **_reband_args(dim, sizes, window, back, path, transport))
+
+
+def _reband_args(dim: int, sizes: Any, window: Any, back: Any, path: str, transport: Any) -> dict:
     sizes = None if sizes is None else tuple(int(s) for s in sizes)
     back = None if back is None else (tuple(back[0]), tuple(back[1]))
-    return run(_OP, t, comm, dim=dim, target=(sizes, window, back), path=path)
+    return {"dim": dim, "target": (sizes, window, back), "path": path, "transport": transport}
 
 
-def rebanded(t: torch.Tensor, dim: int, comm: MPI.Comm, window: int, path: str = "reband") -> tuple:
-    """:func:`reband` to whole windows; returns ``(band, sizes before, sizes after)`` (``back=`` takes the two layouts)."""
-    out = reband(t, dim, comm, window=window, path=path)
-    return (out, *_LAST.layout)
+def rebanded(t: torch.Tensor, dim: int, comm: MPI.Comm, window: int, path: str = "reband", *,
+             transport: Any = "mpi") -> tuple:
+    """:func:`reband` to whole windows; returns ``(band, sizes before, sizes after)`` (``back=`` takes the two layouts).
+
+    The layouts are those of the agreed plan (:func:`credit_mpi.engine.run_planned`).
+    """
+    out, plan = run_planned(_OP, t, comm, **_reband_args(dim, None, window, None, path, transport))
+    return out, plan.sizes_in, plan.sizes_out

@@ -3,7 +3,9 @@
 Exact global attention with the queries on token bands when the heads do
 not divide among the ranks: at step ``j`` rank ``r`` attends its queries to
 the keys and values of rank ``r - j`` (the band it received from its left
-neighbour while computing on the previous one) and folds the scores into a
+neighbour while computing on the previous one: the shift is posted on the
+transport, :mod:`credit_mpi.transport.moves`, before the step's compute and
+waited for after it) and folds the scores into a
 running maximum, sum and output (the online softmax of flash attention), so
 a rank never holds more than two K/V bands. Masks are given in the field's
 coordinates (``attn_mask`` of shape ``(..., L, S)`` over every token, or
@@ -28,7 +30,6 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from mpi4py import MPI
 from torch.autograd.function import once_differentiable
@@ -36,12 +37,14 @@ from torch.autograd.function import once_differentiable
 from ..autograd import check_backward_thread
 from ..engine import Counter, Op, run
 from ..layout import Layout
+from ..transport.limits import TAG_RING
+from ..transport.moves import RECV, SEND, MpiMoves, transport_name, transport_of
 from ..validation import Local
+from .reband import check_float
 
 __all__ = ["ring_attention", "received_elements"]
 
 _RECEIVED = Counter()
-_DTYPES = (torch.float32, torch.float64)
 _SHIFT = 31  # a rank's count is its query tokens << _SHIFT | its key tokens (one agreed integer)
 
 received_elements = _RECEIVED.received  # elements of ring_attention forwards received from other ranks (this thread; reset=True)
@@ -53,6 +56,7 @@ class _Plan(NamedTuple):
     k_counts: tuple[int, ...]  # key (and value) tokens of every rank
     scale: float
     causal: bool
+    transfer: Any  # the transport the bands travel on
 
 
 class RingAttention(Op):
@@ -64,9 +68,8 @@ class RingAttention(Op):
         q, k, v = x
         path, mask = args["path"], args["mask"]
         for name, t in (("query", q), ("key", k), ("value", v)):
-            if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES:
-                raise TypeError(f"{path}: ring attention of float32/float64 tensors, got {name} "
-                                f"{getattr(t, 'dtype', type(t).__name__)}")
+            check_float(t, path, "ring attention of", f"{name} ")
+        transport = transport_name(args["transport"], path)
         if q.ndim < 2 or not (q.ndim == k.ndim == v.ndim) or q.dtype != k.dtype or q.dtype != v.dtype:
             raise ValueError(f"{path}: q, k, v must have the same dtype and ndim >= 2, got {tuple(q.shape)} "
                              f"{tuple(k.shape)} {tuple(v.shape)}")
@@ -82,7 +85,7 @@ class RingAttention(Op):
         records = torch.is_grad_enabled() and any(t.requires_grad for t in x)
         mask_spec = None if mask is None else (tuple(mask.shape), str(mask.dtype))
         calls = (path, tuple(q.shape[:-2]), q.shape[-1], v.shape[-1], str(q.dtype), mask_spec, bool(args["causal"]),
-                 scale, ("ring_records", records))
+                 scale, ("ring_records", records), transport)
         return Local(scale, calls, (), (q.shape[-2] << _SHIFT) | k.shape[-2])
 
     def plan(self, scale: float, counts: list[int], comm: MPI.Comm, args: dict) -> _Plan:
@@ -95,7 +98,7 @@ class RingAttention(Op):
                 raise ValueError(f"{path}: attn_mask of shape {tuple(mask.shape)} is not in the field's coordinates: "
                                  f"its last two dims must be (1 or {sum(q_counts)} query tokens, 1 or "
                                  f"{sum(k_counts)} key tokens)")
-        return _Plan(comm, q_counts, k_counts, scale, bool(args["causal"]))
+        return _Plan(comm, q_counts, k_counts, scale, bool(args["causal"]), transport_of(args["transport"], comm))
 
     def kernel(self, x: Any, p: _Plan) -> torch.Tensor:
         q, k, v = x
@@ -136,29 +139,37 @@ def _bias(mask: torch.Tensor | None, p: _Plan, src: int, like: torch.Tensor) -> 
     return out
 
 
-def _pack(*ts: torch.Tensor) -> np.ndarray:
-    return np.concatenate([np.ascontiguousarray(t.detach().cpu().numpy()).ravel() for t in ts])
+class _Shift:
+    """``parts`` on their way to the right neighbour, tensors of ``shapes`` on their way from the left one (posted).
+
+    :meth:`wait` returns what arrived; in between the caller may compute
+    (``parts`` were packed into one buffer, kept here until the wait).
+    """
+
+    def __init__(self, p: _Plan, parts: tuple[torch.Tensor, ...], shapes: list[tuple[int, ...]], like: torch.Tensor,
+                 count: bool = False) -> None:
+        size, rank = p.comm.Get_size(), p.comm.Get_rank()
+        self._send = torch.cat([t.detach().reshape(-1) for t in parts])
+        self.recv = torch.empty(sum(math.prod(s) for s in shapes), dtype=like.dtype, device=like.device)
+        self.shapes = shapes
+        self.posted = p.transfer.post([(RECV, self.recv, (rank - 1) % size, TAG_RING),
+                                       (SEND, self._send, (rank + 1) % size, TAG_RING)])
+        if count:
+            _RECEIVED.add(self.recv.numel())
+
+    def wait(self) -> list[torch.Tensor]:
+        self.posted.wait()
+        out, at = [], 0
+        for shape in self.shapes:
+            n = math.prod(shape)
+            out.append(self.recv[at : at + n].view(shape))
+            at += n
+        return out
 
 
-def _unpack(buf: np.ndarray, shapes: list[tuple[int, ...]], like: torch.Tensor) -> list[torch.Tensor]:
-    out, at = [], 0
-    for shape in shapes:
-        n = math.prod(shape)
-        out.append(torch.from_numpy(buf[at : at + n].reshape(shape)).to(like.device))
-        at += n
-    return out
-
-
-def _shift(comm: MPI.Comm, parts: tuple[torch.Tensor, ...], shapes: list[tuple[int, ...]], like: torch.Tensor,
-           count: bool = False) -> list[torch.Tensor]:
-    """Send ``parts`` to the right neighbour, receive tensors of ``shapes`` from the left one (one Sendrecv)."""
-    size, rank = comm.Get_size(), comm.Get_rank()
-    send = _pack(*parts)
-    recv = np.empty(sum(math.prod(s) for s in shapes), send.dtype)
-    comm.Sendrecv(send, (rank + 1) % size, 0, recv, (rank - 1) % size, 0)
-    if count:
-        _RECEIVED.add(recv.size)
-    return _unpack(recv, shapes, like)
+def _shift(p: _Plan, parts: tuple[torch.Tensor, ...], shapes: list[tuple[int, ...]], like: torch.Tensor) -> list[torch.Tensor]:
+    """Send ``parts`` to the right neighbour, receive tensors of ``shapes`` from the left one (posted, then waited for)."""
+    return _Shift(p, parts, shapes, like).wait()
 
 
 def _kv_shapes(k: torch.Tensor, v: torch.Tensor, n: int) -> list[tuple[int, ...]]:
@@ -173,13 +184,15 @@ def _scores(q, k, p: _Plan, mask, src: int) -> torch.Tensor:
 
 def _forward(q, k, v, p: _Plan, mask) -> tuple[torch.Tensor, torch.Tensor]:
     """The output and the log-sum-exp of every query row (the online softmax over the visiting bands)."""
-    comm, size, rank = p.comm, p.comm.Get_size(), p.comm.Get_rank()
+    size, rank = p.comm.Get_size(), p.comm.Get_rank()
     m = torch.full(q.shape[:-1] + (1,), -math.inf, dtype=q.dtype, device=q.device)
     total = torch.zeros_like(m)
     acc = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     kc, vc = k, v
     for step in range(size):
         src = (rank - step) % size
+        # the next band travels while this one is attended (kc, vc are only read until the wait)
+        shift = _Shift(p, (kc, vc), _kv_shapes(k, v, p.k_counts[(src - 1) % size]), q, count=True) if step < size - 1 else None
         s = _scores(q, kc, p, mask, src)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
@@ -188,15 +201,15 @@ def _forward(q, k, v, p: _Plan, mask) -> tuple[torch.Tensor, torch.Tensor]:
         total = total * alpha + e.sum(-1, keepdim=True)
         acc = acc * alpha + e @ vc
         m = m_new
-        if step < size - 1:
-            kc, vc = _shift(comm, (kc, vc), _kv_shapes(k, v, p.k_counts[(src - 1) % size]), q, count=True)
+        if shift is not None:
+            kc, vc = shift.wait()
     safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     return acc / total, safe + torch.log(total)
 
 
 def _backward(q, k, v, out, lse, grad, p: _Plan, mask):
     """dQ, dK, dV: the bands go round again, their gradients with them, and home after the last step."""
-    comm, size, rank = p.comm, p.comm.Get_size(), p.comm.Get_rank()
+    size, rank = p.comm.Get_size(), p.comm.Get_rank()
     delta = (grad * out).sum(-1, keepdim=True)
     dq = torch.zeros_like(q)
     kc, vc, dk, dv = k, v, torch.zeros_like(k), torch.zeros_like(v)
@@ -209,9 +222,9 @@ def _backward(q, k, v, out, lse, grad, p: _Plan, mask):
         dk = dk + (ds.transpose(-1, -2) @ q) * p.scale
         if step < size - 1:
             n = p.k_counts[(src - 1) % size]
-            kc, vc, dk, dv = _shift(comm, (kc, vc, dk, dv), _kv_shapes(k, v, n) * 2, q)
+            kc, vc, dk, dv = _shift(p, (kc, vc, dk, dv), _kv_shapes(k, v, n) * 2, q)
     if size > 1:  # the band held now is rank + 1's: its gradients go home, ours come from rank - 1
-        dk, dv = _shift(comm, (dk, dv), _kv_shapes(k, v, p.k_counts[rank]), q)
+        dk, dv = _shift(p, (dk, dv), _kv_shapes(k, v, p.k_counts[rank]), q)
     return dq, dk, dv
 
 
@@ -228,7 +241,8 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        check_backward_thread()
+        if isinstance(ctx.plan.transfer, MpiMoves):
+            check_backward_thread()
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(q, k, v, out, lse, grad.contiguous(), ctx.plan, ctx.mask)
         return dq, dk, dv, None, None
@@ -236,7 +250,7 @@ class _Ring(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: MPI.Comm, *,
                    attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
-                   path: str = "ring_attention") -> torch.Tensor:
+                   path: str = "ring_attention", transport: Any = "mpi") -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of this rank's queries with the keys and values of every rank (collective; differentiable).
 
     Args:
@@ -248,9 +262,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: MPI.
         is_causal: Key ``j`` attends query ``i`` when ``j <= i`` (global token indices).
         scale: The scores' factor (default ``1 / sqrt(E)``).
         path: Named in errors.
+        transport: ``"mpi"``, or a transport object over the same ranks (as :func:`credit_mpi.ops.reband.reband`).
 
     Raises:
         TypeError: q, k or v is not a float32/float64 tensor (on every rank alike).
-        ValueError: their shapes do not fit; the mask is not in the field's coordinates; the ranks differ.
+        ValueError: their shapes do not fit; the mask is not in the field's coordinates; ``transport`` is
+            not a transport; the ranks differ.
     """
-    return run(RingAttention(attn_mask), (q, k, v), comm, mask=attn_mask, causal=is_causal, scale=scale, path=path)
+    return run(RingAttention(attn_mask), (q, k, v), comm, mask=attn_mask, causal=is_causal, scale=scale, path=path,
+               transport=transport)

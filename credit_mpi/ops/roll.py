@@ -4,7 +4,8 @@ Shifted-window attention (Swin) rolls the field by half a window before the
 window partition and back after. On bands, output row ``j`` of the field is
 input row ``(j - shift) mod H``: a band's new rows come from one or more
 other bands (a shift larger than a band: from several), which
-:func:`credit_mpi.ops.reband.move_rows` moves in one ``Alltoallv``. The
+:func:`credit_mpi.ops.reband.move_rows` moves in one ``alltoallv`` of the
+transport (MPI, or torch.distributed with ``transport=TorchMoves(group)``). The
 layout stays the same (even or uneven bands alike); the adjoint is the roll
 back (the same moves, sends and receives swapped). Per rank the forward
 sends the rows of its band that land on other bands (all of them once the
@@ -23,8 +24,9 @@ import torch
 from mpi4py import MPI
 
 from ..engine import Op, run
+from ..transport.moves import transport_of
 from ..validation import Local
-from .reband import RowMoves, check_band, move_rows, plan_moves
+from .reband import RowMoves, check_band, move_rows, plan_moves, transport_key
 
 __all__ = ["roll_along"]
 
@@ -33,6 +35,7 @@ class _Plan(NamedTuple):
     dim: int
     comm: MPI.Comm
     moves: RowMoves
+    transfer: Any  # the transport the rows move on
 
 
 class RollAlong(Op):
@@ -41,33 +44,33 @@ class RollAlong(Op):
     name = "roll_along"
 
     def key(self, t: Any, args: dict) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return None
-        return (args["path"], args["dim"], repr(args["shift"]), tuple(t.shape), t.dtype)
+        return transport_key(t, args, args["path"], args["dim"], repr(args["shift"]))
 
     def local(self, t: Any, args: dict) -> Local:
-        axis, rest = check_band(t, args)
+        axis, rest, transport = check_band(t, args)
         shift = args["shift"]
         if isinstance(shift, bool) or not isinstance(shift, int):
             raise TypeError(f"{args['path']}: shift must be an int, got {shift!r}")
-        return Local(axis, (args["path"], axis, t.ndim, rest, str(t.dtype), args["shift"]), (), t.shape[axis])
+        return Local(axis, (args["path"], axis, t.ndim, rest, str(t.dtype), args["shift"], transport), (), t.shape[axis])
 
     def plan(self, axis: int, counts: list[int], comm: MPI.Comm, args: dict) -> _Plan:
         sizes = tuple(int(c) for c in counts)
         total, shift = sum(sizes), args["shift"]
-        return _Plan(axis, comm, plan_moves(sizes, sizes, lambda j: (j - shift) % max(total, 1), comm.Get_rank()))
+        moves = plan_moves(sizes, sizes, lambda j: (j - shift) % max(total, 1), comm.Get_rank())
+        return _Plan(axis, comm, moves, transport_of(args["transport"], comm))
 
     def kernel(self, t: torch.Tensor, p: _Plan) -> torch.Tensor:
-        return move_rows(t, p.dim, p.moves, p.comm)
+        return move_rows(t, p.dim, p.moves, p.transfer)
 
     def adjoint(self, grad: torch.Tensor, p: _Plan) -> torch.Tensor:
-        return move_rows(grad, p.dim, p.moves.inverse(), p.comm)
+        return move_rows(grad, p.dim, p.moves.inverse(), p.transfer)
 
 
 _OP = RollAlong()
 
 
-def roll_along(t: torch.Tensor, shift: int, dim: int, comm: MPI.Comm, path: str = "roll_along") -> torch.Tensor:
+def roll_along(t: torch.Tensor, shift: int, dim: int, comm: MPI.Comm, path: str = "roll_along", *,
+               transport: Any = "mpi") -> torch.Tensor:
     """This rank's band of ``torch.roll(field, shift, dim)``, the field banded along ``dim`` over ``comm`` (collective; differentiable).
 
     Args:
@@ -76,9 +79,11 @@ def roll_along(t: torch.Tensor, shift: int, dim: int, comm: MPI.Comm, path: str 
         dim: The banded dim.
         comm: The domain's communicator (bands in rank order).
         path: Named in errors.
+        transport: ``"mpi"``, or a transport object over the same ranks (as :func:`credit_mpi.ops.reband.reband`).
 
     Raises:
         TypeError: ``t`` is not a float32/float64 tensor, or ``shift`` not an int (on every rank alike).
-        ValueError: ``dim`` is not a dim of ``t``; or the ranks' shifts, other dims, dtypes or autograd states differ.
+        ValueError: ``dim`` is not a dim of ``t``, ``transport`` not a transport; or the ranks' shifts, other
+            dims, dtypes, transports or autograd states differ.
     """
-    return run(_OP, t, comm, dim=dim, shift=shift, path=path)
+    return run(_OP, t, comm, dim=dim, shift=shift, path=path, transport=transport)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["TAG_UP", "TAG_DOWN", "TAG_N", "TAG_S", "TAG_W", "TAG_E", "TAG_POLE_N", "TAG_POLE_S", "SLICE_BYTES", "PACK_BYTES", "TAG_GATHER", "P2P_RANKS"]
+__all__ = ["TAG_UP", "TAG_DOWN", "TAG_N", "TAG_S", "TAG_W", "TAG_E", "TAG_POLE_N", "TAG_POLE_S", "SLICE_BYTES", "PACK_BYTES", "TAG_GATHER", "TAG_RING", "P2P_RANKS"]
 
 # Message tags of the halo exchange (MPI and torch): rows travelling to the
 # previous / next rank of the domain group.
 TAG_UP, TAG_DOWN = 17, 18
 # Tag of the point-to-point gather: a band travelling straight into its place.
 TAG_GATHER = 19
+# Tag of the ring attention's shift: a K/V band travelling to the next rank.
+TAG_RING = 20
 # Tags of the 2-D grid's halo exchange: rows going north / south, columns
 # going west / east, pole pieces across the opposite longitudes.
 TAG_N, TAG_S, TAG_W, TAG_E, TAG_POLE_N, TAG_POLE_S = 41, 42, 43, 44, 45, 46

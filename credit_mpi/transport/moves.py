@@ -1,14 +1,22 @@
-"""One transport protocol, and the edge swap written once against it.
+"""One transport protocol, and the edge swap and the gather written once against it.
 
-A transport (a *moves* object) does two things on whole arrays of bytes:
+A transport (a *moves* object) does these things on whole arrays of bytes:
 
-* ``exchange(ops)``: post every point-to-point message of ``ops`` (each
+* ``post(ops)``: post every point-to-point message of ``ops`` (each
   ``(SEND or RECV, array, peer, tag)``, peers are ranks of the domain
-  group) and wait for all of them. The order of ``ops`` is the same on
-  every rank for the same algorithm, which is what a transport that matches
-  messages in issue order (NCCL) needs; MPI matches by tag.
+  group) and return a handle whose ``wait()`` completes them (the caller
+  may compute in between: the ring attention); ``exchange(ops)`` is both at
+  once. The order of ``ops`` is the same on every rank for the same
+  algorithm, which is what a transport that matches messages in issue
+  order (NCCL) needs; MPI matches by tag.
 * ``allgatherv(send, recv, counts, displs)``: every rank's ``send`` bytes at
-  ``displs[r]`` of every rank's ``recv``.
+  ``displs[r]`` of every rank's ``recv``;
+* ``alltoallv(send, send_counts, recv, recv_counts)``: ``send_counts[r]``
+  bytes to rank ``r`` and ``recv_counts[r]`` from it, both packed in rank
+  order (the all-to-all of heads, the row moves of re-banding, the roll and
+  the group layout);
+* ``allgather_slices(send, recv, outer)``: the gather of equal bands
+  straight into place (False: not this way).
 
 :class:`MpiMoves` moves over an MPI communicator: host memory as numpy byte
 views in place (the fast path: no staging, packed copies of strided views
@@ -17,8 +25,9 @@ in buffers it keeps), device memory through :mod:`~credit_mpi.transport.staging`
 :class:`credit_mpi.transport.torch_moves.TorchMoves` moves over a
 torch.distributed group. An algorithm written against the protocol, such
 as :func:`swap_edges` (the halo exchange's edge rows, forward and backward,
-1-D and 2-D) or :func:`gather_blocks` (the 2-D gather over torch), works
-over both.
+1-D and 2-D), :func:`gather_blocks` (the 2-D gather, and the bands' over
+torch) or the ops that take a communicator (:func:`transport_name`,
+:func:`transport_of`), works over both.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import contextlib
 import functools
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,7 +45,7 @@ from mpi4py import MPI
 from . import arrays, rowops, staging
 from .limits import SLICE_BYTES, TAG_DOWN, TAG_UP
 
-__all__ = ["SEND", "RECV", "MpiMoves", "swap_edges", "gather_blocks"]
+__all__ = ["SEND", "RECV", "MpiMoves", "Posted", "transport_name", "transport_of", "swap_edges", "gather_blocks"]
 
 SEND, RECV = "send", "recv"
 
@@ -57,14 +66,26 @@ class MpiMoves:
 
     def exchange(self, ops: Sequence[tuple[str, Any, int, int]]) -> None:
         """Post every receive, then every send of ``ops`` (``Irecv``/``Isend``), and one ``Waitall``."""
-        if not ops:
-            return
+        if ops:
+            _finish(*self._start(ops))  # (no Posted in between: the halo's per-call path)
+
+    def post(self, ops: Sequence[tuple[str, Any, int, int]]) -> Posted:
+        """Post every receive, then every send of ``ops``; the returned :class:`Posted` waits for them.
+
+        Between the two the caller may compute (the ring attends one band
+        while the next travels); it must not write a sent array or read a
+        received one before ``wait()``.
+        """
+        return Posted(self._start(ops))
+
+    def _start(self, ops: Sequence[tuple[str, Any, int, int]]) -> tuple:
+        """Post ``ops``: ``(requests, unpack, staging contexts or None, the kept buffers' lock or None)`` for :func:`_finish`."""
         mine = self._lock.acquire(blocking=False)
         scratch = self._scratch if mine else {}
         stack = None  # staging contexts of device arrays (host arrays need none)
         comm, byte = self.comm, MPI.BYTE
+        requests, sends, unpack = [], [], []  # unpack: (target, kept buffer), strided host receives
         try:
-            requests, sends, unpack = [], [], []
             for i, (kind, x, peer, tag) in enumerate(ops):
                 if type(x) is np.ndarray:  # the fast path: host memory, in place or through a kept buffer
                     if x.flags.c_contiguous:
@@ -77,32 +98,36 @@ class MpiMoves:
                             buf[...] = x
                         else:
                             unpack.append((x, buf))
-                else:
-                    buf = _host_buffer(x, kind)
-                    if buf is None:
+                else:  # its adapter looked up once for its questions
+                    adapter = arrays.adapter(x)
+                    data = adapter.contiguous(x) if kind == SEND else x
+                    buf = arrays.host_bytes(data, adapter)  # a torch CPU tensor's bytes, in place
+                    if buf is None:  # device memory
                         if stack is None:
                             stack = contextlib.ExitStack()
                         move = staging.send_buffer if kind == SEND else staging.recv_buffer
-                        buf = stack.enter_context(move(arrays.contiguous(x) if kind == SEND else x, comm))
+                        buf = stack.enter_context(move(data, comm, adapter=adapter))
                 if kind == RECV:
                     requests.append(comm.Irecv([buf, byte], peer, tag))
                 else:
                     sends.append((buf, peer, tag))
             for buf, peer, tag in sends:
                 requests.append(comm.Isend([buf, byte], peer, tag))
-            MPI.Request.Waitall(requests)
-            for dst, src in unpack:
-                dst[...] = src
-        finally:
-            if stack is not None:
-                stack.close()  # received device data copied back (after Waitall)
-            if mine:
-                self._lock.release()
+        except BaseException:
+            _release(stack, self._lock if mine else None)
+            raise
+        return requests, unpack, stack, self._lock if mine else None
 
     def allgatherv(self, send: Any, recv: Any, counts: Sequence[int], displs: Sequence[int]) -> None:
         """``Allgatherv`` of byte buffers (host or device, as staging routes them)."""
-        with staging.send_buffer(send, self.comm) as s, staging.recv_buffer(recv, self.comm) as r:
+        with self._buffers(send, recv) as (s, r):
             self.comm.Allgatherv([s, MPI.BYTE], [r, (list(counts), list(displs)), MPI.BYTE])
+
+    def alltoallv(self, send: Any, send_counts: Sequence[int], recv: Any, recv_counts: Sequence[int]) -> None:
+        """``send_counts[r]`` bytes of contiguous ``send`` to rank ``r``, packed in rank order; from rank ``r``
+        ``recv_counts[r]`` bytes into ``recv``, packed likewise (one ``Alltoallv``; host, staged or CUDA-aware)."""
+        with self._buffers(send, recv) as (s, r):  # (no displacements: mpi4py packs the parts in rank order)
+            self.comm.Alltoallv([s, list(send_counts), MPI.BYTE], [r, list(recv_counts), MPI.BYTE])
 
     def allgather_slices(self, send: Any, recv: Any, outer: int) -> bool:
         """Slice ``p`` of every rank's ``send`` (viewed as ``outer`` equal slices of bytes) into slice ``p`` of ``recv``, rank after rank.
@@ -111,7 +136,7 @@ class MpiMoves:
         calls for device memory, which CUDA-aware Open MPI takes in blocking
         collectives only). Returns True (MPI can always land them in place).
         """
-        with staging.send_buffer(send, self.comm) as s, staging.recv_buffer(recv, self.comm) as r:
+        with self._buffers(send, recv) as (s, r):
             mine, whole = len(s) // outer, len(r) // outer
             slices = [([s[p * mine : (p + 1) * mine], MPI.BYTE], [r[p * whole : (p + 1) * whole], MPI.BYTE]) for p in range(outer)]
             if arrays.in_device_memory(r):
@@ -121,15 +146,74 @@ class MpiMoves:
                 MPI.Request.Waitall([self.comm.Iallgather(*args) for args in slices])
         return True
 
+    @contextlib.contextmanager
+    def _buffers(self, send: Any, recv: Any) -> Iterator[tuple[Any, Any]]:
+        """The byte buffers MPI reads ``send`` from and writes ``recv`` through (each array's adapter looked up once).
 
-def _host_buffer(x: Any, kind: str) -> Any:
-    """The bytes of a host array that is not a numpy array (a torch CPU tensor), in place; None for device arrays.
+        Host memory: numpy byte views in place (no staging); device memory
+        through :mod:`~credit_mpi.transport.staging` (staged or CUDA-aware).
+        """
+        a, b = arrays.adapter(send), arrays.adapter(recv)
+        send = a.contiguous(send)
+        s, r = arrays.host_bytes(send, a), arrays.host_bytes(recv, b)
+        if s is not None and r is not None:
+            yield s, r
+            return
+        with staging.send_buffer(send, self.comm, a) as s, staging.recv_buffer(recv, self.comm, adapter=b) as r:
+            yield s, r
 
-    (numpy arrays take :meth:`MpiMoves.exchange`'s fast path: in place when
-    contiguous, else through a buffer it keeps, packed before a send and
-    unpacked after a receive.)
+
+class Posted:
+    """Messages :meth:`MpiMoves.post` put in flight: :meth:`wait` completes them (received data then in place)."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: tuple) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        """Wait for every message, then copy the received data into place (staged device data after the wait)."""
+        _finish(*self._state)
+
+
+def _finish(requests: list, unpack: list, stack: contextlib.ExitStack | None, lock: threading.Lock | None) -> None:
+    """Wait for posted messages, unpack strided host receives, close the staging (copies back) and release the lock."""
+    try:
+        MPI.Request.Waitall(requests)
+        for dst, src in unpack:
+            dst[...] = src
+    finally:
+        _release(stack, lock)
+
+
+def _release(stack: contextlib.ExitStack | None, lock: threading.Lock | None) -> None:
+    if stack is not None:
+        stack.close()  # received device data copied back (after Waitall)
+    if lock is not None:
+        lock.release()
+
+
+_PROTOCOL = ("post", "exchange", "allgatherv", "alltoallv")
+
+
+def transport_name(transport: Any, path: str) -> str:
+    """``"mpi"``, or the class name of a transport object (what the ranks agree on); ValueError for anything else.
+
+    The ops that take a communicator take ``transport="mpi"`` (an
+    :class:`MpiMoves` over it) or a transport object whose peers are the
+    communicator's ranks, e.g. ``TorchMoves(manager.torch_group("domain"))``.
     """
-    return arrays.host_bytes(arrays.contiguous(x) if kind == SEND else x)
+    if isinstance(transport, str) and transport == "mpi":
+        return "mpi"
+    if not isinstance(transport, str) and all(callable(getattr(transport, m, None)) for m in _PROTOCOL):
+        return type(transport).__name__
+    raise ValueError(f"{path}: transport={transport!r} is not a transport; give 'mpi' or a transport object over "
+                     f"the same ranks (credit_mpi.transport.torch_moves.TorchMoves(manager.torch_group('domain')))")
+
+
+def transport_of(transport: Any, comm: MPI.Comm) -> Any:
+    """The moves object of an agreed ``transport`` (:func:`transport_name`): ``"mpi"`` -> an :class:`MpiMoves` over ``comm``."""
+    return MpiMoves(comm) if isinstance(transport, str) else transport
 
 
 def swap_edges(moves: Any, up: Any, down: Any, prev: int | None, nxt: int | None,
@@ -174,13 +258,13 @@ def gather_blocks(moves: Any, x: Any, out: Any, layout: Any, axes: tuple[int, ..
     copy of the field). Bands are a layout of one split axis, blocks of two.
     ``out`` has the global shape.
     """
-    x = arrays.contiguous(x)
-    info = arrays.describe(x)
-    if len(axes) == 1 and _straight(moves, x, out, layout.sizes[0], axes[0], info.itemsize):
+    adapter = arrays.adapter(x)
+    x = adapter.contiguous(x)
+    itemsize = adapter.describe(x).itemsize
+    if len(axes) == 1 and _straight(moves, x, out, layout.sizes[0], axes[0], itemsize):
         return out
-    itemsize = info.itemsize
     pieces, total = _pieces(layout, tuple(x.shape), tuple(axes))
-    packed = arrays.pooled_empty(x, (total,))  # dropped below: its pages serve the next call
+    packed = arrays.pooled_empty(x, (total,), adapter)  # dropped below: its pages serve the next call
     moves.allgatherv(x, packed, [c * itemsize for _, _, c, _ in pieces], [s * itemsize for _, s, c, _ in pieces])
     for shape, start, count, place in pieces:
         if not count:
@@ -188,7 +272,7 @@ def gather_blocks(moves: Any, x: Any, out: Any, layout: Any, axes: tuple[int, ..
         target = out
         for axis, first, size in place[:-1]:
             target = rowops.band(target, axis, first, size)
-        rowops.copy_rows(target, place[-1][0], place[-1][1], arrays.narrow(packed, 0, start, count).reshape(shape))
+        rowops.copy_rows(target, place[-1][0], place[-1][1], adapter.narrow(packed, 0, start, count).reshape(shape))
     return out
 
 

@@ -130,15 +130,16 @@ def _warn_staging(comm: MPI.Comm) -> None:
 
 
 @contextlib.contextmanager
-def send_buffer(x: Any, comm: MPI.Comm | None = None) -> Iterator[Any]:
+def send_buffer(x: Any, comm: MPI.Comm | None = None, adapter: Any = None) -> Iterator[Any]:
     """A buffer mpi4py can send (``MPI.BYTE``) holding the bytes of contiguous ``x``.
 
     For a device array the transfer path is the one ``comm``'s ranks agreed
     on (:func:`credit_mpi.gpu.is_cuda_aware`; ``comm=None`` means
     ``MPI.COMM_WORLD``): collective over ``comm`` the first time a device
-    array is sent or received on it, so call it on every rank.
+    array is sent or received on it, so call it on every rank. ``adapter``:
+    ``x``'s (:func:`credit_mpi.transport.arrays.adapter`), when the caller has it.
     """
-    ops = _ops(x)
+    ops = adapter or _ops(x)
     route = _route(ops, x, comm)
     _ROUTES[route, "send"] += 1
     data = ops.as_bytes(x)
@@ -155,7 +156,7 @@ def send_buffer(x: Any, comm: MPI.Comm | None = None) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def recv_buffer(out: Any, comm: MPI.Comm | None = None, *, inout: bool = False) -> Iterator[Any]:
+def recv_buffer(out: Any, comm: MPI.Comm | None = None, *, inout: bool = False, adapter: Any = None) -> Iterator[Any]:
     """A buffer mpi4py can receive into (``MPI.BYTE``); its bytes end up in ``out``.
 
     ``out`` holds the data when the ``with`` block ends normally (a staged
@@ -165,7 +166,7 @@ def recv_buffer(out: Any, comm: MPI.Comm | None = None, *, inout: bool = False) 
     device first), for calls that send from and receive into one array, as
     the halo exchange does.
     """
-    ops = _ops(out)
+    ops = adapter or _ops(out)
     route = _route(ops, out, comm)
     _ROUTES[route, "recv"] += 1
     data = ops.as_bytes(out)

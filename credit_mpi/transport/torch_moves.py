@@ -3,7 +3,9 @@
 The transport protocol of :mod:`credit_mpi.transport.moves` over torch
 (:class:`TorchMoves`): the halo exchange's one edge swap and the gather
 (bands and blocks, :func:`credit_mpi.transport.moves.gather_blocks`) run
-on it with ``transport="torch"``. The groups come from
+on it with ``transport="torch"``, and the ops that take a communicator
+(all-gather along a dim, all-to-all, re-banding, the roll, the group
+layout, the ring) with ``transport=TorchMoves(group)``. The groups come from
 :func:`credit_mpi.init_torch_distributed`; the callers have agreed on every
 size already. Imports torch (loaded only when ``transport="torch"`` is used).
 """
@@ -35,7 +37,11 @@ class TorchMoves:
         self.rank = dist.get_rank(group)
 
     def exchange(self, ops: Sequence[tuple[str, Any, int, int]]) -> None:
-        """Every message of ``ops`` in one ``batch_isend_irecv``, issued in ``ops``' order.
+        """Every message of ``ops`` in one ``batch_isend_irecv``, issued in ``ops``' order, and waited for."""
+        self.post(ops).wait()
+
+    def post(self, ops: Sequence[tuple[str, Any, int, int]]) -> _Posted:
+        """Every message of ``ops`` in one ``batch_isend_irecv``, issued in ``ops``' order; ``wait()`` completes them.
 
         NCCL matches point-to-point messages between two ranks in issue
         order, not by tag: the callers issue them in the same order on every
@@ -59,14 +65,7 @@ class TorchMoves:
             buf = target if target.device == device else torch.empty_like(target, device=device)
             p2p.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(self.group, peer), self.group, tag))
             landing.append((buf, target, x, tag))
-        if p2p:
-            for work in dist.batch_isend_irecv(p2p):
-                work.wait()
-        for buf, target, x, tag in landing:
-            source = to_self[tag].pop(0) if buf is None else buf
-            if source is not target:
-                target.copy_(source)
-            arrays.after_torch_wrote(x)
+        return _Posted(dist.batch_isend_irecv(p2p) if p2p else [], landing, to_self)
 
     def allgather_slices(self, send: Any, recv: Any, outer: int) -> bool:
         """Slice ``p`` of every rank's ``send`` into slice ``p`` of ``recv``, all in flight; False when ``recv`` is not on the group's device.
@@ -97,6 +96,34 @@ class TorchMoves:
         for r, (count, displ) in enumerate(zip(counts, displs, strict=True)):
             target[displ : displ + count].copy_(staging[r, :count])
         arrays.after_torch_wrote(recv)
+
+
+    def alltoallv(self, send: Any, send_counts: Sequence[int], recv: Any, recv_counts: Sequence[int]) -> None:
+        """``send_counts[r]`` bytes of ``send`` to rank ``r``, ``recv_counts[r]`` from it, packed in rank order (``all_to_all_single``)."""
+        device = _group_device(self.group)
+        data = arrays.as_torch_bytes(arrays.contiguous(send)).to(device)
+        target = arrays.as_torch_bytes(recv)
+        buf = target if target.device == device else torch.empty_like(target, device=device)
+        dist.all_to_all_single(buf, data, [int(c) for c in recv_counts], [int(c) for c in send_counts], group=self.group)
+        if buf is not target:
+            target.copy_(buf)
+        arrays.after_torch_wrote(recv)
+
+
+class _Posted:
+    """Messages :meth:`TorchMoves.post` put in flight: :meth:`wait` completes them and lands what was received."""
+
+    def __init__(self, works: list, landing: list, to_self: dict) -> None:
+        self.works, self.landing, self.to_self = works, landing, to_self
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        for buf, target, x, tag in self.landing:
+            source = self.to_self[tag].pop(0) if buf is None else buf
+            if source is not target:
+                target.copy_(source)
+            arrays.after_torch_wrote(x)
 
 
 def _group_device(group: Any) -> torch.device:
