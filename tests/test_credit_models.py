@@ -97,9 +97,9 @@ CASES = {
 # the run may refuse a later op than describe() (see verdict_is_the_run)
 LATER_OP = {"attention_global", "wxformer"}
 # exact on every domain size (the others: exact where describe() says so)
-EXACT = {"crossformer_interp", "wxformer", "wxformer_cross_embed", "wxformer_cross_embed_s1"}
+EXACT = {"crossformer_interp", "nextgen_wxformer", "wxformer", "wxformer_cross_embed", "wxformer_cross_embed_s1"}
 # refused on more than one band, at this op
-REFUSED_AT = {"nextgen_wxformer": "einsum()"}  # its spectral bottleneck sums the field's rows with a parameter
+REFUSED_AT: dict[str, str] = {}
 # whole models: on 1, 2 and 4 ranks only, each domain size once (see the module docstring)
 HEAVY = {"crossformer_interp", "wxformer", "nextgen_wxformer", "fuxi", "unet", "unet_uneven"}
 NEEDS_TIMM = {"fuxi", "unet", "unet_uneven"}
