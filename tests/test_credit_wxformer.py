@@ -258,3 +258,24 @@ def test_spectral_bottleneck_is_exact(kind, make_manager):
         for d, manager in _this_job(managers):
             for height in (2 * d, 2 * d + 1):
                 assert verdict_is_the_run(kind, lambda h=height: cls(h, 3), (2, 2, height, 3), manager).exact
+
+
+class DenseHead(nn.Module):
+    """A weight over every channel's tokens (``x.flatten(1) @ w``: the channels merged before the rows): no rule."""
+
+    def __init__(self, height, width):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.w = nn.Parameter(torch.randn(2 * height * width, 3))
+
+    def forward(self, x):
+        return self.conv(x).flatten(1) @ self.w
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_sum_over_merged_channels_and_rows_is_refused_on_every_rank(make_manager):
+    with prefix_managers(make_manager) as managers:
+        for d, manager in _this_job(managers):
+            plan = verdict_is_the_run("dense_head", lambda: DenseHead(2 * d + 1, 3), (1, 2, 2 * d + 1, 3), manager)
+            assert d == 1 or (not plan.exact and plan.rows[-1].kind == "matmul()"
+                              and "merged windows" in plan.rows[-1].note), str(plan)

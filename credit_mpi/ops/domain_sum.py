@@ -101,6 +101,8 @@ class DomainSum(Op):
         return DomainSumPlan(comm, tuple(int(c) for c in counts), comm.Get_rank(), d.shape, d.dtype, d.grad)
 
     def kernel(self, x: torch.Tensor, p: DomainSumPlan) -> torch.Tensor:
+        if p.comm.Get_size() > 1:
+            _RECEIVED.add(x.numel())
         return _allreduce(x, p)
 
     def adjoint(self, grad: torch.Tensor, p: DomainSumPlan) -> torch.Tensor:
@@ -112,7 +114,6 @@ def _allreduce(x: torch.Tensor, p: DomainSumPlan) -> torch.Tensor:
     buf = np.ascontiguousarray(x.detach().cpu().numpy()).copy()
     if p.comm.Get_size() > 1:
         p.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        _RECEIVED.add(buf.size)
     return torch.from_numpy(buf).to(x.device)
 
 
