@@ -940,7 +940,24 @@ def _pixel(tr, func, args, kwargs, held):
         raise _Why("it moves channels into rows or rows into channels along the sharded dim")
     if _op_name(func) == "pixel_unshuffle" and p.dim >= x.ndim - 2 and not tr.rows_ok(x.shape[p.dim], r):
         raise _Why(f"pixel_unshuffle({r}) needs every band to be a whole number of {r} rows")
+    if p.dim >= x.ndim - 2 and tr.band_sizes is not None and tr.adopt_layout is not None:
+        _adopt_shuffled(tr, _op_name(func), x.shape[p.dim], r)
     return tr.run(func, args, kwargs, p)
+
+
+def _adopt_shuffled(tr: Tracker, op: str, rows: int, r: int) -> None:
+    """In the dry run: the bands after a pixel (un)shuffle are every band's rows times (divided by) ``r``.
+
+    That layout is the output's (as a transposed convolution's is), which an earlier tensor of that
+    height (the encoder's, joined to it by a skip connection) may not share on uneven bands: the run
+    would fail at the join (or at an interpolation to the other's size) on some ranks.
+    """
+    sizes = [s * r if op == "pixel_shuffle" else s // r for s in tr.band_sizes(rows)]
+    height = rows * r if op == "pixel_shuffle" else rows // r
+    if not tr.adopt_layout(height, sizes):
+        raise _Why(f"its output bands {sizes} of {height} rows differ from an earlier tensor's of that height; "
+                   + _LAYOUTS_DIFFER.removeprefix("it joins bands of one height whose band layouts differ (a band holds "
+                                                  "other rows of one part than of the other): "))
 
 
 _CONVS = "conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d".split()
