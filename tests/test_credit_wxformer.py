@@ -276,6 +276,7 @@ class DenseHead(nn.Module):
 def test_a_sum_over_merged_channels_and_rows_is_refused_on_every_rank(make_manager):
     with prefix_managers(make_manager) as managers:
         for d, manager in _this_job(managers):
-            plan = verdict_is_the_run("dense_head", lambda: DenseHead(2 * d + 1, 3), (1, 2, 2 * d + 1, 3), manager)
-            assert d == 1 or (not plan.exact and plan.rows[-1].kind == "matmul()"
-                              and "merged windows" in plan.rows[-1].note), str(plan)
+            if d == 1:
+                continue  # one band: the original forward (its output holds no band to compare)
+            plan = verdict_is_the_run("dense_head", lambda d=d: DenseHead(2 * d + 1, 3), (1, 2, 2 * d + 1, 3), manager)
+            assert not plan.exact and plan.rows[-1].kind == "matmul()" and "merged windows" in plan.rows[-1].note, str(plan)
