@@ -23,7 +23,11 @@ that holds bands and judges each torch function applied to one:
   statistics of the whole field, through the BatchNorm layer: timm's
   ``BatchNormAct2d`` calls it itself); full attention over the tokens of every
   band (:mod:`credit_mpi.nn.attention_rules`: ``F.scaled_dot_product_attention``,
-  ``nn.MultiheadAttention``, ``softmax(q k^T) v`` by matmul or einsum);
+  ``nn.MultiheadAttention``, ``softmax(q k^T) v`` by matmul or einsum); a
+  product (``einsum``, ``@``) that contracts a band's tokens with a tensor over
+  the field's tokens, a parameter (NCAR CREDIT's nextgen WXFormer bottleneck): a
+  sum over the domain, replicated, and its inverse back to the band's tokens
+  (:func:`_domain_contraction`, :func:`spread_rule`);
 * a reshape's sizes along the band must follow the band: ``x.shape`` of a
   band gives its size along the sharded dim as an :class:`Extent` (what is
   computed from it stays one), so a size stored for the whole field is told

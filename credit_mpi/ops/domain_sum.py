@@ -44,6 +44,15 @@ def received_elements(reset: bool = False) -> int:
     return _RECEIVED.received(reset)
 
 
+class _Described(NamedTuple):
+    """What is agreed before the partial sum exists: its shape, dtype, this band's rows, the autograd state."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rows: int
+    grad: bool
+
+
 class DomainSumPlan(NamedTuple):
     """The agreed plan: the communicator, every rank's band rows, this rank, the partial sum's shape and dtype."""
 
@@ -63,15 +72,6 @@ class DomainSumPlan(NamedTuple):
     def total(self) -> int:
         """The field's rows."""
         return sum(self.counts)
-
-
-class _Described(NamedTuple):
-    """What is agreed before the partial sum exists: its shape, dtype, this band's rows, the autograd state."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    rows: int
-    grad: bool
 
 
 class DomainSum(Op):
