@@ -23,7 +23,11 @@ that holds bands and judges each torch function applied to one:
   statistics of the whole field, through the BatchNorm layer: timm's
   ``BatchNormAct2d`` calls it itself); full attention over the tokens of every
   band (:mod:`credit_mpi.nn.attention_rules`: ``F.scaled_dot_product_attention``,
-  ``nn.MultiheadAttention``, ``softmax(q k^T) v`` by matmul or einsum);
+  ``nn.MultiheadAttention``, ``softmax(q k^T) v`` by matmul or einsum); a
+  product (``einsum``, ``@``) that contracts a band's tokens with a tensor over
+  the field's tokens, a parameter (NCAR CREDIT's nextgen WXFormer bottleneck): a
+  sum over the domain, replicated, and its inverse back to the band's tokens
+  (:func:`_domain_contraction`, :func:`spread_rule`);
 * a reshape's sizes along the band must follow the band: ``x.shape`` of a
   band gives its size along the sharded dim as an :class:`Extent` (what is
   computed from it stays one), so a size stored for the whole field is told
@@ -471,6 +475,10 @@ class Tracker(TorchFunctionMode):
             return func(*args, **kwargs)
         held = [(t, p) for t in _tensors((args, kwargs)) if (p := self.get(t)) is not None]
         if not held:
+            if "_dp_fields" in self.__dict__:  # a replicated sum over a field spread back to its tokens
+                handled, out = spread_rule(self, func, args, kwargs)
+                if handled:
+                    return out
             return func(*args, **kwargs)
         op = _op_name(func)
         rule = _RULES.get(op) or _RULES.get(op.rstrip("_") if not op.startswith("__") else op)
@@ -1005,7 +1013,24 @@ def _pixel(tr, func, args, kwargs, held):
         raise _Why("it moves channels into rows or rows into channels along the sharded dim")
     if _op_name(func) == "pixel_unshuffle" and p.dim >= x.ndim - 2 and not tr.rows_ok(x.shape[p.dim], r):
         raise _Why(f"pixel_unshuffle({r}) needs every band to be a whole number of {r} rows")
+    if p.dim >= x.ndim - 2 and tr.band_sizes is not None and tr.adopt_layout is not None:
+        _adopt_shuffled(tr, _op_name(func), x.shape[p.dim], r)
     return tr.run(func, args, kwargs, p)
+
+
+def _adopt_shuffled(tr: Tracker, op: str, rows: int, r: int) -> None:
+    """In the dry run: the bands after a pixel (un)shuffle are every band's rows times (divided by) ``r``.
+
+    That layout is the output's (as a transposed convolution's is), which an earlier tensor of that
+    height (the encoder's, joined to it by a skip connection) may not share on uneven bands: the run
+    would fail at the join (or at an interpolation to the other's size) on some ranks.
+    """
+    sizes = [s * r if op == "pixel_shuffle" else s // r for s in tr.band_sizes(rows)]
+    height = rows * r if op == "pixel_shuffle" else rows // r
+    if not tr.adopt_layout(height, sizes):
+        raise _Why(f"its output bands {sizes} of {height} rows differ from an earlier tensor's of that height; "
+                   + _LAYOUTS_DIFFER.removeprefix("it joins bands of one height whose band layouts differ (a band holds "
+                                                  "other rows of one part than of the other): "))
 
 
 _CONVS = "conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d".split()
@@ -1077,9 +1102,11 @@ def _matmul(tr, func, args, kwargs, held):
         q = tr.get(t)
         if q is None:
             continue
-        if (role == "a" and q.dim == t.ndim - 1) or (role == "b" and q.dim == t.ndim - 2):
-            raise _Why("it contracts the sharded dim with a tensor that does not hold every band's tokens (a sum "
-                       "over rows of every band: a dense layer across bands has no rule)")
+        if (role == "a" and q.dim == t.ndim - 1) or (role == "b" and q.dim == t.ndim - 2):  # a sum over the field's tokens
+            specs, positions, _ = _product_specs(func, args)
+            letter = specs[0 if role == "a" else 1][q.dim]
+            return _domain_contraction(tr, func, args, kwargs, specs, [args[k] for k in positions], positions,
+                                       (letter, q.outer, q.inner))
         outs.add((q.dim + ndim - t.ndim, q.outer, q.inner))
     for t in (a, b):  # a batch partner that is not a band
         if tr.get(t) is None:
@@ -1109,7 +1136,8 @@ def _einsum(tr, func, args, kwargs, held):
     if len(letters) != 1:
         raise _Why(f"it pairs bands along different letters ({sorted(v[0] for v in letters)}): no rule")
     if next(iter(letters))[0] not in out:
-        raise _Why(_contracted(equation, ins.split(","), operands, tr, next(iter(letters))[0]))
+        positions = list(range(1, len(args))) if len(operands) == len(args) - 1 else None
+        return _domain_contraction(tr, func, args, kwargs, ins.split(","), operands, positions, next(iter(letters)))
     letter, outer, inner = letters.pop()
     for spec, t in zip(ins.split(","), operands, strict=True):
         if tr.get(t) is None and letter in spec and t.shape[spec.index(letter)] != 1:
@@ -1117,15 +1145,149 @@ def _einsum(tr, func, args, kwargs, held):
     return tr.run(func, args, kwargs, Sharded(out.index(letter), outer, inner))
 
 
-def _contracted(equation: str, specs: list[str], operands: list, tr: Tracker, letter: str) -> str:
-    """Why an einsum that sums over the band's rows is refused, and what the model's author changes."""
-    partners = [f"{tuple(t.shape)}" for spec, t in zip(specs, operands, strict=True) if tr.get(t) is None and letter in spec]
-    what = f"a tensor that is not a band ({', '.join(partners)}: a parameter over the field's rows?)" if partners else "itself"
-    return (f"{equation!r} sums over the sharded dim (letter {letter!r}, the band's rows) with {what}: a sum over the "
-            f"rows of every band, which has no rule (a weight stored for the whole field would have to be cut to each "
-            f"band's rows, the sums added over the domain). Change the forward: pool the rows with a layer the "
-            f"converter replaces (e.g. nn.AdaptiveAvgPool2d to a fixed grid, then a Linear over its cells), or run "
-            f"this block on the whole field")
+def _contracted(what: str, letter: str, why: str) -> str:
+    """Why a product that sums over the band's rows is refused, and what the model's author changes."""
+    return (f"{what} contracts the sharded dim (letter {letter!r}, the band's rows) {why}, which has no rule (a sum "
+            f"over the field's tokens is exact with a tensor that every rank holds whole, a parameter, whose "
+            f"contracted dim is the field's tokens: rows x the dims merged after them). Change the forward: pool the "
+            f"rows with a layer the converter replaces (e.g. nn.AdaptiveAvgPool2d to a fixed grid, then a Linear over "
+            f"its cells), or run this block on the whole field")
+
+
+def _domain_contraction(tr: Tracker, func, args: tuple, kwargs: dict, specs: list[str], operands: list,
+                        positions: list[int] | None, band: tuple[str, int, int]):
+    """A product that contracts a band's tokens with a tensor over the field's tokens: a sum over the domain.
+
+    NCAR CREDIT's nextgen WXFormer pools its bottleneck with ``einsum("bcn,kn->bck", x, agg_w)``,
+    ``agg_w`` a parameter over the field's ``H * W`` tokens. Each band contracts its own tokens
+    ``[start * inner, stop * inner)`` (its rows of the field, from the agreed layout) with that
+    slice of every partner that is not a band (a parameter, a replicated tensor), and the partial
+    sums are added over the domain (:func:`credit_mpi.ops.domain_sum.domain_sum`: one
+    ``Allreduce``, backward the ``Allreduce`` of the gradient). The result is
+    :class:`~credit_mpi.nn.replicated.Replicated`; a parameter's gradient is this band's slice,
+    added over the domain by ``reduce_gradients``. The field is remembered for the inverse
+    (:func:`_spread`). Every check before the agreement depends on the model's structure only
+    (the same on every rank); the field's size after it on agreed values.
+    """
+    from ..grid import grid_of
+    from ..ops.domain_sum import agree_domain_sum, domain_sum
+    from .replicated import replicated
+
+    letter, outer, inner = band
+    what = f"{args[0]!r}" if isinstance(args[0], str) else f"{_op_name(func)}()"
+    if positions is None:
+        raise _Why(_contracted(what, letter, "with operands given as a list"))
+    if outer != 1:
+        raise _Why(_contracted(what, letter, "of merged windows (their tokens are not one block of the field's)"))
+    at = [spec.index(letter) if letter in spec else None for spec in specs]
+    bands = [i for i, t in enumerate(operands) if tr.get(t) is not None]
+    x = operands[bands[0]]
+    tokens = x.shape[tr.get(x).dim]  # this band's (the dry run: the field's)
+    partners = [i for i, t in enumerate(operands) if i not in bands and at[i] is not None and t.shape[at[i]] != 1]
+    if len(bands) != 1 or any(tr.get(operands[i]) != Sharded(at[i], outer, inner) for i in bands):
+        raise _Why(_contracted(what, letter, "with another band (a sum over pairs of every band's tokens)"))
+    if not partners:
+        raise _Why(_contracted(what, letter, "alone (no tensor over the field's tokens to weight it)"))
+    if tr.manager is None:  # the dry run: global shapes
+        sizes = {operands[i].shape[at[i]] for i in partners}
+        if sizes != {tokens}:
+            raise _Why(_contracted(what, letter, f"with a tensor of {sorted(sizes)} along it where the field has {tokens} tokens"))
+        out = replicated(func(*args, **kwargs))
+        _remember_field(tr, tokens, inner, None)
+        return out
+    size = tr.manager.domain_parallel_size
+    if grid_of(tr.manager, size)[1] > 1:
+        raise _Why(_contracted(what, letter, "on a latitude x longitude domain grid (a band's tokens are not one block)"))
+    cut = list(operands)
+    for i in partners:  # shapes for the agreement: every partner cut to this band's tokens
+        cut[i] = torch.empty(tuple(tokens if d == at[i] else s for d, s in enumerate(operands[i].shape)), device="meta",
+                             dtype=operands[i].dtype)
+    shape = tuple(func(*_placed(args, positions, [c.to("meta") for c in cut]), **kwargs).shape)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in operands)
+    plan = agree_domain_sum(shape, x.dtype, tokens // inner, grad, tr.manager.domain_group, tr.stack[-1][0])
+    start, stop = plan.rows()
+    field = plan.total * inner
+    wrong = sorted({operands[i].shape[at[i]] for i in partners} - {field})
+    if wrong:  # agreed values and the model's shapes: the same on every rank
+        raise _Why(_contracted(what, letter, f"with a tensor of {wrong} along it where the field has {field} tokens"))
+    for i in partners:
+        cut[i] = operands[i].narrow(at[i], start * inner, (stop - start) * inner)
+    out = replicated(domain_sum(func(*_placed(args, positions, cut), **kwargs), plan))
+    _remember_field(tr, field, inner, (start, stop))
+    return out
+
+
+def _placed(args: tuple, positions: list[int], operands: list) -> tuple:
+    new = list(args)
+    for i, t in zip(positions, operands, strict=True):
+        new[i] = t
+    return tuple(new)
+
+
+def _remember_field(tr: Tracker, tokens: int, inner: int, rows: tuple[int, int] | None) -> None:
+    """A field of ``tokens`` tokens whose band is ``rows`` (None: the dry run's whole field) for :func:`_spread`;
+    two fields of one token count that differ are neither (the inverse is then refused)."""
+    fields = tr.__dict__.setdefault("_dp_fields", {})
+    entry = (inner, rows)
+    fields[tokens] = entry if fields.get(tokens, entry) == entry else None
+
+
+def spread_rule(tr: Tracker, func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    """The inverse of a sum over the domain: a replicated tensor contracted with a tensor over a field's tokens.
+
+    ``einsum("bck,nk->bcn", s, scatter_w)`` with ``s`` replicated (a :func:`_domain_contraction`'s
+    result) and ``scatter_w`` a parameter whose free dim ``n`` is the tokens of a field this
+    forward contracted: the band's tokens are the product with the parameter's rows cut to the
+    band (local, no communication), a band of that field. Returns ``(handled, out)``; not handled
+    when no operand is replicated, no field was contracted, or no single output letter is a
+    field's tokens (the function then runs as before: nothing of it holds bands).
+    """
+    fields = tr.__dict__.get("_dp_fields")
+    op = _op_name(func)
+    if not fields or op not in ("einsum", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm"):
+        return False, None
+    got = _product_specs(func, args)
+    if got is None:
+        return False, None
+    specs, positions, out = got
+    operands = [args[i] for i in positions]
+    if not any(is_replicated(t) for t in operands):
+        return False, None
+    found = [(j, c, i) for j, c in enumerate(out) for i, (spec, t) in enumerate(zip(specs, operands, strict=True))
+             if c in spec and not is_replicated(t) and t.shape[spec.index(c)] in fields]
+    if len({(j, c) for j, c, _ in found}) != 1:
+        return False, None
+    j, letter, _ = found[0]
+    entry = fields[operands[found[0][2]].shape[specs[found[0][2]].index(letter)]]
+    if entry is None:
+        raise refusal(tr.stack[-1][0], f"{op}()", "it spreads a replicated tensor over a field's tokens, and two "
+                      "fields of that many tokens differ in their rows: no rule")
+    inner, rows = entry
+    # plain tensors: a band is not replicated (Replicated would mark a product of replicas and parameters one)
+    cut = [t.as_subclass(torch.Tensor) if is_replicated(t) else t for t in operands]
+    if rows is not None:
+        start, stop = rows
+        for i, (spec, t) in enumerate(zip(specs, operands, strict=True)):
+            if letter in spec and t.shape[spec.index(letter)] != 1:
+                cut[i] = t.narrow(spec.index(letter), start * inner, (stop - start) * inner)
+    return True, tr.run(func, _placed(args, positions, cut), kwargs, Sharded(j, 1, inner))
+
+
+def _product_specs(func, args: tuple) -> tuple[list[str], list[int], str] | None:
+    """An einsum's or a matrix product's operand specs, their positions in ``args`` and the output's spec (None: neither)."""
+    op = _op_name(func)
+    if op == "einsum":
+        equation = args[0]
+        if not isinstance(equation, str) or "..." in equation or "->" not in equation or len(args) < 3:
+            return None
+        ins, out = equation.replace(" ", "").split("->")
+        return ins.split(","), list(range(1, len(args))), out
+    a_at, b_at = (1, 0) if op == "__rmatmul__" else (0, 1)
+    if len(args) < 2 or not all(isinstance(args[i], torch.Tensor) and args[i].ndim >= 2 for i in (a_at, b_at)):
+        return None
+    a, b = args[a_at], args[b_at]
+    batch = "ABCDEFGHIJ"[: max(a.ndim, b.ndim) - 2]
+    return [batch[len(batch) - (a.ndim - 2):] + "mk", batch[len(batch) - (b.ndim - 2):] + "kn"], [a_at, b_at], batch + "mn"
 
 
 @_rule("embedding")
