@@ -25,9 +25,6 @@ medians.
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,7 +33,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_percall import time_cases  # noqa: E402
+from bench_percall import parse_args, time_row, write_json  # noqa: E402
 
 from credit_mpi.cli import bench  # noqa: E402
 
@@ -112,13 +109,7 @@ def main(argv=None) -> int:
     from credit_mpi.ops.alltoall import alltoall
     from credit_mpi.ops.ring import ring_attention
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--sizes", default=",".join(TOKENS), help="comma-separated subset of " + ", ".join(TOKENS))
-    parser.add_argument("--ops", default="alltoall,allgather_along,ring")
-    parser.add_argument("--number", type=int, default=0, help="calls per timed block (default: about 30 MB of q per block, 3 to 200)")
-    parser.add_argument("--json", default=None, help="write the raw times here (rank 0)")
-    args = parser.parse_args(argv)
+    args = parse_args(argv, __doc__, 9, TOKENS, "alltoall,allgather_along,ring")
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     if HEADS % size:
@@ -156,19 +147,14 @@ def main(argv=None) -> int:
                 }
             for op, cases in rows.items():
                 _verify(op, cases, comm)
-                times = time_cases(comm, {m: f for m, f in cases.items() if m != "gloo"}, args.repeats, number)
-                if "gloo" in cases:  # in blocks of its own, after (see bench_percall)
-                    times.update(time_cases(comm, {"gloo": cases["gloo"]}, args.repeats, number))
-                med = {m: statistics.median(t) for m, t in times.items()}
+                times, med = time_row(comm, cases, args.repeats, number)
                 report["rows"].append({"op": op, "size": label, "tokens": n, "times": times, "median": med})
                 if rank == 0:
                     cells = "  ".join(f"{m} {t * 1e6:8.1f} us" for m, t in med.items())
                     ratios = "  ".join(f"credit/{m} {med['credit'] / t:.2f}" for m, t in med.items() if m != "credit")
                     print(f"{op:16s} {label:8s} {cells}   {ratios}", flush=True)
         dist.barrier(group)
-    if rank == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(report, args.json, rank)
     return 0
 
 

@@ -140,6 +140,35 @@ def time_cases(comm, cases, repeats, number):
     return slowest
 
 
+def time_row(comm, cases, repeats, number):
+    """One row's (times, medians): the MPI methods interleaved with each other, gloo after them.
+
+    (gloo's threads would otherwise run beside the MPI blocks on a machine with a core per rank.)
+    """
+    times = time_cases(comm, {name: fn for name, fn in cases.items() if name != "gloo"}, repeats, number)
+    if "gloo" in cases:
+        times.update(time_cases(comm, {"gloo": cases["gloo"]}, repeats, number))
+    return times, {name: statistics.median(t) for name, t in times.items()}
+
+
+def parse_args(argv, doc: str, repeats: int, sizes: dict, ops: str) -> argparse.Namespace:
+    """The options every per-call benchmark script takes."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--sizes", default=",".join(sizes), help="comma-separated subset of " + ", ".join(sizes))
+    parser.add_argument("--ops", default=ops)
+    parser.add_argument("--number", type=int, default=0, help="calls per timed block (default: about 30 MB per block, 3 to 200)")
+    parser.add_argument("--json", default=None, help="write the raw times here (rank 0)")
+    return parser.parse_args(argv)
+
+
+def write_json(report: dict, path: str | None, rank: int) -> None:
+    """The raw times, from rank 0, where ``--json`` asks for them."""
+    if rank == 0 and path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
@@ -147,13 +176,7 @@ def main(argv=None) -> int:
     import credit_mpi
     from credit_mpi import DomainParallelManager, gather_tensor, halo_exchange
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--sizes", default=",".join(SHAPES), help="comma-separated subset of " + ", ".join(SHAPES))
-    parser.add_argument("--ops", default="halo,halo fwd+bwd,gather,gather 2d")
-    parser.add_argument("--number", type=int, default=0, help="calls per timed block (default: about 30 MB of band per block, 3 to 200)")
-    parser.add_argument("--json", default=None, help="write the raw times here (rank 0)")
-    args = parser.parse_args(argv)
+    args = parse_args(argv, __doc__, 15, SHAPES, "halo,halo fwd+bwd,gather,gather 2d")
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     ops = args.ops.split(",")
@@ -204,13 +227,7 @@ def main(argv=None) -> int:
                 rows["gather 2d"], grid_manager = gather_2d_cases(x, size)
             for op, cases in rows.items():
                 _verify(op, cases, comm)
-                # MPI methods interleaved with each other; gloo after them (its threads would
-                # otherwise run beside the MPI blocks on a machine with a core per rank)
-                mpi_cases = {name: fn for name, fn in cases.items() if name != "gloo"}
-                times = time_cases(comm, mpi_cases, args.repeats, number)
-                if "gloo" in cases:
-                    times.update(time_cases(comm, {"gloo": cases["gloo"]}, args.repeats, number))
-                med = {name: statistics.median(t) for name, t in times.items()}
+                times, med = time_row(comm, cases, args.repeats, number)
                 report["rows"].append({"op": op, "size": label, "shape": [b, c, h, w], "times": times, "median": med})
                 if rank == 0:
                     cells = "  ".join(f"{n} {m * 1e6:8.1f} us" for n, m in med.items())
@@ -219,9 +236,7 @@ def main(argv=None) -> int:
             if grid_manager is not None:
                 grid_manager.free()
         dist.barrier(group)
-    if rank == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(report, args.json, rank)
     return 0
 
 
