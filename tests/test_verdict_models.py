@@ -195,3 +195,33 @@ def test_credit_default_configuration_on_4_and_8_bands(family):
             assert row.path == "up_block1.conv" and "differ from an earlier" in row.note, str(plan)
         else:
             assert plan.exact, str(plan)
+
+
+@pytest.mark.mpi(min_size=3)
+def test_describe_traffic_of_a_band_without_a_window(make_manager):
+    """Windows of 3 over 6 rows on 3 and 4 ranks (a band re-banded to no window runs a phantom one): describe()'s
+    traffic is what the run sends, forward (the re-band, the phantom moves nothing) and backward."""
+    from credit_mpi.nn import convert_to_domain_parallel
+    from credit_mpi.nn.traffic import Traffic
+
+    from .test_describe_traffic import _step, band, counting
+    from .test_windows import swin
+
+    shape = (1, 2, 6, 6)
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            if d < 3:
+                continue
+            plan = describe(swin(3, shift=0)().double(), shape, d, requires_grad=True)
+            assert plan.exact and plan.traffic is not None, str(plan)
+            model = convert_to_domain_parallel(swin(3, shift=0)().double(), manager)
+            a, b = band(shape[2], manager)
+            x = torch.randn(shape, dtype=torch.float64).narrow(2, a, b - a).contiguous().requires_grad_(True)
+            with counting(manager) as comm:
+                _step(model, x, comm, set())
+                comm.counts.clear()
+                _step(model, x, comm, set())
+            total, forward, back = plan.traffic[manager.domain_rank], comm.counts.get("forward", Traffic()), comm.counts.get("backward", Traffic())
+            assert (forward.forward_bytes, forward.forward_messages, forward.agreements) == (
+                total.forward_bytes, total.forward_messages, total.agreements), (d, forward, total)
+            assert (back.forward_bytes, back.forward_messages) == (total.backward_bytes, total.backward_messages), (d, back, total)
