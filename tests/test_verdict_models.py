@@ -102,15 +102,43 @@ def test_verdict_is_what_the_run_does(name, make_manager):
 @pytest.mark.parametrize("shift", [1, 0])
 def test_fewer_windows_than_ranks_is_the_same_refusal_everywhere(shift, make_manager):
     """Windows of 3 rows, a field of fewer windows than ranks (6 or 9 rows on 4 ranks): re-banded to whole windows a
-    band holds none. The run used to fail on those ranks inside the forward (a division by zero of the empty band,
-    shared as a DomainParallelError) where describe() predicted a ConversionError: both refuse at the re-band now."""
+    band holds none. It runs one phantom window whose output it drops (exact), unless the module's forward
+    communicates (shift=1: its rolls across bands would take the phantom's zeros): that is refused, in describe() and
+    in the run alike, at the re-band. A field of fewer rows than ranks is refused by the first conv."""
     from .test_windows import swin
 
     with prefix_managers(make_manager) as managers:
         for d, manager in managers:
-            for h in range(3, 3 * d, 3):  # fewer windows than ranks (3 rows on 4 ranks: an empty band, the conv refuses)
+            for h in range(3, 3 * d, 3):
                 plan = verdict_is_the_run("few_windows", swin(3, shift=shift), (1, 2, h, 6), manager)
-                assert not plan.exact and plan.rows[-1].kind == "reband()" and "no window" in plan.rows[-1].note, str(plan)
+                if h < d:  # an empty band at the input: the conv refuses
+                    assert not plan.exact, str(plan)
+                elif shift:
+                    assert not plan.exact and plan.rows[-1].kind == "reband()" and "communicates" in plan.rows[-1].note, str(plan)
+                else:
+                    assert plan.exact, str(plan)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_credit_short_attention_with_fewer_windows_than_ranks_is_exact(make_manager):
+    """CREDIT's own short-distance Attention (einops windows, ``h=height // wsz``) where its default configuration
+    meets it on 4 and 8 bands: fewer windows than ranks (2 windows of 2 rows on 4 ranks, 2 of 3, uneven bands), the
+    bands without a window running a phantom one; exact against one process (forward, input and parameter grads)."""
+    pytest.importorskip("einops")
+    pytest.importorskip("credit")
+    from .credit_stand_ins import credit_models
+
+    crossformer, _ = credit_models()
+
+    def build(window):
+        return lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), crossformer.Attention(4, "short", window, dim_head=2))
+
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            for window, h in ((2, 4), (3, 6), (2, 6), (3, 9)):
+                if h >= d:
+                    plan = verdict_is_the_run("credit_short", build(window), (1, 2, h, 2 * window), manager)
+                    assert plan.exact, str(plan)
 
 
 def _nn_cases():
@@ -143,3 +171,57 @@ def test_describe_says_exact_on_every_case_the_nn_tests_run_exactly():
              if not (plan := describe(build().double(), shape, d)).exact]
     assert not wrong, "\n".join(map(str, wrong[:3]))
 
+
+
+@pytest.mark.parametrize("family", ["crossformer", "wxformer"])
+def test_credit_default_configuration_on_4_and_8_bands(family):
+    """CREDIT's default CrossFormer / WXFormer (640 x 1280, interp=True; miles-credit's defaults), describe() only
+    (the meta device: ~5-9 s a plan). Its short-distance attention of 20 rows (4 bands) or 40 rows (8 bands) in
+    windows of 10 has fewer windows than bands: the bands without one run a phantom window (exact; the run:
+    test_credit_short_attention_with_fewer_windows_than_ranks_is_exact). Exact on 4 bands; on 8, the CrossFormer's
+    20 rows are uneven bands (3 and 2 rows), refused at its first up_block's join (its transposed conv's bands)."""
+    pytest.importorskip("einops")
+    pytest.importorskip("credit")
+    from .credit_stand_ins import credit_models
+
+    module = dict(zip(("crossformer", "wxformer"), credit_models(), strict=True))[family]
+    with torch.device("meta"):
+        model = module.CrossFormer()
+    channels = model.channels * model.levels + model.surface_channels + model.input_only_channels
+    for d in (4, 8):
+        plan = describe(model, (1, channels, model.frames, 640, 1280), d)
+        if family == "crossformer" and d == 8:
+            row = next(r for r in plan.rows if not r.exact)
+            assert row.path == "up_block1.conv" and "differ from an earlier" in row.note, str(plan)
+        else:
+            assert plan.exact, str(plan)
+
+
+@pytest.mark.mpi(min_size=3)
+def test_describe_traffic_of_a_band_without_a_window(make_manager):
+    """Windows of 3 over 6 rows on 3 and 4 ranks (a band re-banded to no window runs a phantom one): describe()'s
+    traffic is what the run sends, forward (the re-band, the phantom moves nothing) and backward."""
+    from credit_mpi.nn import convert_to_domain_parallel
+    from credit_mpi.nn.traffic import Traffic
+
+    from .test_describe_traffic import _step, band, counting
+    from .test_windows import swin
+
+    shape = (1, 2, 6, 6)
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            if d < 3:
+                continue
+            plan = describe(swin(3, shift=0)().double(), shape, d, requires_grad=True)
+            assert plan.exact and plan.traffic is not None, str(plan)
+            model = convert_to_domain_parallel(swin(3, shift=0)().double(), manager)
+            a, b = band(shape[2], manager)
+            x = torch.randn(shape, dtype=torch.float64).narrow(2, a, b - a).contiguous().requires_grad_(True)
+            with counting(manager) as comm:
+                _step(model, x, comm, set())
+                comm.counts.clear()
+                _step(model, x, comm, set())
+            total, forward, back = plan.traffic[manager.domain_rank], comm.counts.get("forward", Traffic()), comm.counts.get("backward", Traffic())
+            assert (forward.forward_bytes, forward.forward_messages, forward.agreements) == (
+                total.forward_bytes, total.forward_messages, total.agreements), (d, forward, total)
+            assert (back.forward_bytes, back.forward_messages) == (total.backward_bytes, total.backward_messages), (d, back, total)

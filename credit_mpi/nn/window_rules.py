@@ -223,19 +223,27 @@ def _enter(tr: Tracker, module: torch.nn.Module, args: tuple) -> tuple[tuple, Ca
 
 
 def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
+    from .. import watchdog
     from ..ops.reband import rebanded
 
     comm, new_args, layout = tr.manager.domain_group, list(args), None
     with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
         for i, a, p in bands:
             new_args[i], sizes_in, sizes_out = rebanded(a, p.dim, comm, window * p.inner, f"{path}: whole windows")
-            _check_windows_everywhere(path, window, sizes_in, sizes_out, p.inner)  # every rank knows every band
             layout = layout or (sizes_out, sizes_in)  # back= (moved, original)
+            empty = _empty_bands(sizes_out)  # the same on every rank: the layouts are agreed
+            if empty and sizes_out[comm.Get_rank()] == 0:
+                new_args[i] = _phantom(new_args[i], p, window)
             tr.set(new_args[i], p)
-    dim = bands[0][2].dim
+    dim, seq = bands[0][2].dim, watchdog.STATE.seq
 
     def leave(out: Any) -> Any:
         out = _map_bands(tr, out, lambda t, q: _one_unit(tr, t, q, dim, window, Sharded(dim)))
+        if empty:  # every rank alike: each made the same collectives (in step), or the agreement already raised
+            if watchdog.STATE.seq != seq:
+                raise _communicating_with_empty_bands(path, window, layout, bands[0][2].inner)
+            if sizes_out[comm.Get_rank()] == 0:
+                out = _map_bands(tr, out, lambda t, q: _cut(tr, t, q))
         if layout[0] == layout[1]:  # whole windows already: nothing moved, nothing to move back
             return out
         return _map_bands(tr, out, lambda t, q: _back(tr, t, q, layout, path))
@@ -243,21 +251,41 @@ def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
     return tuple(new_args), leave
 
 
-def _check_windows_everywhere(path: str, window: int, sizes_in, sizes_out, inner: int) -> None:
-    """Refuse (on every rank alike: the layouts are agreed) a re-band to whole windows that leaves a band without one.
+def _empty_bands(sizes_out) -> list[int]:
+    """The ranks a re-band to whole windows leaves with no window (none when the field itself has no rows)."""
+    return [r for r, s in enumerate(sizes_out) if s == 0] if sum(sizes_out) else []
 
-    A band of no rows cannot run the module's forward (its window count is read from its shape: no
-    window), nor the layers after it; the same refusal in describe()'s dry run and in the run, at
-    the module's boundary, before its forward.
-    """
-    empty = [r for r, s in enumerate(sizes_out) if s == 0]
-    if not empty or not sum(sizes_out):
-        return
-    windows = sum(sizes_out) // (window * inner)
-    raise refusal(path, "reband()", f"re-banded to whole windows of {window} rows, the bands {[s // inner for s in sizes_in]} "
-                  f"become {[s // inner for s in sizes_out]}: rank(s) {', '.join(map(str, empty))} would hold no window "
-                  f"(the field's {windows} window(s) on {len(sizes_out)} ranks); use at most {max(windows, 1)} rank(s), "
-                  f"or a field of at least {len(sizes_out)} windows")
+
+def _phantom(t: torch.Tensor, p: Sharded, window: int) -> torch.Tensor:
+    """A band of no window extended by one window of zeros: the module's forward reads its window count from its
+    input's shape (CREDIT's ``rearrange(..., h=height // wsz)`` divides by a count of 0), so it runs on one window
+    whose output :func:`_cut` drops. Joined to ``t`` by a ``cat`` so that the backward reaches the re-band's."""
+    shape = list(t.shape)
+    shape[p.dim] = window * p.inner
+    return torch.cat([t, t.new_zeros(shape)], dim=p.dim)
+
+
+def _cut(tr: Tracker, t: torch.Tensor, q: Sharded) -> torch.Tensor:
+    """The phantom window's output dropped: a band of no rows (its parameters' gradients zero, not None)."""
+    with torch._C.DisableTorchFunction():
+        y = t.narrow(q.dim, 0, 0)
+    tr.set(y, q)
+    return y
+
+
+def _communicates(row) -> bool:
+    """A row of describe()'s plan whose layer or move makes a collective on some rank (or whose traffic is unknown)."""
+    return row.traffic is None or any(t.agreements or t.forward_messages or t.backward_messages for t in row.traffic)
+
+
+def _communicating_with_empty_bands(path: str, window: int, layout: tuple, inner: int) -> Exception:
+    """A module whose forward communicates cannot run with a band of no window: the phantom window's zeros would
+    take part in its collectives (a roll across bands, a halo). The same refusal in describe()'s dry run."""
+    moved, original = ([s // inner for s in sizes] for sizes in layout)
+    return refusal(path, "reband()", f"re-banded to whole windows of {window} rows, the bands {list(original)} become "
+                   f"{list(moved)} (a band with no window), and its forward communicates across bands (a roll, a "
+                   f"halo, a gather); use at most {sum(1 for s in moved if s)} rank(s), or a field of at least "
+                   f"{len(moved)} windows")
 
 
 def _back(tr: Tracker, t: torch.Tensor, q: Sharded, layout: tuple, path: str) -> torch.Tensor:
@@ -298,10 +326,11 @@ def _dry(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], An
     for _, b, q in bands:  # the run: each band argument re-banded to whole windows (of window x inner entries)
         sizes_in = dim_sizes(tr, b, q)
         sizes_out = list(whole_windows(sizes_in, window * q.inner))
-        _check_windows_everywhere(path, window, sizes_in, sizes_out, q.inner)
         layout = layout or (sizes_out, sizes_in)
         report_move(tr, path, "reband()", b, q.dim, sizes_in, sizes_out, _identity_moves(sizes_in, sizes_out),
                     sizes_in != sizes_out)
+    empty, rows_before = _empty_bands(layout[0]), len(getattr(tr, "plan_rows", ()))
+    new = [s or window for s in new] if empty else new  # the run: an empty band runs one phantom window
 
     def sizes_of(h: int) -> list[int]:
         if h == rows:
@@ -314,6 +343,8 @@ def _dry(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], An
 
     def leave(out: Any) -> Any:
         tr.band_sizes = old
+        if empty and any(_communicates(r) for r in getattr(tr, "plan_rows", ())[rows_before:]):
+            raise _communicating_with_empty_bands(path, window, layout, p.inner)
         return _map_bands(tr, out, _as_moved_back)
 
     def _as_moved_back(t: torch.Tensor, q: Sharded) -> torch.Tensor:
