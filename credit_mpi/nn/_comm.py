@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-import numpy as np
 import torch
 from mpi4py import MPI
 from torch.autograd.function import once_differentiable
@@ -38,6 +37,7 @@ from ..halo2d import Plan2d
 from ..layout import Layout
 from ..manager import domain_of, live_domain_comm
 from ..ops import halo as halo_op
+from ..ops.statistics import gather_agreed
 from ..partition import check_halo_width
 from ..transport.moves import MpiMoves
 from ..validation import DomainParallelError, Local, agree_cached, comm_label
@@ -241,33 +241,16 @@ def fetch_rows(
     return rows
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, comm):
-        ctx.comm = comm
-        send = np.ascontiguousarray(t.detach().cpu().numpy())
-        recv = np.empty((comm.Get_size(),) + send.shape, send.dtype)
-        comm.Allgather(send, recv)
-        return torch.from_numpy(recv).to(t.device)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        check_backward_thread()
-        comm = ctx.comm
-        g = np.ascontiguousarray(grad.detach().cpu().numpy())
-        comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
-        return torch.from_numpy(g[comm.Get_rank()]).to(grad.device), None
-
-
 @_eager
 def allgather_stats(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
     """Stack every rank's ``t`` (float32/float64) along a new first dim; differentiable.
 
     The backward sums the gradient over the ranks (each rank's loss is its
     share of the global loss, as :func:`credit_mpi.reduce_gradients` assumes).
+    The op :mod:`credit_mpi.ops.statistics`, run with the calling layer's
+    agreement (it covers the shape, dtype, device and autograd state of ``t``).
     """
-    return _AllGather.apply(t, comm)
+    return gather_agreed(t, comm)
 
 
 class _OverlapAdd(torch.autograd.Function):
