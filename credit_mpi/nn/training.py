@@ -36,12 +36,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
+from ..agreement import agree_values
 from ..grad_sync import reduce_gradients
 from ..grid import grid_coords, grid_of
 from ..layout import Layout
 from ..manager import DomainParallelManager, get_domain_parallel_manager
+from ..ops.allreduce import allreduce_agreed
+from ..ops.broadcast import broadcast_agreed
 from ..partition import band_sizes, normalize_dim
 from ..validation import DomainParallelError, allgather_or_raise, check_int, comm_label, digest
 
@@ -131,14 +133,16 @@ def latitude_weights(
         return lat, sizes
 
     if check and manager is not None:
-        everyone = allgather_or_raise(manager.comm, lambda: _digest(plan()[0], dim, uneven))
-        if any(e != everyone[0] for e in everyone):
+
+        def explain(everyone: list[tuple]) -> None:
             ranks = [r for r, e in enumerate(everyone) if e != everyone[0]]
             raise ValueError(
                 f"latitude_weights: rank(s) {ranks} of {comm_label(manager.comm)} passed different latitudes, "
                 f"dim or uneven than rank 0 (nlat, dim, uneven: {[e[:3] for e in everyone]}); pass the same "
                 "global latitudes on every rank"
             )
+
+        agree_values(manager.comm, "latitude_weights", lambda: _digest(plan()[0], dim, uneven), explain)
     lat, sizes = plan()
     cos = np.cos(np.deg2rad(lat))
     weights = cos / cos.mean()
@@ -346,7 +350,7 @@ def global_loss(
     buf[manager.domain_group_index] = value
     buf[groups] = error is not None
     buf[groups + 1] = data_parallel is True
-    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    allreduce_agreed(buf, comm)  # its agreement is in the buffer: the counters carry every rank's errors and flags
     if buf[groups]:
         mine = f"this rank: {error}" if error is not None else "this rank's arguments were fine"
         raise ValueError(
@@ -497,7 +501,7 @@ def latitude_weighted_metrics(
     else:
         stats = local()[0]
     if comm is not None and comm.Get_size() > 1:
-        comm.Allreduce(MPI.IN_PLACE, stats, op=MPI.SUM)
+        allreduce_agreed(stats, comm)  # agreed above (check=True) or trusted (check=False)
     s = dict(zip(_STATS, torch.from_numpy(stats), strict=False))
     out = {"mse": s["se"] / s["w"]}
     out["rmse"] = out["mse"].sqrt()
@@ -692,24 +696,28 @@ def clip_grad_norm_(
         agreed = args()
         if gradients == "reduced":
             mine.append(_total_norm(grads, agreed[1], foreach))
-        return agreed, signature, float(mine[0]) if mine else None
+        return agreed, signature
 
-    everyone = allgather_or_raise(comm, local)
     where = comm_label(comm)
-    for r, (agreed, sig, _) in enumerate(everyone):
-        if agreed != everyone[0][0]:
-            raise ValueError(
-                f"clip_grad_norm_: rank {r} of {where} passed (max_norm, norm_type, error_if_nonfinite, gradients) "
-                f"= {agreed}, rank 0 {everyone[0][0]}; pass the same arguments on every rank"
-            )
-        if sig != everyone[0][1]:
-            raise ValueError(
-                f"clip_grad_norm_: rank {r} of {where} holds gradients for different parameters, dtypes, sizes or "
-                "device types than rank 0; run the same model and backward pass on every rank"
-            )
-    max_norm_, order, _, _ = everyone[0][0]
+
+    def explain(everyone: list[tuple]) -> None:
+        for r, (agreed, sig) in enumerate(everyone):
+            if agreed != everyone[0][0]:
+                raise ValueError(
+                    f"clip_grad_norm_: rank {r} of {where} passed (max_norm, norm_type, error_if_nonfinite, gradients) "
+                    f"= {agreed}, rank 0 {everyone[0][0]}; pass the same arguments on every rank"
+                )
+            if sig != everyone[0][1]:
+                raise ValueError(
+                    f"clip_grad_norm_: rank {r} of {where} holds gradients for different parameters, dtypes, sizes or "
+                    "device types than rank 0; run the same model and backward pass on every rank"
+                )
+
+    # the agreement's one count per rank carries each rank's norm (its float64 bits): no second round
+    (agreed, _), bits = agree_values(comm, "clip_grad_norm_", local, explain, count=lambda _: _norm_bits(mine))
+    max_norm_, order, _, _ = agreed
     if gradients == "reduced":
-        norms = [n for _, _, n in everyone]
+        norms = [float(np.int64(b).view(np.float64)) for b in bits]
         if not all(_same(n, norms[0]) for n in norms):
             raise DomainParallelError(
                 f"clip_grad_norm_: the gradient norms differ across {where} ({norms}): the gradients are not "
@@ -720,9 +728,15 @@ def clip_grad_norm_(
         copies = [SimpleNamespace(grad=g.detach().clone()) for g in grads]
         reduce_gradients(copies, manager, check=False)  # the set was agreed above
         local_norm = _total_norm([c.grad for c in copies], order, foreach)
-        value = comm.bcast(float(local_norm), root=0)  # the same float on every rank, whatever MPI's sums did
+        # the same float on every rank, whatever the order of MPI's sums did (the set was agreed above)
+        value = float(broadcast_agreed(np.array([float(local_norm)]), comm)[0])
     norm = torch.tensor(value, dtype=local_norm.dtype, device=local_norm.device)
     return _clip(params, grads, max_norm_, norm, order, error_if_nonfinite, foreach)
+
+
+def _norm_bits(mine: list) -> int:
+    """This rank's norm as the int64 of its float64 bits (0 without one): what the agreement's count carries."""
+    return int(np.float64(float(mine[0])).view(np.int64)) if mine else 0
 
 
 def _same(a: float, b: float) -> bool:

@@ -21,24 +21,33 @@ def _starts(total: int, parts: int) -> list[int]:
     return [int(piece[0]) for piece in np.array_split(np.arange(total), parts)]
 
 
+def first_of(piece, form):
+    """The first row of a band (bands) or first element of a block (blocks): a part of the same shape on every rank."""
+    return piece[..., :1, :1] if form == "blocks" else piece[..., :1, :]
+
+
+def pieces_of(field, manager, form) -> np.ndarray:
+    """Every rank's :func:`first_of` its piece of the global ``field``, stacked in rank order (the one-process reference)."""
+    field = to_numpy(field)
+    rows, cols = manager.domain_grid if form == "blocks" else (manager.domain_parallel_size, 1)
+    ys, xs = _starts(field.shape[-2], rows), _starts(field.shape[-1], cols)
+    if form == "bands":
+        return np.stack([field[..., y : y + 1, :] for y in ys])
+    return np.stack([field[..., y : y + 1, x : x + 1] for y in ys for x in xs])
+
+
 class TestStatistics(Conformance):
     forms = ("bands", "blocks")
     kinds = ("torch",)
 
     def part(self, field, manager, form):
-        piece = super().part(field, manager, form)
-        return piece[..., :1, :1].clone() if form == "blocks" else piece[..., :1, :].clone()
+        return first_of(super().part(field, manager, form), form).clone()
 
     def call(self, part, manager, form, **change):
         return gather_statistics(part, manager.domain_group)
 
     def expected(self, field, manager, form):
-        field = to_numpy(field)
-        rows, cols = manager.domain_grid if form == "blocks" else (manager.domain_parallel_size, 1)
-        ys, xs = _starts(field.shape[-2], rows), _starts(field.shape[-1], cols)
-        if form == "bands":
-            return np.stack([field[..., y : y + 1, :] for y in ys])
-        return np.stack([field[..., y : y + 1, x : x + 1] for y in ys for x in xs])
+        return pieces_of(field, manager, form)
 
     perturbations = {
         "dtype": ({}, other_dtype),
