@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..agreement import agree_values
+from ..agreement import Free, agree_values
 from ..grad_sync import reduce_gradients
 from ..grid import grid_coords, grid_of
 from ..layout import Layout
@@ -482,22 +482,7 @@ def latitude_weighted_metrics(
         return stats, (tuple(stats.shape), climatology is not None, per_sample, data_parallel, centered_acc)
 
     if manager is not None and manager.comm.Get_size() > 1 and check:
-        # agree over every rank (ranks that disagreed on data_parallel would reduce over different
-        # communicators); the statistics' shapes must match within each domain group
-        box: list = []
-        everyone = allgather_or_raise(manager.comm, lambda: box.append(local()) or box[0][1])
-        members = range(len(everyone)) if data_parallel else manager.domain_groups()[manager.domain_group_index]
-        if any(e[1:] != everyone[0][1:] for e in everyone) or any(everyone[r] != everyone[members[0]] for r in members):
-            detail = "; ".join(
-                f"rank {r}: statistics {e[0]}, climatology {e[1]}, per_sample {e[2]}, data_parallel {e[3]}, "
-                f"centered_acc {e[4]}"
-                for r, e in enumerate(everyone)
-            )
-            raise ValueError(
-                f"latitude_weighted_metrics: ranks of {comm_label(manager.comm)} disagree (the same channels, the "
-                f"same samples with per_sample, a climatology on all or none, the same flags): {detail}"
-            )
-        stats = box[0][0]
+        stats = _agree_metrics(manager, local, data_parallel)
     else:
         stats = local()[0]
     if comm is not None and comm.Get_size() > 1:
@@ -600,6 +585,50 @@ def _band_inputs(fn: str, pred: Any, target: Any, weights: Any, dim: int) -> tup
             f"(or block) along dim {dim}"
         )
     return axis, rows, weights.reshape(want).to(device=pred.device)
+
+
+def _agree_metrics(manager: DomainParallelManager, local: Any, data_parallel: bool) -> np.ndarray:
+    """latitude_weighted_metrics' agreement over every rank: this rank's statistics, or the same ValueError.
+
+    Every rank's flags must be equal (ranks that disagreed on data_parallel
+    would reduce over different communicators); the statistics' shape must be
+    equal within the ranks that reduce together (every rank with
+    ``data_parallel``, else the domain group), so it rides in the
+    agreement's counts (a digest per rank) and only the ranks of a group that
+    differs raise, as the sums are per group.
+    """
+    comm = manager.comm
+    box: list = []
+
+    def compute() -> tuple:
+        box.append(local())
+        shape, *flags = box[0][1]
+        return (Free(shape), *flags)
+
+    def explain(everyone: list[tuple]) -> None:
+        raise _metrics_mismatch(comm, [(e[0].value, *e[1:]) for e in everyone])
+
+    (_, *flags), shapes = agree_values(comm, "latitude_weighted_metrics", compute, explain,
+                                       count=lambda value: digest(repr(value[0].value).encode()))
+    members = range(len(shapes)) if data_parallel else manager.domain_groups()[manager.domain_group_index]
+    groups = [range(len(shapes))] if data_parallel else manager.domain_groups()
+    if any(len({shapes[r] for r in group}) > 1 for group in groups):  # every rank sees it: every rank takes the round
+        everyone = allgather_or_raise(comm, lambda: box[0][1])
+        if len({shapes[r] for r in members}) > 1:
+            raise _metrics_mismatch(comm, everyone)
+    return box[0][0]
+
+
+def _metrics_mismatch(comm: Any, everyone: list[tuple]) -> ValueError:
+    detail = "; ".join(
+        f"rank {r}: statistics {e[0]}, climatology {e[1]}, per_sample {e[2]}, data_parallel {e[3]}, "
+        f"centered_acc {e[4]}"
+        for r, e in enumerate(everyone)
+    )
+    return ValueError(
+        f"latitude_weighted_metrics: ranks of {comm_label(comm)} disagree (the same channels, the "
+        f"same samples with per_sample, a climatology on all or none, the same flags): {detail}"
+    )
 
 
 # -- gradient clipping -------------------------------------------------------
