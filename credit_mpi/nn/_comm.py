@@ -8,7 +8,8 @@
   :func:`credit_mpi.halo_exchange` (differentiable) plus the module's own
   padding at the global edges.
 * :func:`allgather_stats` - a differentiable allgather of small statistics
-  (backward: the gradients summed over the ranks).
+  (backward: the gradients summed over the ranks): the op
+  :mod:`credit_mpi.ops.statistics` under the layer's agreement.
 * :func:`overlap_add` - the adjoint of a halo exchange (transposed
   convolutions), differentiable.
 * :func:`share_failure` / :func:`forward_done` - the converted model's
