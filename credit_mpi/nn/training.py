@@ -603,13 +603,13 @@ def _agree_metrics(manager: DomainParallelManager, local: Any, data_parallel: bo
     def compute() -> tuple:
         box.append(local())
         shape, *flags = box[0][1]
-        return (Free(shape), *flags)
+        return (Free(shape), *flags)  # the shape is compared per group below, through the counts
 
     def explain(everyone: list[tuple]) -> None:
         raise _metrics_mismatch(comm, [(e[0].value, *e[1:]) for e in everyone])
 
-    (_, *flags), shapes = agree_values(comm, "latitude_weighted_metrics", compute, explain,
-                                       count=lambda value: digest(repr(value[0].value).encode()))
+    _, shapes = agree_values(comm, "latitude_weighted_metrics", compute, explain,
+                             count=lambda value: digest(repr(value[0].value).encode()))
     members = range(len(shapes)) if data_parallel else manager.domain_groups()[manager.domain_group_index]
     groups = [range(len(shapes))] if data_parallel else manager.domain_groups()
     if any(len({shapes[r] for r in group}) > 1 for group in groups):  # every rank sees it: every rank takes the round
