@@ -23,6 +23,7 @@ from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
 from ..agreement import Local
@@ -44,12 +45,15 @@ class Statistics(Op):
 
     name = "statistics"
 
-    def key(self, t: Any, args: dict) -> Hashable:
-        return (type(t), tuple(getattr(t, "shape", ())), str(getattr(t, "dtype", None)), _device_type(t))
+    def key(self, t: Any, args: dict) -> Hashable | None:
+        if args:  # under a caller's agreement (gather_agreed): the plan depends on the communicator alone
+            return ()
+        try:  # torch's own hashable shape and dtype, no strings made
+            return (t.shape, t.dtype, t.device.type)
+        except AttributeError:  # not a tensor: agreed every call (local() raises the TypeError on every rank)
+            return None
 
     def local(self, t: Any, args: dict) -> Local:
-        import torch
-
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"statistics: expected a torch tensor, got {type(t).__name__}")
         if str(t.dtype) not in _DTYPES:
@@ -65,24 +69,15 @@ class Statistics(Op):
         return _Plan(comm, comm.Get_size(), comm.Get_rank())
 
     def kernel(self, t: Any, p: _Plan) -> Any:
-        import torch
-
         send = np.ascontiguousarray(t.detach().cpu().numpy())
         recv = np.empty((p.size,) + send.shape, send.dtype)
         p.comm.Allgather(send, recv)
         return torch.from_numpy(recv).to(t.device)
 
     def adjoint(self, grad: Any, p: _Plan) -> Any:
-        import torch
-
         g = np.ascontiguousarray(grad.detach().cpu().numpy())
         p.comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
         return torch.from_numpy(g[p.rank]).to(grad.device)
-
-
-def _device_type(t: Any) -> str | None:
-    device = getattr(t, "device", None)
-    return getattr(device, "type", None)
 
 
 STATISTICS = Statistics()
@@ -95,4 +90,4 @@ def gather_statistics(t: Any, comm: MPI.Comm) -> Any:
 
 def gather_agreed(t: Any, comm: MPI.Comm) -> Any:
     """:func:`gather_statistics` for a caller whose agreement covers ``t``'s shape, dtype, device and autograd state."""
-    return run_agreed(STATISTICS, t, comm, ())  # no counts: the plan is remembered per (comm, key, autograd)
+    return run_agreed(STATISTICS, t, comm, (), agreed=True)  # the plan is remembered per (comm, autograd)
