@@ -365,20 +365,28 @@ def agree_blocks(
     def explain(locals_: list[Local]) -> None:
         _misfit(path, comm, locals_, "blocks", "axes", "the two grid dims")
 
-    mine, counts = agree_once(comm, "layer", local, explain=explain)
-    everyone = [(*mine[:6], decode_block(c)) for c in counts]
-    rows, cols = grid
-    table = [[everyone[i * cols + j][6] for j in range(cols)] for i in range(rows)]
-    heights = [table[i][0][0] for i in range(rows)]
-    widths = [table[0][j][1] for j in range(cols)]
-    if any(table[i][j] != (heights[i], widths[j]) for i in range(rows) for j in range(cols)):
-        raise ValueError(
-            f"{path}: the blocks of the {rows}x{cols} domain grid do not tile a global field (every block of a grid "
-            f"row needs the same latitude rows, every block of a grid column the same longitudes); (rows, cols) of "
-            f"each block, grid row by grid row: {table}"
-        )
-    row, col = grid_coords(comm.Get_rank(), grid)
-    return Blocks(heights, widths, row, col, everyone[0][0])
+    def finish(mine: tuple, counts: list[int]) -> Blocks:  # deterministic in the agreed values: raises on every rank alike
+        everyone = [(*mine[:6], decode_block(c)) for c in counts]
+        rows, cols = grid
+        table = [[everyone[i * cols + j][6] for j in range(cols)] for i in range(rows)]
+        heights = [table[i][0][0] for i in range(rows)]
+        widths = [table[0][j][1] for j in range(cols)]
+        if any(table[i][j] != (heights[i], widths[j]) for i in range(rows) for j in range(cols)):
+            raise ValueError(
+                f"{path}: the blocks of the {rows}x{cols} domain grid do not tile a global field (every block of a grid "
+                f"row needs the same latitude rows, every block of a grid column the same longitudes); (rows, cols) of "
+                f"each block, grid row by grid row: {table}"
+            )
+        row, col = grid_coords(comm.Get_rank(), grid)
+        return Blocks(heights, widths, row, col, everyone[0][0])
+
+    key = None
+    try:  # as agree(): the layer's checks run every call; the block layout of a call shape seen before is remembered
+        key = ("blocks", path, x.shape, describe(axes_of(x)))
+        hash(key)
+    except Exception:  # noqa: BLE001 - local() raises it again inside the agreement, on every rank
+        key = None
+    return agree_cached(comm, "layer", key, local, finish, explain=explain)
 
 
 @_eager
