@@ -40,6 +40,8 @@ __all__ = [
     "OPERATIONS",
     "agree",
     "agree_cached",
+    "agree_values",
+    "Free",
     "forget_agreements",
     "on_forget",
     "remembered",
@@ -90,6 +92,7 @@ class Local(NamedTuple):
 OPERATIONS = [
     "shard_tensor", "shard_batch", "gather_tensor", "scatter_tensor", "halo_exchange", "reduce_gradients",
     "collective",  # agree()'s default, for code outside the core operations
+    "agree_values",  # values that must be equal on every rank (agree_values)
     "layer",  # a converted model's layer (credit_mpi.nn)
     # The 2-D grid's paths (a (lat, lon) pair): their own codes, on the same communicator as the 1-D
     # paths, so that a rank that passed a single dim meets the others' pair in one Allgather and every
@@ -217,6 +220,82 @@ def _raise_mixed_forms(where: str, operations: list[str]) -> None:
         f"{_ranks(line)} and a (lat, lon) pair (2-D blocks of the domain grid) on rank(s) {_ranks(grid)}; every rank "
         f"must pass the same form: pairs such as dim=(-2, -1) on a domain_grid, single values for latitude bands"
     )
+
+
+def agree_values(
+    comm: MPI.Comm,
+    what: str,
+    compute: Callable[[], Any],
+    explain: Callable[[list[Any]], None],
+    *,
+    count: Callable[[Any], int] | None = None,
+) -> tuple[Any, list[int]]:
+    """The one "every rank must have the same values" of the package: ``(value, counts)``, or one exception everywhere.
+
+    For an agreement with no data op after it (a manager's arguments, a
+    dataset's store description, the flags of a loss): ``compute()`` runs on
+    every rank (it may raise: every rank raises it, as in :func:`agree`), and
+    one fixed-size ``Allgather`` compares a fingerprint of its value (numpy
+    arrays by their bytes; :class:`Free` parts left out). Only when the
+    ranks differ is every rank's value shared (the pickled round), and
+    ``explain(values)`` raises the caller's own message on every rank (a
+    generic :class:`DomainParallelError` when it returns, or when ranks are
+    in agreements of different ``what``). ``count(value)`` is the one integer
+    every rank learns from every other (default 0).
+
+    Returns:
+        ``(value, counts)``: this rank's value (equal on every rank but its
+        :class:`Free` parts) and every rank's count.
+    """
+
+    def local() -> Local:
+        value = compute()
+        return Local(value, (what, _fingerprint(value)), (), 0 if count is None else int(count(value)))
+
+    def explain_all(locals_: list[Local]) -> None:
+        whats = [loc.calls[0] for loc in locals_]
+        if len(set(whats)) == 1:
+            explain([loc.plan for loc in locals_])
+            return
+        detail = "; ".join(f"rank {r}: {w}" for r, w in enumerate(whats))
+        raise DomainParallelError(f"ranks of {comm_label(comm)} are in different agreements ({detail}); every rank must make the same call")
+
+    return agree(comm, "agree_values", local, explain=explain_all)
+
+
+class Free:
+    """A value :func:`agree_values` carries but does not compare (it always compares equal: per-rank data)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Free)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "Free(...)"
+
+
+def _fingerprint(value: Any) -> int:
+    """What :func:`agree_values` compares: :func:`digest` of ``value`` made plain (arrays by their bytes, dicts sorted)."""
+    return _digest((_plain(value),))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Free):
+        return "free"
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, digest(np.ascontiguousarray(value).tobytes()) if value.dtype != object else repr(value.tolist()))
+    if isinstance(value, dict):
+        return ("dict", sorted((repr(k), _plain(v)) for k, v in value.items()))
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, [_plain(v) for v in value])
+    return value
 
 
 def register_operation(name: str) -> str:

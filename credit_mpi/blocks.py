@@ -12,28 +12,26 @@ A single ``dim`` on a grid of more than one column is an error that says so:
 a block is not a band, and slicing one dim of it would silently give
 something else.
 
-* shard: local (a slice in each dim), ``check="collective"`` agrees first;
-  here, with the grid's helpers (the block table from the agreed counts,
-  the subarray datatypes of every block, the communicator the data moves on).
-* gather and scatter are ops of :mod:`credit_mpi.engine`, in
-  :mod:`credit_mpi.ops.gather` and :mod:`credit_mpi.ops.scatter` (their
-  2-D forms), which use these helpers.
+* shard, gather and scatter are ops of :mod:`credit_mpi.engine`, in
+  :mod:`credit_mpi.ops.shard` (local: a slice in each dim,
+  ``check="collective"`` agrees first), :mod:`credit_mpi.ops.gather` and
+  :mod:`credit_mpi.ops.scatter` (their 2-D forms), which use the grid's
+  helpers here (the block table from the agreed counts, a block's slice, the
+  subarray datatypes of every block, the communicator the data moves on).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 from mpi4py import MPI
 
-from .grid import block_sizes, grid_coords, grid_of
+from .grid import grid_coords, grid_of
 from .layout import Layout
 from .manager import Domain, domain_of
 from .partition import normalize_dim
 from .transport import arrays
-from .validation import Local, agree, check_transport
 
 __all__ = [
     "is_grid_call",
@@ -41,8 +39,7 @@ __all__ = [
     "check_line",
     "normalize_dims",
     "grid_comm",
-    "shard_tensor_2d",
-    "shard_batch_2d",
+    "block_slice",
     "block_table",
     "block_types",
     "encode_block",
@@ -107,75 +104,11 @@ def grid_comm(domain: Domain) -> MPI.Comm:
     return cart if isinstance(cart, MPI.Intracomm) else domain.comm
 
 
-def _block_slice(x: Any, ay: int, ax: int, heights: list[int], widths: list[int], coords: tuple[int, int]) -> Any:
+def block_slice(x: Any, ay: int, ax: int, heights: list[int], widths: list[int], coords: tuple[int, int]) -> Any:
     row, col = coords
     layout = Layout((tuple(heights), tuple(widths)))
     band = arrays.narrow(x, ay, layout.start(row, 0), heights[row])
     return arrays.narrow(band, ax, layout.start(col, 1), widths[col])
-
-
-def shard_tensor_2d(x: Any, dim: Any, manager: Any, uneven: bool, collective: bool) -> Any:
-    """This rank's block of the global ``x`` (see :func:`credit_mpi.shard_tensor`)."""
-    domain = domain_of(manager)
-    grid = grid_of(domain.manager, domain.size)
-
-    def local() -> Local:
-        info = arrays.describe(x)
-        ay, ax = normalize_dims(dim, len(info.shape))
-        heights, widths = block_sizes((info.shape[ay], info.shape[ax]), grid, uneven, tuple(dim))
-        return Local((ay, ax, heights, widths), ("2d", ay, ax, uneven), (info.kind, info.shape, info.dtype, info.device_type))
-
-    if collective and domain.size > 1:
-        def explain(locals_: list[Local]) -> None:
-            raise ValueError("shard_tensor: ranks of the domain group passed different arrays or dims ("
-                             + "; ".join(f"rank {r}: {loc.same} dims {loc.calls[1:3]}" for r, loc in enumerate(locals_)) + ")")
-
-        ay, ax, heights, widths = agree(domain.comm, "shard_tensor/2d", local, explain=explain)[0]
-    else:
-        ay, ax, heights, widths = local().plan
-    if domain.size <= 1:
-        return x
-    return _block_slice(x, ay, ax, heights, widths, grid_coords(domain.rank, grid))
-
-
-def shard_batch_2d(batch: Mapping[str, Any], dims: dict[int, Any], manager: Any, uneven: bool, collective: bool,
-                   transport: str = "mpi") -> dict:
-    """``batch`` with every 4-D / 5-D array cut to this rank's block (see :func:`credit_mpi.shard_batch`)."""
-    domain = domain_of(manager)
-    grid = grid_of(domain.manager, domain.size)
-
-    def local() -> Local:
-        check_transport(transport)  # inside the agreement: a bad transport on one rank is every rank's error
-        if transport == "torch" and domain.size > 1:
-            domain.manager.torch_group("domain")  # a clear error when the bridge is missing
-        plans = {}
-        for key, value in batch.items():
-            if arrays.is_array(value) and value.ndim in dims:
-                try:
-                    info = arrays.describe(value)
-                    d = dims[value.ndim]
-                    ay, ax = normalize_dims(d, len(info.shape))
-                    plans[key] = (info, ay, ax, *block_sizes((info.shape[ay], info.shape[ax]), grid, uneven, tuple(d)))
-                except (TypeError, ValueError) as exc:
-                    raise type(exc)(f"{exc} (in batch[{key!r}])") from None
-        same = tuple((k, i.kind, i.shape, i.dtype, i.device_type, ay, ax) for k, (i, ay, ax, _, _) in plans.items())
-        return Local(plans, ("2d", uneven, transport), same)
-
-    if collective and domain.size > 1:
-        def explain(locals_: list[Local]) -> None:
-            raise ValueError("shard_batch: ranks of the domain group passed different batches ("
-                             + "; ".join(f"rank {r}: {loc.same}" for r, loc in enumerate(locals_)) + ")")
-
-        plans = agree(domain.comm, "shard_batch/2d", local, explain=explain)[0]
-    else:
-        plans = local().plan
-    if domain.size <= 1:
-        return batch
-    coords = grid_coords(domain.rank, grid)
-    sharded = dict(batch)
-    for key, (_, ay, ax, heights, widths) in plans.items():
-        sharded[key] = _block_slice(batch[key], ay, ax, heights, widths, coords)
-    return sharded
 
 
 def block_table(counts: list[int], grid: tuple[int, int], what: str, ay: int, ax: int) -> tuple[list[int], list[int]]:

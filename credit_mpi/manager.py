@@ -28,9 +28,10 @@ from typing import Any, NamedTuple
 from mpi4py import MPI
 
 from . import watchdog
+from .agreement import agree_values
 from .grid import check_grid, grid_coords, grid_neighbors
 from .partition import halo_neighbors
-from .validation import DomainParallelError, allgather_or_raise, check_int, forget_agreements
+from .validation import DomainParallelError, check_int, forget_agreements
 
 __all__ = [
     "DomainParallelManager",
@@ -133,8 +134,7 @@ class DomainParallelManager:
             seconds = watchdog.default_timeout() if timeout is None else watchdog.check_timeout(timeout)
             return (*args, check_grid(domain_grid, d), seconds)
 
-        everyone = allgather_or_raise(comm, check)
-        if any(args != everyone[0] for args in everyone):
+        def explain(everyone: list[tuple]) -> None:
             detail = "; ".join(
                 f"rank {r}: world_size={a[0]}, domain_parallel_size={a[1]}, shard_dim={a[2]}, domain_grid={a[3]}, "
                 f"timeout={a[4]}"
@@ -142,7 +142,8 @@ class DomainParallelManager:
             )
             raise ValueError(f"ranks passed different arguments to DomainParallelManager: {detail}")
 
-        self.world_size, self.domain_parallel_size, self.shard_dim, self._grid, self.timeout = everyone[0]
+        agreed, _ = agree_values(comm, "DomainParallelManager", check, explain)
+        self.world_size, self.domain_parallel_size, self.shard_dim, self._grid, self.timeout = agreed
         self.data_parallel_size = self.world_size // self.domain_parallel_size
         self._comm = comm
         self._rank = rank

@@ -8,8 +8,9 @@ communicate:
 
 * :func:`shard_tensor` and :func:`shard_batch` are **local**, as in the
   reference: each rank validates its own arguments and slices its band; no
-  MPI call. ``check="collective"`` makes them agree across the domain group
-  first (one small ``Allgather``), so that ranks that passed different
+  MPI call (the ops of :mod:`credit_mpi.ops.shard`, run locally).
+  ``check="collective"`` runs them through the engine, which agrees across
+  the domain group first (one small ``Allgather``), so that ranks that passed different
   arrays get the same exception instead of silently different bands. They
   work with any manager-like object that has ``domain_parallel_size`` and
   ``domain_rank`` (the reference's unit tests use plain objects and mocks).
@@ -45,13 +46,12 @@ from typing import Any
 
 from . import blocks
 from .engine import run, run_args
-from .layout import Layout
 from .manager import Domain, DomainParallelManager, domain_of, live_domain_comm
-from .ops import gather, scatter
+from .ops import gather, scatter, shard
 from .ops.gather import _allgather_rows, check_out  # noqa: F401 - _allgather_rows: tests drive its strategies directly
-from .partition import band_sizes, normalize_dim
+from .partition import normalize_dim
 from .transport import arrays, rowops
-from .validation import Local, agree, check_transport
+from .validation import check_transport
 
 __all__ = ["shard_tensor", "gather_tensor", "shard_batch", "scatter_tensor"]
 
@@ -100,21 +100,11 @@ def shard_tensor(
     """
     collective = _collective(check)
     if _grid_call(manager, dim):  # a (lat, lon) pair: this rank's block of the 2-D domain grid
-        return blocks.shard_tensor_2d(x, dim, manager, uneven, collective)
+        return _shard(shard.TENSOR_2D, x, domain_of(manager), {"dim": dim, "uneven": uneven}, collective)
     domain = domain_of(manager)
     if domain.size <= 1:
         return x
-
-    def local() -> Local:
-        blocks.check_line(domain, dim)  # a single dim on a grid of several columns: every rank's error
-        info = arrays.describe(x)
-        axis = normalize_dim(dim, len(info.shape))
-        sizes = band_sizes(info.shape[axis], domain.size, uneven, dim=dim)
-        return Local((info, axis, sizes), (axis, uneven), (info.kind, info.shape, info.dtype, info.device_type))
-
-    plan = _agree(domain, "shard_tensor", local, _different_arrays("shard_tensor")) if collective else local().plan
-    _, axis, sizes = plan
-    return arrays.narrow(x, axis, Layout.bands(sizes).start(domain.rank), sizes[domain.rank])
+    return _shard(shard.TENSOR, x, domain, {"dim": dim, "uneven": uneven}, collective)
 
 
 def gather_tensor(
@@ -212,35 +202,14 @@ def shard_batch(
     """
     collective = _collective(check)
     dims = {5: spatial_dims_5d, 4: spatial_dims_4d}
+    args = {"dims": dims, "uneven": uneven, "transport": transport}
     if _grid_call(manager, spatial_dims_5d, spatial_dims_4d):  # (lat, lon) pairs: blocks of the 2-D grid
-        return blocks.shard_batch_2d(batch, dims, manager, uneven, collective, transport)
+        return _shard(shard.BATCH_2D, batch, domain_of(manager), args, collective)
     domain = domain_of(manager)
     if domain.size <= 1:
         check_transport(transport)
         return batch
-
-    def local() -> Local:
-        blocks.check_line(domain, spatial_dims_5d)  # a single dim on a grid of several columns: every rank's error
-        check_transport(transport)  # inside the agreement: a bad transport on one rank is every rank's error
-        if transport == "torch":
-            domain.manager.torch_group("domain")  # a clear error when the bridge is missing
-        bands = {}
-        for key, value in batch.items():
-            if arrays.is_array(value) and value.ndim in dims:
-                try:
-                    info = arrays.describe(value)
-                    axis = normalize_dim(dims[value.ndim], value.ndim)
-                    bands[key] = (info, axis, band_sizes(info.shape[axis], domain.size, uneven, dim=dims[value.ndim]))
-                except (TypeError, ValueError) as exc:
-                    raise type(exc)(f"{exc} (in batch[{key!r}])") from None
-        same = tuple((key, info.kind, info.shape, info.dtype, info.device_type, axis) for key, (info, axis, _) in bands.items())
-        return Local(bands, (uneven, transport), same)
-
-    bands = _agree(domain, "shard_batch", local, _different_arrays("shard_batch")) if collective else local().plan
-    sharded = dict(batch)
-    for key, (_, axis, sizes) in bands.items():
-        sharded[key] = arrays.narrow(batch[key], axis, Layout.bands(sizes).start(domain.rank), sizes[domain.rank])
-    return sharded
+    return _shard(shard.BATCH, batch, domain, args, collective)
 
 
 def scatter_tensor(
@@ -285,29 +254,17 @@ def _collective(check: Any) -> bool:
     raise ValueError(f"check must be 'local' or 'collective' (or True / False), got {check!r}")
 
 
-def _agree(domain: Domain, operation: str, local, explain):
-    """The plan this rank agreed on with the rest of its domain group."""
-    return agree(domain.comm, operation, local, explain=explain)[0]
+def _shard(op: Any, x: Any, domain: Domain, args: dict, collective: bool) -> Any:
+    """A sharding op (:mod:`credit_mpi.ops.shard`) on ``x``: agreed first with ``check="collective"`` (and ranks), else local."""
+    args["domain"] = domain
+    if collective and domain.size > 1:
+        return _agree(op, x, domain, args)
+    return shard.local_run(op, x, args)
 
 
-def _different_arrays(what: str):
-    """``explain`` for the sharding calls: name each rank's array(s)."""
-
-    def explain(locals_: list[Local]) -> None:
-        summaries = [_summary(loc.plan) for loc in locals_]
-        if len(set(summaries)) == 1:
-            return  # the same arrays and dims, different calls (uneven, transport): agree's DomainParallelError names them
-        detail = "; ".join(f"rank {r}: {summary}" for r, summary in enumerate(summaries))
-        raise ValueError(f"{what}: ranks of the domain group passed different arrays ({detail})")
-
-    return explain
-
-
-def _summary(plan) -> str:
-    if isinstance(plan, dict):
-        return "{" + ", ".join(f"{k!r}: {_summary(v)}" for k, v in plan.items()) + "}"
-    info, axis = plan[0], plan[1]
-    return f"{info.kind} {info.dtype} {info.shape} on {info.device} dim {axis}"
+def _agree(op: Any, x: Any, domain: Domain, args: dict) -> Any:
+    """The collective check: the op through the engine, its agreement on the domain group."""
+    return run_args(op, x, domain.comm, args)
 
 
 def _copy_into(out: Any, x: Any, dim: int) -> Any:

@@ -366,7 +366,7 @@ def _init_default_group(comm: MPI.Comm, backend: str, timeout: timedelta, connec
     hosts = allgather_or_raise(comm, MPI.Get_processor_name)
     store = None
     env = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ}
-    env = comm.bcast(env if rank == 0 else None)  # what rank 0 saw: it decides the address
+    env = allgather_or_raise(comm, lambda: env)[0]  # what rank 0 saw: it decides the address
 
     def host_store() -> tuple[str, int] | None:
         nonlocal store

@@ -361,8 +361,8 @@ def mpi_forbidden(monkeypatch):
     """Every way credit_mpi reaches MPI from the sharding functions raises."""
     monkeypatch.setattr(validation, "agree", _forbidden)
     monkeypatch.setattr(validation, "allgather_or_raise", _forbidden)
-    monkeypatch.setattr(sharding, "agree", _forbidden)
-    monkeypatch.setattr(sharding, "_agree", _forbidden)
+    monkeypatch.setattr(sharding, "_agree", _forbidden)  # the collective check (the shard ops through the engine)
+    monkeypatch.setattr(sharding, "run_args", _forbidden)
     monkeypatch.setattr(manager_module.Domain, "comm", property(_forbidden))
 
 
@@ -373,7 +373,7 @@ def test_the_no_mpi_harness_sees_the_collective_path():
     assert_same_array(shard_tensor(x, 1, manager, check="collective"), x[:, :4])
     assert {"Get_size", "Allgather"} <= set(manager.domain_group.used)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sharding, "agree", _forbidden)
+        patch.setattr(sharding, "_agree", _forbidden)
         with pytest.raises(AssertionError, match="agreement"):
             shard_tensor(x, 1, recording_manager(2, 0), check="collective")
 

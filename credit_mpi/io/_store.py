@@ -2,7 +2,7 @@
 
 Internal to :mod:`credit_mpi.io`: which kind of store a path is, how it is
 opened without reading data, and the small fingerprint (sizes, variables,
-index coordinates) that ranks allgather before anything else happens.
+index coordinates) that ranks agree on before anything else happens.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import numpy as np
 import xarray as xr
 from mpi4py import MPI
 
+from ..agreement import agree_values
 from ..manager import DomainParallelManager, get_domain_parallel_manager
-from ..validation import allgather_or_raise, comm_label, digest
+from ..validation import comm_label, digest
 
 __all__ = ["StoreNotFoundError"]
 
@@ -72,20 +73,26 @@ def check_complete(ds: xr.Dataset, what: str) -> None:
         )
 
 
-def agree(comm: MPI.Comm | None, what: str, compute: Callable[[], dict], cleanup: Callable[[], None]) -> list[dict]:
+def agree(comm: MPI.Comm | None, what: str, compute: Callable[[], dict], cleanup: Callable[[], None],
+          count: Callable[[dict], int] | None = None) -> tuple[dict, list[int]]:
     """Run ``compute`` on every rank of ``comm`` and require the same result everywhere.
 
-    ``compute`` returns a dict of fields that must be equal on every rank.
-    A rank that raises, or fields that differ between ranks, are the same
-    exception on every rank (after ``cleanup`` ran there). With ``comm``
-    None (one process) ``compute`` just runs.
+    ``compute`` returns a dict of fields that must be equal on every rank
+    (:class:`credit_mpi.agreement.Free` fields excepted). A rank that
+    raises, or fields that differ between ranks, are the same exception on
+    every rank (after ``cleanup`` ran there): :func:`credit_mpi.agreement.agree_values`
+    with :func:`check_same` naming the fields. ``count(desc)`` is one
+    integer every rank learns from every other. With ``comm`` None (one
+    process) ``compute`` just runs.
+
+    Returns:
+        ``(desc, counts)``: this rank's result and every rank's count.
     """
     try:
         if comm is None:
-            return [compute()]
-        everyone = allgather_or_raise(comm, compute)
-        check_same(what, everyone, comm)
-        return everyone
+            desc = compute()
+            return desc, [0 if count is None else int(count(desc))]
+        return agree_values(comm, what, compute, lambda descs: check_same(what, descs, comm), count=count)
     except BaseException:
         cleanup()
         raise

@@ -12,12 +12,11 @@ import xarray as xr
 
 from ..manager import DomainParallelManager
 from ..partition import band_range
-from ..validation import allgather_or_raise, check_int
+from ..validation import check_int
 from ._store import (
     agree,
     check_complete,
     check_dim,
-    check_same,
     close_quietly,
     describe,
     domain_layout,
@@ -231,7 +230,7 @@ class BandDataset(torch.utils.data.Dataset):
         if manager is None:
             plan()
         else:
-            check_same("BandDataset.sampler", allgather_or_raise(manager.comm, plan), manager.comm)
+            agree(manager.comm, "BandDataset.sampler", plan, lambda: None)
         return torch.utils.data.DistributedSampler(
             self, num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )

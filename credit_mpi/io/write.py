@@ -31,6 +31,7 @@ import numpy as np
 import xarray as xr
 from mpi4py import MPI
 
+from ..agreement import Free
 from ..manager import DomainParallelManager
 from ..partition import band_offsets
 from ..validation import allgather_or_raise
@@ -207,21 +208,22 @@ def write_bands(
             "band": (int(ds_band.sizes[dim]), None if index is None else np.asarray(index.values)),
         }
 
-    descs = agree(comm, "write_bands", lambda: _split_band(plan()), lambda: None)
-    sizes = [d["band_rows"].value for d in descs]
-    coords = [d["band_index"].value for d in descs]
-    target = descs[0]["store"]
+    desc, sizes = agree(comm, "write_bands", lambda: _split_band(plan()), lambda: None, count=lambda d: d["band_rows"].value)
+    # every rank's index coordinates (they differ: the band's own rows), gathered once the call is agreed
+    index = desc["band_index"].value
+    coords = [index] if comm is None else allgather_or_raise(comm, lambda: index)
+    target = desc["store"]
     names = [name for name, var in ds_band.variables.items() if dim in var.dims and name != dim]
     if target[0] == "netcdf":
         chunk = None
     else:
-        chunk = dict(descs[0]["chunks"]).get(dim, max(max(sizes), 1))
+        chunk = dict(desc["chunks"]).get(dim, max(max(sizes), 1))
     have = list(zip(band_offsets(sizes), [o + s for o, s in zip(band_offsets(sizes), sizes, strict=True)], strict=True))
     want = writer_ranges(sizes, chunk)
     global_index = None if coords[0] is None else np.concatenate(coords)
 
     if comm is not None and target[0] == "zarr":  # domain rank 0 creates the store; an error is everyone's
-        allgather_or_raise(comm, lambda: _create(ds_band, store, dim, sizes, global_index, dict(descs[0]["chunks"]), chunk, mode) if rank == 0 else None)
+        allgather_or_raise(comm, lambda: _create(ds_band, store, dim, sizes, global_index, dict(desc["chunks"]), chunk, mode) if rank == 0 else None)
 
     moved: dict[str, xr.Variable] = {}
     for name in names:  # the same names, in the same order, on every rank (agreed)
@@ -239,7 +241,7 @@ def write_bands(
                 _global_dataset(ds_band, moved, dim, global_index).to_netcdf(partial, mode="w")
                 os.replace(partial, target[1])
         elif comm is None:
-            _create(ds_band, store, dim, sizes, global_index, dict(descs[0]["chunks"]), chunk, mode)
+            _create(ds_band, store, dim, sizes, global_index, dict(desc["chunks"]), chunk, mode)
             xr.Dataset(moved).to_zarr(store, region={dim: slice(start, stop)}, mode="r+")
         elif stop > start:
             xr.Dataset(moved).to_zarr(store, region={dim: slice(start, stop)}, mode="r+")
@@ -270,22 +272,9 @@ def _mark_complete(store: Any) -> None:
 
 
 def _split_band(desc: dict) -> dict:
-    # the band rows and coordinate values are gathered but may differ between ranks
+    # the band rows and coordinate values differ between ranks: carried, not compared
     rows, index = desc.pop("band")
-    return {**desc, "band_rows": _Free(rows), "band_index": _Free(index)}
-
-
-class _Free:
-    """A value that ranks gather but need not agree on (always compares equal)."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Free)
-
-    def __hash__(self) -> int:
-        return 0
+    return {**desc, "band_rows": Free(rows), "band_index": Free(index)}
 
 
 def _target(store: Any) -> tuple[str, Any]:

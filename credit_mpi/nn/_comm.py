@@ -8,7 +8,8 @@
   :func:`credit_mpi.halo_exchange` (differentiable) plus the module's own
   padding at the global edges.
 * :func:`allgather_stats` - a differentiable allgather of small statistics
-  (backward: the gradients summed over the ranks).
+  (backward: the gradients summed over the ranks): the op
+  :mod:`credit_mpi.ops.statistics` under the layer's agreement.
 * :func:`overlap_add` - the adjoint of a halo exchange (transposed
   convolutions), differentiable.
 * :func:`share_failure` / :func:`forward_done` - the converted model's
@@ -23,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-import numpy as np
 import torch
 from mpi4py import MPI
 from torch.autograd.function import once_differentiable
@@ -38,6 +38,7 @@ from ..halo2d import Plan2d
 from ..layout import Layout
 from ..manager import domain_of, live_domain_comm
 from ..ops import halo as halo_op
+from ..ops.statistics import gather_agreed
 from ..partition import check_halo_width
 from ..transport.moves import MpiMoves
 from ..validation import DomainParallelError, Local, agree_cached, comm_label
@@ -241,33 +242,16 @@ def fetch_rows(
     return rows
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, comm):
-        ctx.comm = comm
-        send = np.ascontiguousarray(t.detach().cpu().numpy())
-        recv = np.empty((comm.Get_size(),) + send.shape, send.dtype)
-        comm.Allgather(send, recv)
-        return torch.from_numpy(recv).to(t.device)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        check_backward_thread()
-        comm = ctx.comm
-        g = np.ascontiguousarray(grad.detach().cpu().numpy())
-        comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
-        return torch.from_numpy(g[comm.Get_rank()]).to(grad.device), None
-
-
 @_eager
 def allgather_stats(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
     """Stack every rank's ``t`` (float32/float64) along a new first dim; differentiable.
 
     The backward sums the gradient over the ranks (each rank's loss is its
     share of the global loss, as :func:`credit_mpi.reduce_gradients` assumes).
+    The op :mod:`credit_mpi.ops.statistics`, run with the calling layer's
+    agreement (it covers the shape, dtype, device and autograd state of ``t``).
     """
-    return _AllGather.apply(t, comm)
+    return gather_agreed(t, comm)
 
 
 class _OverlapAdd(torch.autograd.Function):
@@ -381,20 +365,28 @@ def agree_blocks(
     def explain(locals_: list[Local]) -> None:
         _misfit(path, comm, locals_, "blocks", "axes", "the two grid dims")
 
-    mine, counts = agree_once(comm, "layer", local, explain=explain)
-    everyone = [(*mine[:6], decode_block(c)) for c in counts]
-    rows, cols = grid
-    table = [[everyone[i * cols + j][6] for j in range(cols)] for i in range(rows)]
-    heights = [table[i][0][0] for i in range(rows)]
-    widths = [table[0][j][1] for j in range(cols)]
-    if any(table[i][j] != (heights[i], widths[j]) for i in range(rows) for j in range(cols)):
-        raise ValueError(
-            f"{path}: the blocks of the {rows}x{cols} domain grid do not tile a global field (every block of a grid "
-            f"row needs the same latitude rows, every block of a grid column the same longitudes); (rows, cols) of "
-            f"each block, grid row by grid row: {table}"
-        )
-    row, col = grid_coords(comm.Get_rank(), grid)
-    return Blocks(heights, widths, row, col, everyone[0][0])
+    def finish(mine: tuple, counts: list[int]) -> Blocks:  # deterministic in the agreed values: raises on every rank alike
+        everyone = [(*mine[:6], decode_block(c)) for c in counts]
+        rows, cols = grid
+        table = [[everyone[i * cols + j][6] for j in range(cols)] for i in range(rows)]
+        heights = [table[i][0][0] for i in range(rows)]
+        widths = [table[0][j][1] for j in range(cols)]
+        if any(table[i][j] != (heights[i], widths[j]) for i in range(rows) for j in range(cols)):
+            raise ValueError(
+                f"{path}: the blocks of the {rows}x{cols} domain grid do not tile a global field (every block of a grid "
+                f"row needs the same latitude rows, every block of a grid column the same longitudes); (rows, cols) of "
+                f"each block, grid row by grid row: {table}"
+            )
+        row, col = grid_coords(comm.Get_rank(), grid)
+        return Blocks(heights, widths, row, col, everyone[0][0])
+
+    key = None
+    try:  # as agree(): the layer's checks run every call; the block layout of a call shape seen before is remembered
+        key = ("blocks", path, x.shape, describe(axes_of(x)))
+        hash(key)
+    except Exception:  # noqa: BLE001 - local() raises it again inside the agreement, on every rank
+        key = None
+    return agree_cached(comm, "layer", key, local, finish, explain=explain)
 
 
 @_eager

@@ -35,8 +35,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..autograd import check_backward_thread
-from ..validation import Local
-from ..validation import agree as agree_once
+from ..validation import Local, agree_cached
 from ._comm import ConversionError, _eager, agree, agree_blocks, allgather_stats
 from .base import DomainParallelModule
 from .replicated import is_replicated
@@ -333,7 +332,12 @@ class _BatchNormMixin(DomainParallelModule):
                 f"{[loc.plan for loc in locals_]}; call model.train() / model.eval() on every rank"
             )
 
-        agree_once(comm, "layer", local, explain=explain)
+        try:  # the call's description decides local(): a repeated call is one Allgather of the remembered header
+            key = ("BatchNorm", self.dp_path, x.ndim, x.shape[1], str(x.dtype), x.device.type,
+                   bool(torch.is_grad_enabled() and x.requires_grad), bool(self.training), bool(self.track_running_stats))
+        except Exception:  # noqa: BLE001 - local() raises it again inside the agreement, on every rank
+            key = None
+        agree_cached(comm, "layer", key, local, _nothing, explain=explain)
         if not use_batch:
             return super().forward(x)  # the running statistics: a pointwise map
         if self.training and self.track_running_stats:
@@ -366,6 +370,10 @@ class DomainParallelBatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
 @layer_rule(nn.BatchNorm3d)
 class DomainParallelBatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` with SyncBatchNorm semantics over the manager's ranks."""
+
+
+def _nothing(plan, counts) -> None:
+    """BatchNorm's agreement plans nothing (its statistics' shape is the agreed channels)."""
 
 
 def _batch_comm(manager, x: torch.Tensor):

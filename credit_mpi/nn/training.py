@@ -36,12 +36,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
+from ..agreement import Free, agree_values
 from ..grad_sync import reduce_gradients
 from ..grid import grid_coords, grid_of
 from ..layout import Layout
 from ..manager import DomainParallelManager, get_domain_parallel_manager
+from ..ops.allreduce import allreduce_agreed
+from ..ops.broadcast import broadcast_agreed
 from ..partition import band_sizes, normalize_dim
 from ..validation import DomainParallelError, allgather_or_raise, check_int, comm_label, digest
 
@@ -131,14 +133,16 @@ def latitude_weights(
         return lat, sizes
 
     if check and manager is not None:
-        everyone = allgather_or_raise(manager.comm, lambda: _digest(plan()[0], dim, uneven))
-        if any(e != everyone[0] for e in everyone):
+
+        def explain(everyone: list[tuple]) -> None:
             ranks = [r for r, e in enumerate(everyone) if e != everyone[0]]
             raise ValueError(
                 f"latitude_weights: rank(s) {ranks} of {comm_label(manager.comm)} passed different latitudes, "
                 f"dim or uneven than rank 0 (nlat, dim, uneven: {[e[:3] for e in everyone]}); pass the same "
                 "global latitudes on every rank"
             )
+
+        agree_values(manager.comm, "latitude_weights", lambda: _digest(plan()[0], dim, uneven), explain)
     lat, sizes = plan()
     cos = np.cos(np.deg2rad(lat))
     weights = cos / cos.mean()
@@ -346,7 +350,7 @@ def global_loss(
     buf[manager.domain_group_index] = value
     buf[groups] = error is not None
     buf[groups + 1] = data_parallel is True
-    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    allreduce_agreed(buf, comm)  # its agreement is in the buffer: the counters carry every rank's errors and flags
     if buf[groups]:
         mine = f"this rank: {error}" if error is not None else "this rank's arguments were fine"
         raise ValueError(
@@ -478,26 +482,11 @@ def latitude_weighted_metrics(
         return stats, (tuple(stats.shape), climatology is not None, per_sample, data_parallel, centered_acc)
 
     if manager is not None and manager.comm.Get_size() > 1 and check:
-        # agree over every rank (ranks that disagreed on data_parallel would reduce over different
-        # communicators); the statistics' shapes must match within each domain group
-        box: list = []
-        everyone = allgather_or_raise(manager.comm, lambda: box.append(local()) or box[0][1])
-        members = range(len(everyone)) if data_parallel else manager.domain_groups()[manager.domain_group_index]
-        if any(e[1:] != everyone[0][1:] for e in everyone) or any(everyone[r] != everyone[members[0]] for r in members):
-            detail = "; ".join(
-                f"rank {r}: statistics {e[0]}, climatology {e[1]}, per_sample {e[2]}, data_parallel {e[3]}, "
-                f"centered_acc {e[4]}"
-                for r, e in enumerate(everyone)
-            )
-            raise ValueError(
-                f"latitude_weighted_metrics: ranks of {comm_label(manager.comm)} disagree (the same channels, the "
-                f"same samples with per_sample, a climatology on all or none, the same flags): {detail}"
-            )
-        stats = box[0][0]
+        stats = _agree_metrics(manager, local, data_parallel)
     else:
         stats = local()[0]
     if comm is not None and comm.Get_size() > 1:
-        comm.Allreduce(MPI.IN_PLACE, stats, op=MPI.SUM)
+        allreduce_agreed(stats, comm)  # agreed above (check=True) or trusted (check=False)
     s = dict(zip(_STATS, torch.from_numpy(stats), strict=False))
     out = {"mse": s["se"] / s["w"]}
     out["rmse"] = out["mse"].sqrt()
@@ -598,6 +587,50 @@ def _band_inputs(fn: str, pred: Any, target: Any, weights: Any, dim: int) -> tup
     return axis, rows, weights.reshape(want).to(device=pred.device)
 
 
+def _agree_metrics(manager: DomainParallelManager, local: Any, data_parallel: bool) -> np.ndarray:
+    """latitude_weighted_metrics' agreement over every rank: this rank's statistics, or the same ValueError.
+
+    Every rank's flags must be equal (ranks that disagreed on data_parallel
+    would reduce over different communicators); the statistics' shape must be
+    equal within the ranks that reduce together (every rank with
+    ``data_parallel``, else the domain group), so it rides in the
+    agreement's counts (a digest per rank) and only the ranks of a group that
+    differs raise, as the sums are per group.
+    """
+    comm = manager.comm
+    box: list = []
+
+    def compute() -> tuple:
+        box.append(local())
+        shape, *flags = box[0][1]
+        return (Free(shape), *flags)  # the shape is compared per group below, through the counts
+
+    def explain(everyone: list[tuple]) -> None:
+        raise _metrics_mismatch(comm, [(e[0].value, *e[1:]) for e in everyone])
+
+    _, shapes = agree_values(comm, "latitude_weighted_metrics", compute, explain,
+                             count=lambda value: digest(repr(value[0].value).encode()))
+    members = range(len(shapes)) if data_parallel else manager.domain_groups()[manager.domain_group_index]
+    groups = [range(len(shapes))] if data_parallel else manager.domain_groups()
+    if any(len({shapes[r] for r in group}) > 1 for group in groups):  # every rank sees it: every rank takes the round
+        everyone = allgather_or_raise(comm, lambda: box[0][1])
+        if len({shapes[r] for r in members}) > 1:
+            raise _metrics_mismatch(comm, everyone)
+    return box[0][0]
+
+
+def _metrics_mismatch(comm: Any, everyone: list[tuple]) -> ValueError:
+    detail = "; ".join(
+        f"rank {r}: statistics {e[0]}, climatology {e[1]}, per_sample {e[2]}, data_parallel {e[3]}, "
+        f"centered_acc {e[4]}"
+        for r, e in enumerate(everyone)
+    )
+    return ValueError(
+        f"latitude_weighted_metrics: ranks of {comm_label(comm)} disagree (the same channels, the "
+        f"same samples with per_sample, a climatology on all or none, the same flags): {detail}"
+    )
+
+
 # -- gradient clipping -------------------------------------------------------
 
 GRADIENTS = ("reduced", "partial")
@@ -692,24 +725,28 @@ def clip_grad_norm_(
         agreed = args()
         if gradients == "reduced":
             mine.append(_total_norm(grads, agreed[1], foreach))
-        return agreed, signature, float(mine[0]) if mine else None
+        return agreed, signature
 
-    everyone = allgather_or_raise(comm, local)
     where = comm_label(comm)
-    for r, (agreed, sig, _) in enumerate(everyone):
-        if agreed != everyone[0][0]:
-            raise ValueError(
-                f"clip_grad_norm_: rank {r} of {where} passed (max_norm, norm_type, error_if_nonfinite, gradients) "
-                f"= {agreed}, rank 0 {everyone[0][0]}; pass the same arguments on every rank"
-            )
-        if sig != everyone[0][1]:
-            raise ValueError(
-                f"clip_grad_norm_: rank {r} of {where} holds gradients for different parameters, dtypes, sizes or "
-                "device types than rank 0; run the same model and backward pass on every rank"
-            )
-    max_norm_, order, _, _ = everyone[0][0]
+
+    def explain(everyone: list[tuple]) -> None:
+        for r, (agreed, sig) in enumerate(everyone):
+            if agreed != everyone[0][0]:
+                raise ValueError(
+                    f"clip_grad_norm_: rank {r} of {where} passed (max_norm, norm_type, error_if_nonfinite, gradients) "
+                    f"= {agreed}, rank 0 {everyone[0][0]}; pass the same arguments on every rank"
+                )
+            if sig != everyone[0][1]:
+                raise ValueError(
+                    f"clip_grad_norm_: rank {r} of {where} holds gradients for different parameters, dtypes, sizes or "
+                    "device types than rank 0; run the same model and backward pass on every rank"
+                )
+
+    # the agreement's one count per rank carries each rank's norm (its float64 bits): no second round
+    (agreed, _), bits = agree_values(comm, "clip_grad_norm_", local, explain, count=lambda _: _norm_bits(mine))
+    max_norm_, order, _, _ = agreed
     if gradients == "reduced":
-        norms = [n for _, _, n in everyone]
+        norms = [float(np.int64(b).view(np.float64)) for b in bits]
         if not all(_same(n, norms[0]) for n in norms):
             raise DomainParallelError(
                 f"clip_grad_norm_: the gradient norms differ across {where} ({norms}): the gradients are not "
@@ -720,9 +757,15 @@ def clip_grad_norm_(
         copies = [SimpleNamespace(grad=g.detach().clone()) for g in grads]
         reduce_gradients(copies, manager, check=False)  # the set was agreed above
         local_norm = _total_norm([c.grad for c in copies], order, foreach)
-        value = comm.bcast(float(local_norm), root=0)  # the same float on every rank, whatever MPI's sums did
+        # the same float on every rank, whatever the order of MPI's sums did (the set was agreed above)
+        value = float(broadcast_agreed(np.array([float(local_norm)]), comm)[0])
     norm = torch.tensor(value, dtype=local_norm.dtype, device=local_norm.device)
     return _clip(params, grads, max_norm_, norm, order, error_if_nonfinite, foreach)
+
+
+def _norm_bits(mine: list) -> int:
+    """This rank's norm as the int64 of its float64 bits (0 without one): what the agreement's count carries."""
+    return int(np.float64(float(mine[0])).view(np.int64)) if mine else 0
 
 
 def _same(a: float, b: float) -> bool:
