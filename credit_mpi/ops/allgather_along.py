@@ -87,6 +87,7 @@ class AllgatherAlong(Op):
 _OP = AllgatherAlong()
 
 
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
 def allgather_along(t: torch.Tensor, dim: int, comm: MPI.Comm, path: str = "allgather_along", *,
                     transport: Any = "mpi") -> torch.Tensor:
     """Every rank's ``t`` joined along ``dim`` in rank order (collective; differentiable).

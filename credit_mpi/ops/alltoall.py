@@ -132,6 +132,7 @@ def _exchange(t: torch.Tensor, split: int, cat: int, p: _Plan, send: tuple[int, 
 _OP = Alltoall()
 
 
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
 def alltoall(t: torch.Tensor, split_dim: int, cat_dim: int, comm: MPI.Comm, *, keep: int | None = None,
              path: str = "alltoall", transport: Any = "mpi") -> torch.Tensor:
     """Part ``s`` of ``t`` along ``split_dim`` sent to rank ``s``; the parts received joined along ``cat_dim`` (collective; differentiable).

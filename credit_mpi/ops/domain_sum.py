@@ -120,6 +120,7 @@ def _allreduce(x: torch.Tensor, p: DomainSumPlan) -> torch.Tensor:
 DOMAIN_SUM = DomainSum()
 
 
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
 def agree_domain_sum(shape: tuple[int, ...], dtype: torch.dtype, rows: int, grad: bool, comm: MPI.Comm,
                      path: str = "domain_sum") -> DomainSumPlan:
     """The agreement of a sum over the domain (collective): every rank's band rows, before the partial sum is made.
@@ -143,6 +144,7 @@ def agree_domain_sum(shape: tuple[int, ...], dtype: torch.dtype, rows: int, grad
                         explain=DOMAIN_SUM.explain)
 
 
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
 def domain_sum(partial: torch.Tensor, plan: DomainSumPlan) -> torch.Tensor:
     """``partial`` summed over the domain with an agreed ``plan`` (the Allreduce; differentiable: backward reduces too).
 

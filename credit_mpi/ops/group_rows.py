@@ -143,6 +143,7 @@ class GroupRows(Op):
 _OP = GroupRows()
 
 
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
 def to_groups(t: torch.Tensor, dim: int, window: int, comm: MPI.Comm, path: str = "to_groups",
               least: int = 0, *, transport: Any = "mpi") -> torch.Tensor:
     """This rank's part of the group layout of the field banded along ``dim`` (collective; differentiable).
@@ -168,6 +169,7 @@ def to_groups(t: torch.Tensor, dim: int, window: int, comm: MPI.Comm, path: str 
     return grouped(t, dim, window, comm, path, least, transport=transport)[0]
 
 
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
 def from_groups(t: torch.Tensor, dim: int, window: int, sizes: tuple[int, ...], comm: MPI.Comm,
                 path: str = "from_groups", *, transport: Any = "mpi") -> torch.Tensor:
     """The group layout (:func:`to_groups`) moved back to the band layout ``sizes`` (collective; differentiable).
@@ -180,6 +182,7 @@ def from_groups(t: torch.Tensor, dim: int, window: int, sizes: tuple[int, ...], 
                transport=transport)
 
 
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
 def grouped(t: torch.Tensor, dim: int, window: int, comm: MPI.Comm, path: str = "to_groups", least: int = 0, *,
             transport: Any = "mpi") -> tuple:
     """:func:`to_groups`; returns ``(part, the band layout)`` (what :func:`from_groups` takes back to).

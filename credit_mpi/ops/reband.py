@@ -209,6 +209,7 @@ class Reband(Op):
 _OP = Reband()
 
 
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
 def reband(t: torch.Tensor, dim: int, comm: MPI.Comm, *, sizes: tuple[int, ...] | None = None,
            window: int | None = None, back: tuple | None = None, path: str = "reband",
            transport: Any = "mpi") -> torch.Tensor:
@@ -242,6 +243,7 @@ def _reband_args(dim: int, sizes: Any, window: Any, back: Any, path: str, transp
     return {"dim": dim, "target": (sizes, window, back), "path": path, "transport": transport}
 
 
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
 def rebanded(t: torch.Tensor, dim: int, comm: MPI.Comm, window: int, path: str = "reband", *,
              transport: Any = "mpi") -> tuple:
     """:func:`reband` to whole windows; returns ``(band, sizes before, sizes after)`` (``back=`` takes the two layouts).

@@ -248,6 +248,7 @@ class _Ring(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: MPI.Comm, *,
                    attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
                    path: str = "ring_attention", transport: Any = "mpi") -> torch.Tensor:

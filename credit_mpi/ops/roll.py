@@ -69,6 +69,7 @@ class RollAlong(Op):
 _OP = RollAlong()
 
 
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
 def roll_along(t: torch.Tensor, shift: int, dim: int, comm: MPI.Comm, path: str = "roll_along", *,
                transport: Any = "mpi") -> torch.Tensor:
     """This rank's band of ``torch.roll(field, shift, dim)``, the field banded along ``dim`` over ``comm`` (collective; differentiable).
