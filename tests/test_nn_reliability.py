@@ -19,7 +19,7 @@ from torch import nn  # noqa: E402
 
 import credit_mpi  # noqa: E402
 from credit_mpi import DomainParallelError  # noqa: E402
-from credit_mpi.nn import convert_to_domain_parallel, describe, keep_local  # noqa: E402
+from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe, keep_local  # noqa: E402
 from credit_mpi.nn.replicated import is_replicated  # noqa: E402
 
 from .bounded import bounded  # noqa: E402
@@ -71,8 +71,9 @@ class FailsOn(nn.Module):
 
 @pytest.mark.mpi(min_size=3)
 def test_unet_skip_that_cannot_join_raises_on_every_rank(make_manager):
-    """8 latitudes on 3 ranks: the up path returns [4, 2, 2] rows for the skip's [3, 3, 2]; torch.cat fails on two
-    ranks, the third is in the next layer's agreement: the same DomainParallelError everywhere, naming the cat."""
+    """8 latitudes on 3 ranks: the up path returns [4, 2, 2] rows for the skip's [3, 3, 2]; torch.cat would fail on
+    two ranks while the third went on to the next layer's agreement. The cat's rule sees the layouts differ before
+    it runs: the same ConversionError everywhere, naming the cat and what to change."""
     for d, manager in domains(make_manager, 3):
         if d != 3:
             continue
@@ -81,8 +82,8 @@ def test_unet_skip_that_cannot_join_raises_on_every_rank(make_manager):
         assert not describe(model, (1, 2, 8, 6), domain_size=3).exact  # the plan says so too
         x = band_of(torch.randn(1, 2, 8, 6, dtype=torch.float64), manager)
         with bounded("unet skip"):
-            message = same_error_everywhere(manager.domain_group, lambda m=model, x=x: m(x), DomainParallelError)
-        assert "Sizes of tensors must match" in message and "rank 0: " in message and "rank 1: " in message, message
+            message = same_error_everywhere(manager.domain_group, lambda m=model, x=x: m(x), ConversionError)
+        assert "cat()" in message and "multiple of" in message, message
 
 
 @pytest.mark.mpi(min_size=2)
