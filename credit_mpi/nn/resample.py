@@ -364,7 +364,7 @@ class _AdaptiveAvgMixin(DomainParallelModule):
         keep = [x.shape[axis] if i == sd else (x.shape[x.ndim - nd + i] if o is None else o) for i, o in enumerate(out)]
         if out[sd] is None or out[sd] == bands.total:
             return fn(x, keep)
-        if out[sd] == 1:  # the global mean along the sharded dim: replicated on every rank
+        if self.dp_replicated(bands.total, out[sd]):  # the global mean along the sharded dim: replicated on every rank
             local = fn(x, keep).sum(axis, keepdim=True)
             acc = torch.float64 if x.dtype == torch.float64 else torch.float32
             total = allgather_stats(local.to(acc), manager.domain_group).sum(0)
