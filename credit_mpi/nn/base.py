@@ -32,6 +32,7 @@ from ..partition import normalize_dim
 from ..validation import Local
 from ..validation import agree as agree_once
 from ._comm import ConversionError, forward_done, share_failure
+from .geometry import RowGeometry
 from .replicated import is_replicated
 
 __all__ = ["DomainParallelModule", "ManagerRef", "ForwardGuard", "adopt", "guard_forward"]
@@ -81,6 +82,30 @@ class DomainParallelModule:
 
     dp_shard_dim: int
     dp_path: str
+
+    #: Agreements of one call on a replicated input (a global mean's): the layer's own agreement, one.
+    dp_local_agreements = 1
+
+    def dp_geometry(self, sizes: list[int], sd: int, h_out: int | None = None) -> RowGeometry:
+        """What this layer does to the rows of spatial dim ``sd`` for input bands ``sizes`` (``h_out``: the output's
+        global rows, where the layer needs them): the one place its forward, ``describe()`` and the traffic count
+        read it. The default: the output keeps the input's bands (a pointwise layer)."""
+        return RowGeometry()
+
+    def dp_traffic(self, shape_in: tuple[int, ...], shape_out: tuple[int, ...], dtype: torch.dtype, axis: int, n: int,
+                   width: int, grad: bool, weight_grad: bool) -> Callable[[int], Any] | None:
+        """``rank -> Traffic`` of one call on ``n`` bands (:mod:`credit_mpi.nn.traffic`), or None: no rule (the
+        default), ``describe()`` shows no numbers."""
+        return None
+
+    def dp_replicated(self, h_in: int, h_out: int) -> bool:
+        """True when the output of ``h_in`` -> ``h_out`` rows is replicated on every rank, not bands (a global mean)."""
+        return False
+
+    def dp_refusal(self, n: int, grid: tuple[int, int] | None) -> str:
+        """Why the run refuses this layer on ``n`` bands / a domain ``grid`` that the layer rule lets through ("" when
+        it does not): what ``describe()`` reports in place of a layout."""
+        return ""
 
     @property
     def dp_manager(self) -> DomainParallelManager | None:

@@ -32,6 +32,7 @@ from ._comm import agree, agree_blocks, check_halo, fetch_block, fetch_rows, ove
 from ._overlap import overlapped_conv, split
 from .base import DomainParallelModule
 from .rules import layer_rule
+from .traffic import halo_rule, row_bytes
 
 __all__ = [
     "DomainParallelConv1d",
@@ -129,6 +130,14 @@ def layout_error(path: str, lay: geometry.Layout, stride: int) -> ValueError:
 class _ConvMixin(DomainParallelModule):
     _nd = 2
 
+    def dp_geometry(self, sizes: list[int], sd: int, h_out: int | None = None) -> geometry.RowGeometry:
+        """A window layout with a halo past the edges as ``padding_mode`` pads."""
+        return geometry.RowGeometry(conv_layout(self, sizes, sd), self.stride[sd], _BOUNDARY[self.padding_mode])
+
+    def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
+        """A halo of the input's rows forward; its gradients home backward (the input requires grad)."""
+        return halo_rule(n, width, row_bytes(shape_in, axis, dtype.itemsize), _BOUNDARY[self.padding_mode], grad)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp_local(x):
             return super().forward(_edge_padded(self, x))
@@ -141,10 +150,10 @@ class _ConvMixin(DomainParallelModule):
                       extra=lambda: ("overlap", overlap, edge), mode=self.dp_mode())
         axis = bands.axis
         sd = axis - (x.ndim - nd)
-        lay = conv_layout(self, bands.sizes, sd)
+        geo = self.dp_geometry(bands.sizes, sd)
+        lay, boundary = geo.layout, geo.boundary
         if lay.problem:
-            raise layout_error(self.dp_path, lay, self.stride[sd])
-        boundary = _BOUNDARY[self.padding_mode]
+            raise layout_error(self.dp_path, lay, geo.stride)
         if boundary != "replicate":
             check_halo(self.dp_path, bands.sizes, lay.width, boundary, axis)
         band = lay.bands[bands.rank]
@@ -226,6 +235,14 @@ def _pad_arg(pads: list[tuple[int, int]], sd: int | set[int], nd: int, skip_symm
 class _ConvTransposeMixin(DomainParallelModule):
     _nd = 2
 
+    def dp_geometry(self, sizes: list[int], sd: int, h_out: int | None = None) -> geometry.RowGeometry:
+        """A transposed layout, its output rows overlap-added across bands (no halo check: ``boundary`` None)."""
+        return geometry.RowGeometry(transposed_layout(self, sizes, sd), 1, None)
+
+    def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
+        """The overlap-add of the output's rows forward; back whenever the input or the weight requires grad."""
+        return halo_rule(n, width, row_bytes(shape_out, axis, dtype.itemsize), None, grad or weight_grad)
+
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         if self.dp_local(x):
             return super().forward(x, output_size)
@@ -243,7 +260,7 @@ class _ConvTransposeMixin(DomainParallelModule):
         bands = agree(x, axis_of, manager.domain_group, self.dp_path, self._records, mode=self.dp_mode())
         axis = bands.axis
         sd = axis - (x.ndim - nd)
-        lay = transposed_layout(self, bands.sizes, sd)
+        lay = self.dp_geometry(bands.sizes, sd).layout
         if lay.problem:
             raise layout_error(self.dp_path, lay, 1)
         band = lay.bands[bands.rank]

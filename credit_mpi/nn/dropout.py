@@ -23,6 +23,7 @@ from torch import nn
 from ._comm import ConversionError
 from .base import DomainParallelModule
 from .rules import layer_rule
+from .traffic import Traffic
 
 __all__ = ["DomainParallelDropout", "DomainParallelAlphaDropout", "dropout_refusal"]
 
@@ -40,6 +41,14 @@ def dropout_refusal(module: nn.Module) -> str:
 
 
 class _DropoutMixin(DomainParallelModule):
+    def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
+        """The identity (eval, p=0) after dp_local: nothing, no agreement."""
+        return lambda rank: Traffic()
+
+    def dp_refusal(self, n, grid):
+        """Training dropout on bands (one band: the one process's draw)."""
+        return dropout_refusal(self) if n > 1 or grid is not None else ""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp_local(x):
             return super().forward(x)

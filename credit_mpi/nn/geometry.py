@@ -251,3 +251,22 @@ def resample_layout(sizes: list[int], out_size: int, support: list[tuple[int, in
             lo = hi = a
         bands.append(Band(a, b, o0, o1, lo, hi))
     return _finish(size, out_size, bands)
+
+
+@dataclass(frozen=True)
+class RowGeometry:
+    """What one layer call does to the rows of the sharded dim: the one answer its forward, ``describe()`` and the
+    traffic count read (each layer class says it once, in ``dp_geometry``).
+
+    ``layout`` is ``None`` for a layer whose output keeps the input's bands
+    (pointwise, or statistics over every band); ``stride`` is the one skip
+    connections must respect; ``boundary`` the halo's outer edge (a
+    :data:`credit_mpi.partition.BOUNDARIES` name, ``"replicate"``, or ``None``
+    for an overlap-add, which has no halo check); ``note`` what ``describe()``
+    says of it.
+    """
+
+    layout: Layout | None = None
+    stride: int = 1
+    boundary: str | None = "zero"
+    note: str = ""

@@ -30,6 +30,8 @@ one rank in all it is the original module.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
@@ -38,8 +40,10 @@ from ..autograd import check_backward_thread
 from ..validation import Local, agree_cached
 from ._comm import ConversionError, _eager, agree, agree_blocks, allgather_stats
 from .base import DomainParallelModule
+from .geometry import RowGeometry
 from .replicated import is_replicated
 from .rules import layer_rule
+from .traffic import Traffic, acc_itemsize, stats_rule
 
 __all__ = [
     "DomainParallelGroupNorm",
@@ -164,6 +168,15 @@ def _affine(y: torch.Tensor, weight, bias) -> torch.Tensor:
 
 
 
+_GLOBAL_STATS = RowGeometry(note="global statistics: one allgather")  # the bands kept, the statistics over all of them
+
+
+def _group_traffic(n: int, groups: int, dtype: torch.dtype, grad: bool):
+    """Per group a mean, a variance and a count gathered forward; two sums gathered backward."""
+    acc = acc_itemsize(dtype)
+    return stats_rule(n, 3 * groups * acc, 2 * groups * acc, False, grad)
+
+
 def _running_stats(module: nn.Module) -> str:
     return "InstanceNorm with track_running_stats=True has no rule on bands yet" if module.track_running_stats else ""
 
@@ -171,6 +184,12 @@ def _running_stats(module: nn.Module) -> str:
 @layer_rule(nn.GroupNorm)
 class DomainParallelGroupNorm(DomainParallelModule, nn.GroupNorm):
     """``nn.GroupNorm`` over the whole field (see the module docstring)."""
+
+    def dp_geometry(self, sizes, sd, h_out=None):  # noqa: D102
+        return _GLOBAL_STATS
+
+    def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):  # noqa: D102
+        return _group_traffic(n, shape_in[0] * self.num_groups, dtype, grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp_local(x):
@@ -194,6 +213,15 @@ class DomainParallelGroupNorm(DomainParallelModule, nn.GroupNorm):
 
 class _InstanceNormMixin(DomainParallelModule):
     _nd = 2
+
+    def dp_geometry(self, sizes, sd, h_out=None):  # noqa: D102
+        return _GLOBAL_STATS
+
+    def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
+        """Per (sample, channel) statistics; the running statistics (eval) are pointwise: nothing, no agreement."""
+        if not self.training and self.track_running_stats:
+            return lambda rank: Traffic()
+        return _group_traffic(n, shape_in[0] * shape_in[1], dtype, grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp_local(x) or (not self.training and self.track_running_stats):
@@ -243,6 +271,23 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
     The affine weight and bias (shaped like the normalised dims) are applied
     to this band's rows of them.
     """
+
+    def dp_geometry(self, sizes, sd, h_out=None):  # noqa: D102
+        return _GLOBAL_STATS
+
+    def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
+        """Statistics over the normalised dims when they include the sharded one; else the local module (nothing)."""
+        k = len(self.normalized_shape)
+        if axis < len(shape_in) - k:
+            return lambda rank: Traffic()
+        return _group_traffic(n, math.prod(shape_in[: len(shape_in) - k]), dtype, grad)
+
+    def dp_refusal(self, n, grid):
+        """The longitude alone normalised has no rule on a grid of more than one column."""
+        if grid is None or grid[1] <= 1 or len(self.normalized_shape) >= 2:
+            return ""
+        return (f"normalized_shape {tuple(self.normalized_shape)} normalises the longitude only: no rule on a "
+                f"{grid[0]}x{grid[1]} grid (the run raises ConversionError)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp_local(x):
@@ -307,6 +352,18 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
 
 
 class _BatchNormMixin(DomainParallelModule):
+    dp_local_agreements = 0  # on a replicated input: the local module, no agreement
+
+    def dp_geometry(self, sizes, sd, h_out=None):  # noqa: D102
+        return _GLOBAL_STATS
+
+    def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
+        """Per channel sums gathered, an Allreduce backward; the running statistics (eval): the agreement only."""
+        if not self.training and self.track_running_stats:
+            return lambda rank: Traffic(agreements=1)
+        c = shape_in[1] * acc_itemsize(dtype)
+        return stats_rule(n, 3 * c, 3 * c, True, grad)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         use_batch = self.training or not self.track_running_stats
         m = self.dp_manager

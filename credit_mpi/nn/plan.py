@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..grid import check_grid, grid_of
 from ..partition import band_sizes, check_halo_width, normalize_dim
-from . import attention_rules, conv, dropout, geometry, norm, resample
+from . import attention_rules, geometry
 from ._comm import ConversionError
 from .attention_rules import sdpa_path
 from .base import DomainParallelModule, guard_forward
@@ -275,7 +275,7 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
 
         plan.rows.append(_row(mod, tuple(x.shape), tuple(out.shape), layouts, domain_size, shard_dim, grid,
                               None if grid else traffic_of))
-        if isinstance(mod, resample._AdaptiveAvgMixin) and _global_mean(x.shape, out.shape, axis):
+        if _replicates(mod, x.shape, out.shape, axis):
             return replicated(out)  # as the run: what is computed from it alone is replicated too
         return None
 
@@ -398,20 +398,10 @@ def _halo_problem(sizes: list[int], width: int, boundary: str | None, axis: int)
     return None
 
 
-def _refused_on_grid(mod, grid: tuple[int, int] | None) -> str:
-    """Why the run refuses ``mod`` on a domain grid of more than one column ("" when it does not)."""
-    if grid is None or grid[1] <= 1:
-        return ""
-    if isinstance(mod, norm.DomainParallelLayerNorm) and len(mod.normalized_shape) < 2:
-        return (f"normalized_shape {tuple(mod.normalized_shape)} normalises the longitude only: no rule on a "
-                f"{grid[0]}x{grid[1]} grid (the run raises ConversionError)")
-    return ""
-
-
-def _global_mean(shape_in, shape_out, axis: int) -> bool:
-    """True for an adaptive average to one row along the sharded axis (replicated on every rank)."""
+def _replicates(mod, shape_in, shape_out, axis: int) -> bool:
+    """True when ``mod``'s output is replicated on every rank (a global mean along the sharded axis)."""
     ax = axis - len(shape_in) if axis >= 0 else axis
-    return len(shape_in) >= -ax and shape_out[ax] == 1 and shape_in[ax] > 1
+    return len(shape_in) >= -ax and len(shape_out) >= -ax and mod.dp_replicated(shape_in[ax], shape_out[ax])
 
 
 def _tuple(traffic: list[Traffic] | None) -> tuple[Traffic, ...] | None:
@@ -427,32 +417,12 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None, traffic=Non
     if sizes is None:
         sizes = band_sizes(h_in, n, uneven=True)
         note = "input layout assumed (array_split); "
-    nsp = len(shape_in) - 2
     sd = ax - 2
     kind = type(mod).__name__.replace("DomainParallel", "")
-    lay, stride, out_sizes, boundary = None, 1, sizes, "zero"
-    if isinstance(mod, conv._ConvMixin):
-        lay, stride, boundary = conv.conv_layout(mod, sizes, sd), mod.stride[sd], conv._BOUNDARY[mod.padding_mode]
-    elif isinstance(mod, conv._ConvTransposeMixin):
-        lay, boundary = conv.transposed_layout(mod, sizes, sd), None  # overlap-add: no halo check in the run
-    elif isinstance(mod, resample._PoolMixin):
-        k, s, p = (resample._per_dim(v, nsp) for v in (mod.kernel_size, mod.stride or mod.kernel_size, mod.padding))
-        d = resample._per_dim(getattr(mod, "dilation", 1), nsp)
-        lay, stride = geometry.conv_layout(sizes, k[sd], s[sd], d[sd], p[sd], p[sd], mod.ceil_mode), s[sd]
-    elif isinstance(mod, resample._InterpolateMixin):
-        sf = resample._per_dim(mod.scale_factor, nsp)[sd]
-        w = resample.resample_matrix(mod.mode, h_in, h_out if sf is None else None, None if sf is None else float(sf),
-                                     mod.align_corners, mod.recompute_scale_factor)
-        lay = geometry.resample_layout(sizes, w.shape[0], resample._support(w), resample.stored_size_bands(mod, n, w.shape[0]))
-    elif isinstance(mod, resample._AdaptiveAvgMixin):
-        if h_out == 1 and h_in > 1:
-            note += "global mean: one allgather, output replicated"
-        elif h_out != h_in:
-            lay = geometry.resample_layout(sizes, h_out, resample._support(resample.adaptive_matrix(h_in, h_out)))
-    elif isinstance(mod, (norm.DomainParallelGroupNorm, norm._InstanceNormMixin, norm._BatchNormMixin, norm.DomainParallelLayerNorm)):
-        note += "global statistics: one allgather"
-    drops = isinstance(mod, dropout._DropoutMixin) and (n > 1 or grid is not None)  # one band: the one process's draw
-    refused = _refused_on_grid(mod, grid) or (dropout.dropout_refusal(mod) if drops else "")
+    geo = mod.dp_geometry(sizes, sd, h_out)
+    lay, stride, out_sizes, boundary = geo.layout, geo.stride, sizes, geo.boundary
+    note += geo.note
+    refused = mod.dp_refusal(n, grid)
     if refused:
         return PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(sizes), 0, 0, 1, 1, False, refused)
     if lay is None:
@@ -471,7 +441,7 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None, traffic=Non
             note += f"offsets {geometry.offsets_of(sizes)} not multiples of {stride}: exact, but a transposed layer will not restore them"
         row = PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(out_sizes), before, after, stride,
                       lay.min_rows, exact, note, traffic(lay.width) if exact and traffic else None)
-    if note.startswith("global mean"):
+    if mod.dp_replicated(h_in, h_out):
         return row  # replicated, not a band layout
     if h_out in layouts and layouts[h_out] != list(out_sizes) and h_out != 1:
         extra = (f"output bands {list(out_sizes)} differ from an earlier {h_out}-row tensor's {layouts[h_out]} (joining "

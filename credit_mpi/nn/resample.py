@@ -24,6 +24,7 @@ bands): divide a loss computed from it by the domain size so that
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from .base import DomainParallelModule
 from .conv import layout_error
 from .replicated import replicated
 from .rules import layer_rule
+from .traffic import acc_itemsize, halo_rule, row_bytes, stats_rule
 
 __all__ = [
     "DomainParallelUpsample",
@@ -106,9 +108,19 @@ def stored_size_bands(module, n: int, out_size: int) -> list[int] | None:
     return split(out_size, n, uneven=True) if module.__dict__.get("dp_stored_size") else None
 
 
+def _rows_layout(module, sizes: list[int], w: torch.Tensor) -> geometry.Layout:
+    """The layout of ``w @ x`` along the sharded dim for input bands ``sizes`` (the output bands a stored size asks for)."""
+    return geometry.resample_layout(sizes, w.shape[0], _support(w), stored_size_bands(module, len(sizes), w.shape[0]))
+
+
+def _input_halo(shape_in, dtype, axis: int, n: int, width: int, grad: bool):
+    """The traffic of a halo of the input's rows (zero edges), back when the input requires grad."""
+    return halo_rule(n, width, row_bytes(shape_in, axis, dtype.itemsize), "zero", grad)
+
+
 def _apply_rows(module, x, bands, w: torch.Tensor):
     """Rows of ``w @ x`` along the sharded axis that this rank owns (collective)."""
-    lay = geometry.resample_layout(bands.sizes, w.shape[0], _support(w), stored_size_bands(module, len(bands.sizes), w.shape[0]))
+    lay = _rows_layout(module, bands.sizes, w)
     if lay.problem:
         raise layout_error(module.dp_path, lay, 1)
     check_halo(module.dp_path, bands.sizes, lay.width, "zero", bands.axis)
@@ -131,6 +143,17 @@ def _per_dim(value, nd):
 
 
 class _InterpolateMixin(DomainParallelModule):
+    def dp_geometry(self, sizes: list[int], sd: int, h_out: int | None = None) -> geometry.RowGeometry:
+        """The resampling's layout, from the module's own mode / scale (``h_out``: the rows a ``size`` asks for)."""
+        sf = _per_dim(self.scale_factor, sd + 1)[sd]
+        w = resample_matrix(self.mode, sum(sizes), h_out if sf is None else None, None if sf is None else float(sf),
+                            self.align_corners, self.recompute_scale_factor)
+        return geometry.RowGeometry(_rows_layout(self, sizes, w))
+
+    def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
+        """A halo of the input's rows."""
+        return _input_halo(shape_in, dtype, axis, n, width, grad)
+
     def _interp(self, x, size, scale_factor, mode, align_corners, recompute, antialias=False):
         nd = x.ndim - 2
         manager = self.dp_manager
@@ -207,6 +230,20 @@ class _PoolMixin(DomainParallelModule):
     _nd = 2
     _max = True
 
+    def _windows(self) -> tuple[list, list, list, list]:
+        """Per spatial dim: kernel, stride, padding, dilation."""
+        k, s, p = (_per_dim(v, self._nd) for v in (self.kernel_size, self.stride or self.kernel_size, self.padding))
+        return k, s, p, _per_dim(getattr(self, "dilation", 1), self._nd)
+
+    def dp_geometry(self, sizes: list[int], sd: int, h_out: int | None = None) -> geometry.RowGeometry:
+        """A window layout (zero edges, ``ceil_mode`` as the module)."""
+        k, s, p, d = self._windows()
+        return geometry.RowGeometry(geometry.conv_layout(sizes, k[sd], s[sd], d[sd], p[sd], p[sd], self.ceil_mode), s[sd])
+
+    def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
+        """A halo of the input's rows."""
+        return _input_halo(shape_in, dtype, axis, n, width, grad)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp_local(x):
             return super().forward(x)
@@ -220,12 +257,12 @@ class _PoolMixin(DomainParallelModule):
         bands = agree(x, axis_of, manager.domain_group, self.dp_path, mode=self.dp_mode())
         axis = bands.axis
         sd = axis - (x.ndim - nd)
-        k, s, p = (_per_dim(v, nd) for v in (self.kernel_size, self.stride or self.kernel_size, self.padding))
-        d = _per_dim(getattr(self, "dilation", 1), nd)
-        lay = geometry.conv_layout(bands.sizes, k[sd], s[sd], d[sd], p[sd], p[sd], self.ceil_mode)
+        k, s, p, d = self._windows()
+        geo = self.dp_geometry(bands.sizes, sd)
+        lay = geo.layout
         if lay.problem:
-            raise layout_error(self.dp_path, lay, s[sd])
-        check_halo(self.dp_path, bands.sizes, lay.width, "zero", axis)
+            raise layout_error(self.dp_path, lay, geo.stride)
+        check_halo(self.dp_path, bands.sizes, lay.width, geo.boundary, axis)
         band = lay.bands[bands.rank]
         fill = float("-inf") if self._max else None
         rows = fetch_rows(x, bands, band.in_lo, band.in_hi, lay.width, manager, fill=fill)
@@ -295,6 +332,26 @@ class DomainParallelAvgPool3d(_PoolMixin, nn.AvgPool3d):
 class _AdaptiveAvgMixin(DomainParallelModule):
     _nd = 2
 
+    def dp_replicated(self, h_in: int, h_out: int) -> bool:
+        """True for the global mean (one output row of several): replicated on every rank."""
+        return h_out == 1 and h_in > 1
+
+    def dp_geometry(self, sizes: list[int], sd: int, h_out: int | None = None) -> geometry.RowGeometry:
+        """The bands kept (same rows), the global mean, or an averaging matrix's layout."""
+        h_in = sum(sizes)
+        if self.dp_replicated(h_in, h_out):
+            return geometry.RowGeometry(note="global mean: one allgather, output replicated")
+        if h_out == h_in:
+            return geometry.RowGeometry()
+        return geometry.RowGeometry(geometry.resample_layout(sizes, h_out, _support(adaptive_matrix(h_in, h_out))))
+
+    def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
+        """The global mean: sums gathered, an Allreduce backward; else a halo of the input's rows (none kept)."""
+        if self.dp_replicated(shape_in[axis], shape_out[axis]):
+            b = math.prod(shape_out) * acc_itemsize(dtype)
+            return stats_rule(n, b, b, True, grad)
+        return _input_halo(shape_in, dtype, axis, n, width, grad)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp_local(x):
             return super().forward(x)
@@ -307,7 +364,7 @@ class _AdaptiveAvgMixin(DomainParallelModule):
         keep = [x.shape[axis] if i == sd else (x.shape[x.ndim - nd + i] if o is None else o) for i, o in enumerate(out)]
         if out[sd] is None or out[sd] == bands.total:
             return fn(x, keep)
-        if out[sd] == 1:  # the global mean along the sharded dim: replicated on every rank
+        if self.dp_replicated(bands.total, out[sd]):  # the global mean along the sharded dim: replicated on every rank
             local = fn(x, keep).sum(axis, keepdim=True)
             acc = torch.float64 if x.dtype == torch.float64 else torch.float32
             total = allgather_stats(local.to(acc), manager.domain_group).sum(0)

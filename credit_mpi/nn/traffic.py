@@ -35,11 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..partition import halo_neighbors
-from . import conv, dropout, norm, resample
+from ..partition import BOUNDARIES, halo_neighbors
 
 __all__ = ["Traffic", "AGREEMENT_BYTES", "layer_traffic", "gather_traffic", "alltoall_traffic", "ring_traffic",
-           "halo_traffic", "move_traffic"]
+           "halo_traffic", "move_traffic", "halo_rule", "stats_rule", "row_bytes", "acc_itemsize"]
 
 #: The bytes each rank contributes to one agreement (:func:`credit_mpi.validation.agree`: five int64).
 AGREEMENT_BYTES = 40
@@ -62,20 +61,24 @@ class Traffic:
         return (self.forward_bytes, self.forward_messages, self.backward_bytes, self.backward_messages, self.agreements)
 
 
-def _halo(rank: int, n: int, width: int, rows_bytes: int, periodic: bool) -> tuple[int, int]:
-    """``(bytes, messages)`` one band sends in one halo exchange (or its adjoint) of ``rows_bytes`` per row."""
+def _halo(rank: int, n: int, width: int, rows_bytes: int, boundary: str | None) -> tuple[int, int]:
+    """``(bytes, messages)`` one band sends in one halo exchange (or its adjoint) of ``rows_bytes`` per row.
+
+    The first and last bands exchange only when ``boundary`` wraps (:data:`credit_mpi.partition.BOUNDARIES`).
+    """
     if not width or not rows_bytes:
         return 0, 0
-    messages = sum(nb is not None for nb in halo_neighbors(rank, n, periodic))
+    wraps = getattr(BOUNDARIES.get(boundary or ""), "wraps", False)
+    messages = sum(nb is not None for nb in halo_neighbors(rank, n, wraps))
     return messages * width * rows_bytes, messages
 
 
-def _row_bytes(shape: tuple[int, ...], axis: int, itemsize: int) -> int:
+def row_bytes(shape: tuple[int, ...], axis: int, itemsize: int) -> int:
     """Bytes of one row along ``axis`` (all the dims before it times all the dims after it)."""
     return math.prod(shape[:axis]) * math.prod(shape[axis + 1 :]) * itemsize
 
 
-def _acc_itemsize(dtype: torch.dtype) -> int:
+def acc_itemsize(dtype: torch.dtype) -> int:
     """The statistics' itemsize: float64 for float64 input, float32 otherwise (:mod:`credit_mpi.nn.norm`)."""
     return 8 if dtype == torch.float64 else 4
 
@@ -91,69 +94,38 @@ def layer_traffic(mod, shape_in: tuple[int, ...], shape_out: tuple[int, ...], dt
     if n <= 1:
         return [Traffic()] * n
     if local:
-        return [Traffic(agreements=0 if isinstance(mod, norm._BatchNormMixin) else 1)] * n
-    rule = _rule(mod, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad)
+        return [Traffic(agreements=mod.dp_local_agreements)] * n
+    rule = mod.dp_traffic(shape_in, shape_out, dtype, axis, n, width, grad, weight_grad)
     return None if rule is None else [rule(r) for r in range(n)]
 
 
-def _rule(mod, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
-    """``rank -> Traffic`` for ``mod``'s kind, or None."""
-    item = torch.empty((), dtype=dtype).element_size()
-    acc = _acc_itemsize(dtype)
+def halo_rule(n: int, width: int, rows_bytes: int, boundary: str | None, backward: bool):
+    """``rank -> Traffic`` of a layer that exchanges a halo of ``width`` rows (its own agreement; the same back when
+    ``backward``)."""
 
-    def halo(rows_bytes: int, periodic: bool, backward: bool):
-        def at(rank: int) -> Traffic:
-            b, m = _halo(rank, n, width, rows_bytes, periodic)
-            return Traffic(b, m, *((b, m) if backward else (0, 0)), 1)
+    def at(rank: int) -> Traffic:
+        b, m = _halo(rank, n, width, rows_bytes, boundary)
+        return Traffic(b, m, *((b, m) if backward else (0, 0)), 1)
 
-        return at
+    return at
 
-    def stats(forward: int, backward: int, reduce_backward: bool):
-        """An Allgather of ``forward`` bytes; backward an Allgather (or an Allreduce of every rank's) of ``backward``."""
-        back = (backward * (n if reduce_backward else 1) * (n - 1), 1) if backward and grad else (0, 0)
-        t = Traffic(forward * (n - 1), 1, *back, 1)
-        return lambda rank: t
 
-    if isinstance(mod, conv._ConvMixin):
-        return halo(_row_bytes(shape_in, axis, item), mod.padding_mode == "circular", grad)
-    if isinstance(mod, conv._ConvTransposeMixin):
-        return halo(_row_bytes(shape_out, axis, item), False, grad or weight_grad)
-    if isinstance(mod, (resample._PoolMixin, resample._InterpolateMixin)):
-        return halo(_row_bytes(shape_in, axis, item), False, grad)
-    if isinstance(mod, resample._AdaptiveAvgMixin):
-        if shape_out[axis] == 1 and shape_in[axis] > 1:  # the global mean: sums gathered, an Allreduce backward
-            b = math.prod(shape_out) * acc
-            return stats(b, b, True)
-        return halo(_row_bytes(shape_in, axis, item), False, grad)  # width 0 when the sharded dim is kept
-    if isinstance(mod, (norm.DomainParallelGroupNorm, norm._InstanceNormMixin)):
-        if isinstance(mod, norm._InstanceNormMixin) and not mod.training and mod.track_running_stats:
-            return lambda rank: Traffic()  # the running statistics: pointwise, no agreement
-        groups = shape_in[0] * (mod.num_groups if isinstance(mod, norm.DomainParallelGroupNorm) else shape_in[1])
-        return stats(3 * groups * acc, 2 * groups * acc, False)
-    if isinstance(mod, norm.DomainParallelLayerNorm):
-        k = len(mod.normalized_shape)
-        if axis < len(shape_in) - k:
-            return lambda rank: Traffic()  # the sharded dim is not normalised: the local module
-        groups = math.prod(shape_in[: len(shape_in) - k])
-        return stats(3 * groups * acc, 2 * groups * acc, False)
-    if isinstance(mod, norm._BatchNormMixin):
-        if not mod.training and mod.track_running_stats:
-            return lambda rank: Traffic(agreements=1)
-        c = shape_in[1] * acc
-        return stats(3 * c, 3 * c, True)
-    if isinstance(mod, dropout._DropoutMixin):
-        return lambda rank: Traffic()  # the identity (eval, p=0) after dp_local: no agreement
-    return None
+def stats_rule(n: int, forward: int, backward: int, reduce_backward: bool, grad: bool):
+    """``rank -> Traffic`` of an Allgather of ``forward`` bytes; backward (``grad``) an Allgather (or an Allreduce of
+    every rank's, ``reduce_backward``) of ``backward`` bytes."""
+    back = (backward * (n if reduce_backward else 1) * (n - 1), 1) if backward and grad else (0, 0)
+    t = Traffic(forward * (n - 1), 1, *back, 1)
+    return lambda rank: t
 
 
 def halo_traffic(shape: tuple[int, ...], dtype: torch.dtype, axis: int, n: int, width: int, periodic: bool,
                  grad: bool) -> list[Traffic]:
     """Every rank's :class:`Traffic` of one :func:`credit_mpi.halo_exchange` call (a :class:`~credit_mpi.nn.HaloExchange`
     a trusted module calls itself): its own agreement, a message per neighbour, the same back when ``grad``."""
-    rows_bytes = _row_bytes(shape, axis, torch.empty((), dtype=dtype).element_size())
+    rows_bytes = row_bytes(shape, axis, torch.empty((), dtype=dtype).element_size())
     out = []
     for rank in range(n):
-        b, m = _halo(rank, n, width, rows_bytes, periodic)
+        b, m = _halo(rank, n, width, rows_bytes, "periodic" if periodic else "zero")
         out.append(Traffic(b, m, *((b, m) if grad else (0, 0)), 1))
     return out
 

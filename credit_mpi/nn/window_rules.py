@@ -157,9 +157,9 @@ def report_move(tr: Tracker, path: str, kind: str, t: torch.Tensor, dim: int, si
     on_move = getattr(tr, "on_move", None)
     if on_move is None:
         return
-    from .traffic import _row_bytes, move_traffic
+    from .traffic import move_traffic, row_bytes
 
-    traffic = move_traffic(moves_of, len(sizes_in), _row_bytes(tuple(t.shape), dim, t.element_size()), t.requires_grad,
+    traffic = move_traffic(moves_of, len(sizes_in), row_bytes(tuple(t.shape), dim, t.element_size()), t.requires_grad,
                            moves)
     on_move(path, kind, t.shape[dim], sizes_in, sizes_out, traffic)
 
