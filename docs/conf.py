@@ -55,7 +55,6 @@ _TEST_MARKER = re.compile(r"^[ \t]*# (?:ranks|fragment):.*\n", re.M)
 # not render: they point at the guide page that explains the same thing.
 _MODULE_PAGES = {
     "credit_mpi.halo": "halo",
-    "credit_mpi.halo2d": "halo",
     "credit_mpi.nn.conv": "models",
     "credit_mpi.nn.norm": "models",
     "credit_mpi.nn.resample": "models",

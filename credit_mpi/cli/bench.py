@@ -531,7 +531,7 @@ def halo_grid_comparison(
     with both grids, the bytes every rank receives from other ranks (total
     and the busiest rank's, from the block layout) and both timings.
     """
-    from ..halo2d import received_elements
+    from ..ops.halo import received_elements
     from ..sharding import shard_tensor
 
     n = comm.Get_size()

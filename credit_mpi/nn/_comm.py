@@ -34,10 +34,10 @@ from ..blocks import decode_block, encode_block, grid_comm
 from ..engine import agreed_plan, apply_agreed
 from ..grid import grid_coords, grid_of
 from ..halo import _exchange_agreed
-from ..halo2d import Plan2d
 from ..layout import Layout
 from ..manager import domain_of, live_domain_comm
 from ..ops import halo as halo_op
+from ..ops.halo import Plan2d
 from ..ops.statistics import gather_agreed
 from ..partition import check_halo_width
 from ..transport.moves import MpiMoves
