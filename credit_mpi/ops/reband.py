@@ -252,3 +252,61 @@ def rebanded(t: torch.Tensor, dim: int, comm: MPI.Comm, window: int, path: str =
     """
     out, plan = run_planned(_OP, t, comm, **_reband_args(dim, None, window, None, path, transport))
     return out, plan.sizes_in, plan.sizes_out
+
+
+# -- a join of bands (torch.cat / stack over another dim): the parts' layouts agreed, a differing part re-banded -----
+
+JOIN_PER_AGREEMENT = 3  # parts whose rows travel in one agreement's count (21 bits each)
+_JOIN_BITS = 63 // JOIN_PER_AGREEMENT
+JOIN_MOST_ROWS = (1 << _JOIN_BITS) - 1
+
+
+def join_agreements(parts: int) -> int:
+    """The agreements a join of ``parts`` band parts makes (one per :data:`JOIN_PER_AGREEMENT` parts)."""
+    return -(-parts // JOIN_PER_AGREEMENT)
+
+
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
+def join_layouts(parts: list[torch.Tensor], dim: int, comm: MPI.Comm, path: str) -> list[tuple[int, ...]]:
+    """Every rank's rows of every part along ``dim`` (collective: :func:`join_agreements` fixed-size agreements).
+
+    The join's own agreement: it covers what the re-bands after it need (every part's other dims,
+    dtype, device and autograd state equal on every rank), so those run on it
+    (:func:`credit_mpi.engine.run_agreed`) with no agreement of their own. The rows of up to
+    :data:`JOIN_PER_AGREEMENT` parts travel in one agreement's count; a call shape seen before is
+    one ``Allgather`` of the header per agreement (:func:`credit_mpi.agreement.agree_cached`).
+    """
+    from ..engine import records_grad
+    from ..validation import agree_cached
+
+    dim = normalize_dim(dim, parts[0].ndim)
+    described = tuple((tuple(t.shape[:dim]) + tuple(t.shape[dim + 1 :]), str(t.dtype), t.device.type, records_grad(t))
+                      for t in parts)
+    out: list[tuple[int, ...]] = []
+    for first in range(0, len(parts), JOIN_PER_AGREEMENT):
+        group = parts[first : first + JOIN_PER_AGREEMENT]
+
+        def local(group=group, first=first) -> Local:
+            rows = [int(t.shape[dim]) for t in group]
+            if max(rows) > JOIN_MOST_ROWS:
+                raise ValueError(f"{path}: a band of {max(rows)} rows to join (at most {JOIN_MOST_ROWS})")
+            count = sum(r << (_JOIN_BITS * i) for i, r in enumerate(rows))
+            calls = (path, "join", dim, len(parts), first, described)
+            return Local(None, calls, (), count)
+
+        def finish(plan: Any, counts: list[int], group=group) -> tuple:
+            mask = JOIN_MOST_ROWS
+            return tuple(tuple((int(c) >> (_JOIN_BITS * i)) & mask for c in counts) for i in range(len(group)))
+
+        key = (path, dim, first, tuple(int(t.shape[dim]) for t in group), described)
+        out += agree_cached(comm, "layer", key, local, finish)
+    return out
+
+
+def join_moved(t: torch.Tensor, dim: int, comm: MPI.Comm, counts: tuple[int, ...], sizes: tuple[int, ...],
+               path: str) -> torch.Tensor:
+    """This rank's band of ``t`` (every rank's rows: ``counts``, agreed by :func:`join_layouts`) in the layout ``sizes``."""
+    from ..engine import run_agreed
+
+    return run_agreed(_OP, t, comm, list(counts), **_reband_args(dim, sizes, None, None, f"{path}: re-band to join",
+                                                                 "mpi"))
