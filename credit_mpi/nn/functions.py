@@ -1479,6 +1479,8 @@ def _interpolate(tr, func, args, kwargs, held):
         target = _tuple(size, nsp)[sd]
         if not _follows_band(target) and not torch.compiler.is_compiling():  # (a traced forward's sizes: plain ints)
             return _stored_size(tr, x, p, args, kwargs, mode, align)
+        if not torch.compiler.is_compiling() and (tr.manager is None or grid_cols(tr.manager) == 1):
+            return _band_size(tr, func, x, p, args, kwargs, size, nsp, mode, align)
         if target == rows:
             return tr.run(func, args, kwargs, p)
         if not tr.ratio_ok(rows, target):
@@ -1507,6 +1509,84 @@ def _interpolate(tr, func, args, kwargs, held):
     if align is not None:
         kw["align_corners"] = align
     return tr.run(func, (y,), {"size": rest_size, "scale_factor": rest_scale, **kw}, p)
+
+
+def _band_size(tr, func, x, p, args, kwargs, size, nsp, mode, align):
+    """``size=`` read from a band's shape (smp's UNet: ``F.interpolate(x, size=skip.shape[-2:])``): the output has the
+    field's rows of that band's tensor, in that tensor's layout.
+
+    Every rank's rows of ``x`` and its target are agreed first (one fixed-size agreement,
+    :func:`credit_mpi.ops.reband.agree_rows`; the dry run reads them from the layouts): the same
+    layouts pass as they are; a target of a whole factor of the field's rows is the exact layer by
+    that factor (its output bands ``factor`` times ``x``'s), re-banded to the target's layout where
+    that differs (a skip connection's on uneven bands). Any other target is refused on every rank.
+    """
+    from .resample import DomainParallelInterpolate
+
+    sd, path = p.dim - 2, tr.stack[-1][0]
+    target = _tuple(size, nsp)[sd]
+    mine, theirs = _rows_and_target(tr, x, p, target, path)
+    if mine == theirs:
+        _report_size(tr, path, x, p.dim, list(mine), list(theirs))
+        return tr.run(func, args, kwargs, p)
+    rows, total = sum(mine), sum(theirs)
+    if rows == 0 or total % rows or total < rows:
+        raise _Why(f"size={tuple(_tuple(size, nsp))} asks for {total} rows of a field of {rows} along the sharded dim, "
+                   f"not a whole factor of them (give scale_factor, or a size that is a whole multiple of the rows)")
+    factor = total // rows
+    layer = DomainParallelInterpolate(scale_factor=tuple(float(factor) if i == sd else 1.0 for i in range(nsp)),
+                                      mode=mode, align_corners=align, manager=_NoManager, shard_dim=p.dim - x.ndim)
+    layer.dp_manager = tr.manager
+    layer.dp_path = f"{path}: interpolate"
+    y = layer(x)  # the tracker's module hooks: a layer of the plan, its output a band
+    moved = [factor * s for s in mine]
+    _report_size(tr, path, y, p.dim, moved, list(theirs))
+    y = _to_layout(tr, y, p, moved, list(theirs), path)
+    rest = [y.shape[p.dim] if i == sd else v for i, v in enumerate(_tuple(size, nsp))]
+    if list(rest) == list(y.shape[2:]):
+        return y
+    kw = {"mode": mode} if align is None else {"mode": mode, "align_corners": align}
+    return tr.run(func, (y,), {"size": rest, **kw}, p)
+
+
+def _rows_and_target(tr, x, p, target, path: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Every band's rows of ``x`` and of an interpolation's target read from a band: agreed at run time, the layouts in
+    the dry run (``x``'s own or its height's; the target's from its :class:`Extent`)."""
+    if tr.manager is not None:
+        from ..ops.reband import agree_rows
+
+        with torch._C.DisableTorchFunction():
+            mine, theirs = agree_rows([x.shape[p.dim], int(target)], [x], p.dim, tr.manager.domain_group,
+                                      f"{path}: interpolate(size=)")
+        return mine, theirs
+    mine = tuple(tr.band_sizes(x.shape[p.dim]))
+    bands = getattr(target, "bands", None)
+    return mine, tuple(bands) if bands is not None else tuple(tr.band_sizes(int(target)))
+
+
+def _report_size(tr, path: str, t: torch.Tensor, dim: int, sizes: list[int], target: list[int]) -> None:
+    """The dry run: the agreement of an interpolation to a band's size, and its re-band when ``sizes`` is not ``target``."""
+    on_join = getattr(tr, "on_join", None) if tr.manager is None else None
+    if on_join is not None:
+        on_join(path, [t], dim, [sizes], target, "interpolate(size=)")
+
+
+def _to_layout(tr, y: torch.Tensor, p: Sharded, sizes: list[int], target: list[int], path: str) -> torch.Tensor:
+    """``y`` (bands ``sizes``, agreed) re-banded to ``target`` (no agreement of its own); the dry run reports it."""
+    if sizes == target:
+        return y
+    if tr.manager is None:
+        with torch._C.DisableTorchFunction():
+            out = y.view_as(y)
+        tr.set(out, p)
+        tr.keep_layout(out, target)
+        return out
+    from ..ops.reband import join_moved
+
+    with torch._C.DisableTorchFunction():
+        out = join_moved(y, p.dim, tr.manager.domain_group, tuple(sizes), tuple(target), f"{path}: interpolate(size=)")
+    tr.set(out, p)
+    return out
 
 
 def _stored_size(tr, x, p, args, kwargs, mode, align):

@@ -69,6 +69,7 @@ _MOVES = {
     "allgather_along(counts)": "every rank's token count (the offsets of a mask in the field's coordinates)",
     "cat()": "a join of bands: every part's layout agreed (ops.reband.join_layouts)",
     "cat() re-band": "a join of bands: the parts of another layout than the first-made part's re-banded to it",
+    "interpolate(size=)": "interpolated to a band's size: the rows agreed (re-banded to that band's layout)",
 }
 
 
@@ -311,12 +312,13 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         plan.rows.append(PlanRow(path, "scaled_dot_product_attention()", k.shape[-2], q.shape[-2],
                                  tuple(counts), tuple(counts), 0, 0, 1, 1, True, how, tuple(moved)))
 
-    def joined(path: str, parts: list, dim: int, sizes: list, target: list) -> None:
-        """A join of band parts (the run agrees their layouts, re-bands each that differs): a row of its own."""
+    def joined(path: str, parts: list, dim: int, sizes: list, target: list, kind: str = "cat()") -> None:
+        """A join of band parts (the run agrees their layouts, re-bands each that differs), or an interpolation to a
+        band's size re-banded to that band's layout: a row of its own."""
         differ = [k for k, s in enumerate(sizes) if s != target]
-        note = _MOVES["cat() re-band" if differ else "cat()"]
+        note = _MOVES[kind if kind != "cat()" else "cat() re-band" if differ else "cat()"]
         traffic = None if grid else tuple(join_traffic(parts, dim, sizes, target, domain_size))
-        plan.rows.append(PlanRow(path.rsplit(" (", 1)[0], "cat()", parts[0].shape[dim], parts[0].shape[dim],
+        plan.rows.append(PlanRow(path.rsplit(" (", 1)[0], kind, parts[0].shape[dim], parts[0].shape[dim],
                                  tuple(sizes[differ[0]] if differ else target), tuple(target), 0, 0, 1, 0, True, note,
                                  traffic))
 
