@@ -283,10 +283,9 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         plan.rows.append(row)
         if _replicates(mod, x.shape, out.shape, axis):
             return replicated(out)  # as the run: what is computed from it alone is replicated too
-        if list(row.bands_out) != layouts.get(row.rows_out):  # its own layout (a join re-bands it)
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    tracker.keep_layout(t, list(row.bands_out))
+        for t in tree_flatten(out)[0]:  # its own layout (a join re-bands it where an earlier tensor of its height differs)
+            if isinstance(t, torch.Tensor) and row.bands_out:
+                tracker.keep_layout(t, list(row.bands_out))
         return None
 
     def sizes_of(rows: int) -> list[int]:
