@@ -23,12 +23,10 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from credit_mpi import DomainParallelError  # noqa: E402
 from credit_mpi.layout import split  # noqa: E402
-from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe  # noqa: E402
+from credit_mpi.nn import describe  # noqa: E402
 
 from .halo_reference import first_ranks, prefix_managers  # noqa: E402
-from .nn_reference import bands_of, same_error_everywhere  # noqa: E402
 from .verdict_reference import verdict_is_the_run  # noqa: E402
 
 

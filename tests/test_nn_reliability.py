@@ -19,7 +19,7 @@ from torch import nn  # noqa: E402
 
 import credit_mpi  # noqa: E402
 from credit_mpi import DomainParallelError  # noqa: E402
-from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe, keep_local  # noqa: E402
+from credit_mpi.nn import convert_to_domain_parallel, describe, keep_local  # noqa: E402
 from credit_mpi.nn.replicated import is_replicated  # noqa: E402
 
 from .bounded import bounded  # noqa: E402

@@ -97,8 +97,8 @@ def test_describe_traffic_of_a_join_equals_what_the_run_sends(make_manager):
     from credit_mpi.nn.traffic import Traffic
 
     from .halo_reference import band
-    from .test_describe_traffic import counting
     from .test_describe_traffic import _step as step
+    from .test_describe_traffic import counting
 
     with prefix_managers(make_manager) as managers:
         for d, manager in _this_job(managers):

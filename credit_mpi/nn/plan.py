@@ -36,7 +36,7 @@ from ._comm import ConversionError
 from .attention_rules import sdpa_path
 from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
-from .functions import Tracker
+from .functions import Tracker, _Why
 from .replicated import is_replicated, replicated
 from .traffic import (
     AGREEMENT_BYTES,
@@ -315,6 +315,9 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         """A join of band parts (the run agrees their layouts, re-bands each that differs), or an interpolation to a
         band's size re-banded to that band's layout: a row of its own."""
         differ = [k for k, s in enumerate(sizes) if s != target]
+        if grid and differ:  # the run keeps the local check on a latitude x longitude grid (no re-band there yet)
+            raise _Why(f"it joins bands of {parts[0].shape[dim]} rows in different layouts ({sizes}), which has no "
+                       f"re-band rule on a latitude x longitude domain grid yet")
         note = _MOVES[kind if kind != "cat()" else "cat() re-band" if differ else "cat()"]
         traffic = None if grid else tuple(join_traffic(parts, dim, sizes, target, domain_size))
         plan.rows.append(PlanRow(path.rsplit(" (", 1)[0], kind, parts[0].shape[dim], parts[0].shape[dim],

@@ -301,8 +301,8 @@ def agree_rows(rows: list[int], tensors: list[torch.Tensor], dim: int, comm: MPI
             count = sum(r << (_JOIN_BITS * i) for i, r in enumerate(group))
             return Local(None, (path, "rows", dim, len(rows), first, described), (), count)
 
-        def finish(plan: Any, counts: list[int], n=len(group)) -> tuple:
-            return tuple(tuple((int(c) >> (_JOIN_BITS * i)) & JOIN_MOST_ROWS for c in counts) for i in range(n))
+        def finish(plan: Any, counts: list[int], group=group) -> tuple:
+            return tuple(tuple((int(c) >> (_JOIN_BITS * i)) & JOIN_MOST_ROWS for c in counts) for i in range(len(group)))
 
         out += agree_cached(comm, "layer", (path, dim, first, tuple(group), described), local, finish)
     return out
