@@ -121,3 +121,54 @@ def test_describe_traffic_of_a_join_equals_what_the_run_sends(make_manager):
                 assert (forward.forward_bytes, forward.forward_messages, forward.agreements) == (
                     total.forward_bytes, total.forward_messages, total.agreements), (d, rows, forward, total)
                 assert (back.forward_bytes, back.forward_messages) == (total.backward_bytes, total.backward_messages)
+
+
+class SizeOfTheSkip(nn.Module):
+    """smp's UNet decoder in small: down by a strided conv, ``F.interpolate(size=skip.shape[-2:])``, cat, conv."""
+
+    def __init__(self, mode="nearest"):
+        super().__init__()
+        self.mode = mode
+        self.enc = nn.Conv2d(2, 2, 3, padding=1)
+        self.down = nn.Conv2d(2, 2, 3, stride=2, padding=1)
+        self.dec = nn.Conv2d(4, 1, 3, padding=1)
+
+    def forward(self, x):
+        skip = self.enc(x)
+        y = F.interpolate(self.down(skip), size=skip.shape[-2:], mode=self.mode)
+        return self.dec(torch.cat([y, skip], dim=1))
+
+
+class Residual(nn.Module):
+    """``x + up(down(x))``: two bands of one height in different layouts combined by an op that is not a join."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.Conv2d(2, 2, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose2d(2, 2, 2, stride=2)
+
+    def forward(self, x):
+        return x + self.up(self.down(x))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_interpolation_to_the_skips_size_and_the_output_layout(make_manager):
+    """The size read from the skip: interpolated by the field's factor, re-banded to the skip's bands (nearest and
+    bilinear); the models' outputs are banded as their inputs."""
+    with prefix_managers(make_manager) as managers:
+        for d, manager in _this_job(managers):
+            for height in (4 * d, 4 * d + 2):
+                for mode in ("nearest", "bilinear"):
+                    plan = verdict_is_the_run("size of the skip", lambda m=mode: SizeOfTheSkip(m), (1, 2, height, 4),
+                                              manager)
+                    assert plan.exact and plan.rows[-1].bands_out == plan.rows[0].bands_in, str(plan)
+
+
+@pytest.mark.mpi(min_size=3)
+def test_bands_of_two_layouts_in_an_op_that_is_not_a_join(make_manager):
+    """``x + up(down(x))`` on uneven bands: describe() says it does not run (the add), the run fails on every rank."""
+    with prefix_managers(make_manager) as managers:
+        for d, manager in _this_job(managers):
+            plan = verdict_is_the_run("residual", Residual, (1, 2, 4 * d + 2, 4), manager)
+            row = next(r for r in plan.rows if not r.exact)
+            assert "add" in row.kind and "only a join" in row.note, str(plan)
