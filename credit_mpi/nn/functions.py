@@ -943,7 +943,8 @@ def _indexed(tr, func, args, kwargs, held):
 # the same words on every rank that sees it (the ranks whose rows happen to match raise it through the agreement)
 _LAYOUTS_DIFFER = (
     "it joins bands of one height whose band layouts differ (a band holds other rows of one part than of the "
-    "other) and whose rows are merged with another dim ({what}), which has no re-band rule. On uneven bands a "
+    "other) and whose rows are merged with another dim, or that lie on a latitude x longitude grid ({what}), which "
+    "has no re-band rule yet. On uneven bands a "
     "strided convolution's output bands and a transposed convolution's do not line up: give every band an offset "
     "that is a multiple of the encoder's total stride (even bands of a field whose rows are a multiple of the "
     "domain size times that stride), as describe() shows")
