@@ -90,16 +90,19 @@ CASES = {
     "upblock_ps": (lambda: wxformer.UpBlockPS(4, 4, 2), lambda d: (1, 4, 4 * d + 1, 4)),
     "wxformer": (lambda: _wxformer(), lambda d: (1, 3, 1, 32 * d, 32)),
     "nextgen_wxformer": (lambda: _nextgen(), lambda d: (1, 3, 1, 32 * d, 32)),
-    # 128 rows on 3 bands: up_block1's pixel-shuffled bands differ from the encoder's (refused; the run at the interpolation)
+    # 128 rows on 3 bands: the joins re-band the pixel-shuffled bands to the encoder's; the stored-size interpolation
+    # at the end bands the output as the input (its residual add): exact
     "nextgen_wxformer_uneven": (lambda: _nextgen(32), lambda d: (1, 3, 1, 32 * d + 32, 32)),
     "fuxi": (lambda: _fuxi(), lambda d: (1, 3, 2, 8 * d, 16)),
     "unet": (lambda: _unet(8 * _D), lambda d: (1, 3, 1, 8 * d, 16)),  # even bands of whole 8-row blocks: exact
-    "unet_uneven": (lambda: _unet(8 * _D + 8), lambda d: (1, 3, 1, 8 * d + 8, 16)),  # exact where describe() says so
+    # uneven bands: F.interpolate(size=skip.shape[-2:]) by the field's factor, re-banded to the skip's layout: exact
+    "unet_uneven": (lambda: _unet(8 * _D + 8), lambda d: (1, 3, 1, 8 * d + 8, 16)),
 }
 # the run may refuse a later op than describe() (see verdict_is_the_run)
-LATER_OP = {"nextgen_wxformer_uneven", "wxformer"}
+LATER_OP = {"wxformer"}
 # exact on every domain size (the others: exact where describe() says so)
-EXACT = {"attention_global", "crossformer_interp", "nextgen_wxformer", "wxformer", "wxformer_cross_embed", "wxformer_cross_embed_s1"}
+EXACT = {"attention_global", "crossformer_interp", "nextgen_wxformer", "wxformer", "wxformer_cross_embed", "wxformer_cross_embed_s1",
+         "unet", "unet_uneven", "nextgen_wxformer_uneven"}
 # refused on more than one band, at this op
 REFUSED_AT: dict[str, str] = {}
 # whole models: on 1, 2 and 4 ranks only, each domain size once (see the module docstring)

@@ -261,8 +261,10 @@ class Tracker(TorchFunctionMode):
                  adopt_layout: Callable[[int, list[int]], bool] | None = None) -> None:
         super().__init__()
         self.shard_dim, self.manager, self.on_layer = shard_dim, manager, on_layer
-        # heights as plain ints: an Extent (a size read from a band) hashes apart from its int
-        self.band_sizes = None if band_sizes is None else (lambda rows: band_sizes(int(rows)))
+        # heights as plain ints: an Extent (a size read from a band) hashes apart from its int; in the dry run
+        # the layout a tensor has (a rule's held tensors, :meth:`layout_of`) before the layout of its height
+        self.band_sizes = None if band_sizes is None else (
+            lambda rows: self._here.get(int(rows)) or band_sizes(int(rows)))
         self.adopt_layout = None if adopt_layout is None else (
             lambda rows, sizes: adopt_layout(int(rows), [int(v) for v in sizes]))
         self.paths = {id(m): (name or "<root>") for name, m in root.named_modules()}
@@ -270,6 +272,12 @@ class Tracker(TorchFunctionMode):
         self.trusted = int(self._trusts(root) or not judge)
         self.stack: list[tuple[str, bool, tuple | None]] = [(self._path(root), bool(self.trusted), None)]
         self.place: dict[int, tuple[weakref.ref, Sharded]] = {}
+        # the order the forward made its bands in (the same on every rank: a join's target is the first made part's)
+        self.born: dict[int, tuple[weakref.ref, int]] = {}
+        self._births = 0
+        # the dry run: a tensor's own band layout (its rows per band) where it differs from its height's
+        self.layouts: dict[int, tuple[weakref.ref, list[int]]] = {}
+        self._here: dict[int, list[int]] = {}  # while a rule runs: the layouts of its held tensors, by their rows
         self._locals: list = []
         # F.pad of the sharded dim by zeros: padded tensor id -> (padded ref, input, (before, after), the other pads)
         self.edge_pads: dict[int, tuple] = {}
@@ -290,6 +298,24 @@ class Tracker(TorchFunctionMode):
             self.place.pop(id(t), None)
         else:
             self.place[id(t)] = (weakref.ref(t), p)
+            entry = self.born.get(id(t))
+            if entry is None or entry[0]() is not t:
+                self._births += 1
+                self.born[id(t)] = (weakref.ref(t), self._births)
+
+    def born_at(self, t: torch.Tensor) -> int:
+        """When the forward made band ``t`` (a counter, the same order on every rank)."""
+        entry = self.born.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else -1
+
+    def layout_of(self, t: Any) -> list[int] | None:
+        """In the dry run: ``t``'s own layout (every band's rows, of the rows of its placement), None: its height's."""
+        entry = self.layouts.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return list(entry[1]) if entry is not None and entry[0]() is t else None
+
+    def keep_layout(self, t: torch.Tensor, sizes: list[int]) -> None:
+        """In the dry run: ``t``'s bands are ``sizes`` (a layer's output layout, a re-banded join's)."""
+        self.layouts[id(t)] = (weakref.ref(t), [int(v) for v in sizes])
 
     def band(self, t: torch.Tensor) -> Sharded | None:
         """The placement of a band along ``shard_dim`` (a layer's input or output), None when ``t`` has too few dims."""
@@ -354,6 +380,8 @@ class Tracker(TorchFunctionMode):
             _STATE.tracker = self._outer
             self.place.clear()
             self.edge_pads.clear()
+            self.born.clear()
+            self.layouts.clear()
 
     def _trusts(self, module: torch.nn.Module) -> bool:
         return isinstance(module, DomainParallelModule) or getattr(module, "_dp_trusted", False)
@@ -482,21 +510,72 @@ class Tracker(TorchFunctionMode):
             return func(*args, **kwargs)
         op = _op_name(func)
         rule = _RULES.get(op) or _RULES.get(op.rstrip("_") if not op.startswith("__") else op)
+        here = self._held_layouts(op, rule, held) if self.layouts else None
         try:
             if rule is None:
                 out = func(*args, **kwargs)
                 if _tensors(out):
                     raise _Why("no rule says what it does to the sharded dim")
                 return out
-            return rule(self, func, args, kwargs, held)
+            out = rule(self, func, args, kwargs, held)
+            if here is not None:
+                self._inherit(out, held)
+            return out
         except _Why as why:
             raise refusal(self.stack[-1][0], f"{op}()", str(why)) from None
+        finally:
+            if here is not None:
+                self._here = here
+
+    # -- the dry run's layouts per tensor ----------------------------------------------------------
+
+    def _held_layouts(self, op: str, rule, held: list) -> dict:
+        """In the dry run, while a rule runs: its held tensors' own layouts answer :attr:`band_sizes` for their rows.
+
+        Returns the layouts that were in force (restored after the rule). Two held bands of one height
+        whose layouts differ meet in an op that is not a join: the run fails on the ranks whose rows
+        differ (``on_conflict``, set by describe(): a row that is not exact).
+        """
+        before, own = self._here, []
+        for t, p in held:
+            rows, sizes = t.shape[p.dim] // (p.outer * p.inner), self.layout_of(t)
+            own.append((rows, sizes if sizes is not None and sum(sizes) == rows else None))
+        mine = dict(before)
+        for rows, sizes in own:
+            if sizes is not None:
+                mine.setdefault(rows, sizes)
+        if len(mine) == len(before):
+            return before
+        if rule is not _join and len(own) > 1 and getattr(self, "on_conflict", None) is not None:
+            seen: dict[int, list[int]] = {}
+            for rows, sizes in own:
+                sizes = sizes if sizes is not None else self.band_sizes(rows)
+                if seen.setdefault(rows, sizes) != sizes:
+                    self.on_conflict(self.stack[-1][0], f"{op}()", rows, seen[rows], sizes)
+                    break
+        self._here = mine
+        return before
+
+    def _inherit(self, out: Any, held: list) -> None:
+        """The dry run: a rule's output of the rows of a held band with its own layout has that layout."""
+        for t in _tensors(out):
+            q = self.get(t)
+            if q is None or self.layout_of(t) is not None:
+                continue
+            rows = t.shape[q.dim] // (q.outer * q.inner)
+            for h, p in held:
+                sizes = self.layout_of(h)
+                if sizes is not None and sum(sizes) == rows == h.shape[p.dim] // (p.outer * p.inner):
+                    self.keep_layout(t, sizes)
+                    break
 
     def run(self, func, args, kwargs, placement: Callable[[torch.Tensor], Sharded | None] | Sharded | None):
         """Run ``func`` and tag its tensor outputs."""
         out = func(*args, **kwargs)
         for t in _tensors(out):
             self.set(t, placement(t) if callable(placement) else placement)
+        if self.layouts:  # the dry run: an output of the rows of an input with its own layout has that layout
+            self._inherit(out, [(t, p) for t in _tensors(args) if (p := self.get(t)) is not None])
         return out
 
 
@@ -864,14 +943,21 @@ def _indexed(tr, func, args, kwargs, held):
 # the same words on every rank that sees it (the ranks whose rows happen to match raise it through the agreement)
 _LAYOUTS_DIFFER = (
     "it joins bands of one height whose band layouts differ (a band holds other rows of one part than of the "
-    "other): on uneven bands a strided convolution's output bands and a transposed convolution's (a UNet's skip "
-    "connection) do not line up. Give every band an offset that is a multiple of the encoder's total stride "
-    "(even bands of a field whose rows are a multiple of the domain size times that stride), as describe() shows")
+    "other) and whose rows are merged with another dim, or that lie on a latitude x longitude grid ({what}), which "
+    "has no re-band rule yet. On uneven bands a "
+    "strided convolution's output bands and a transposed convolution's do not line up: give every band an offset "
+    "that is a multiple of the encoder's total stride (even bands of a field whose rows are a multiple of the "
+    "domain size times that stride), as describe() shows")
 
 
 @_rule("cat", "concat", "concatenate", "stack", "hstack", "vstack")
 def _join(tr, func, args, kwargs, held):
-    """A join over another dim: every part a band along the same dim (a replicated part would count once per rank)."""
+    """A join over another dim: every part a band along the same dim (a replicated part would count once per rank).
+
+    Bands of one height whose layouts differ (a UNet's skip connection on uneven bands: the
+    encoder's bands and the decoder's upsampled ones) are joined exactly: every part is re-banded
+    to the layout of the part the forward made first (:func:`_joined`).
+    """
     op = _op_name(func)
     parts = list(_arg(args, kwargs, 0, "tensors"))
     if op in ("hstack", "vstack"):
@@ -892,10 +978,85 @@ def _join(tr, func, args, kwargs, held):
         if pl is None and t.ndim > q.dim and t.shape[q.dim] != 1:
             what = "a replicated tensor (a global mean)" if is_replicated(t) else "a tensor that is not a band"
             raise _Why(f"it joins a band with {what} that has {t.shape[q.dim]} rows along the sharded dim")
-    if len({t.shape[q.dim] for t, pl in zip(parts, places, strict=True) if pl is not None and t.ndim > q.dim}) > 1:
-        raise _Why(_LAYOUTS_DIFFER)
+    bands = [i for i, (t, pl) in enumerate(zip(parts, places, strict=True)) if pl is not None and t.ndim > q.dim]
+    if len(bands) > 1:
+        parts, target = _joined(tr, parts, [places[i] for i in bands], bands, q.dim)
+        args, kwargs = _with_parts(args, kwargs, parts)
     d = q.dim + (1 if op == "stack" and dim <= q.dim else 0)
-    return tr.run(func, args, kwargs, q.moved(d))
+    out = tr.run(func, args, kwargs, q.moved(d))
+    if len(bands) > 1 and target is not None:
+        tr.keep_layout(out, target)  # the dry run: the output's bands are the target's
+    return out
+
+
+def _with_parts(args: tuple, kwargs: dict, parts: list) -> tuple[tuple, dict]:
+    if "tensors" in kwargs:
+        return args, {**kwargs, "tensors": parts}
+    return (parts, *args[1:]), kwargs
+
+
+def _joined(tr: Tracker, parts: list, places: list, bands: list[int], dim: int) -> tuple[list, list[int] | None]:
+    """The band parts of a join in one layout: the layout of the part the forward made first (and, in the dry run,
+    that layout).
+
+    At run time every rank's rows of every part are agreed at the join (one fixed-size agreement
+    per three parts, :func:`credit_mpi.ops.reband.join_layouts`: every rank then takes the same
+    path), and each part whose layout differs from the target is re-banded to it
+    (:func:`credit_mpi.ops.reband.join_moved`: one ``Alltoallv``, differentiable), so the output is
+    exact on any bands. The first-made part is the encoder's in a UNet's skip connection, so the
+    decoder continues on the layout the encoder had at that height. Bands whose rows are merged
+    with another dim's (windows in the batch: ``outer > 1``) and a 2-D domain grid keep the local
+    check (the ForwardGuard shares it). In the dry run the same, from every part's layout.
+    """
+    path = tr.stack[-1][0]
+    order = sorted(range(len(bands)), key=lambda k: tr.born_at(parts[bands[k]]))
+    first = order[0]
+    if any(p.outer != 1 for p in places) or (tr.manager is not None and grid_cols(tr.manager) > 1):
+        if len({parts[i].shape[dim] for i in bands}) > 1:
+            raise _Why(_LAYOUTS_DIFFER.format(what=", ".join(p.describe() for p in places)))
+        return parts, None
+    if tr.manager is None:
+        return _joined_dry(tr, parts, places, bands, dim, first, path)
+    from ..ops.reband import join_layouts, join_moved
+
+    comm = tr.manager.domain_group
+    with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
+        counts = join_layouts([parts[i] for i in bands], dim, comm, f"{path}: cat()")
+        target, new = counts[first], list(parts)
+        for k, i in enumerate(bands):
+            if counts[k] != target:
+                new[i] = join_moved(parts[i], dim, comm, counts[k], target, f"{path}: cat()")
+    for k, i in enumerate(bands):
+        tr.set(new[i], places[k])
+    return new, None
+
+
+def _joined_dry(tr: Tracker, parts: list, places: list, bands: list[int], dim: int, first: int,
+                path: str) -> tuple[list, list[int]]:
+    """The dry run of :func:`_joined`: every part's layout (its own, else its height's), and the move of each that
+    differs reported (``tr.on_join``, set by describe(): a plan row with the agreement and the moves' traffic)."""
+    sizes, here = [], tr._here
+    tr._here = {}  # a part without a layout of its own has its height's (not another part's)
+    try:
+        for k, i in enumerate(bands):
+            t, p = parts[i], places[k]
+            rows = t.shape[dim] // p.inner
+            own = tr.layout_of(t)
+            sizes.append([p.inner * s for s in (own if own is not None and sum(own) == rows else tr.band_sizes(rows))])
+    finally:
+        tr._here = here
+    target = sizes[first]
+    on_join = getattr(tr, "on_join", None)
+    if on_join is not None:
+        on_join(path, [parts[i] for i in bands], dim, sizes, target)
+    return parts, target
+
+
+def grid_cols(manager: Any) -> int:
+    """The longitude columns of the manager's domain grid (1: latitude bands)."""
+    from ..grid import grid_of
+
+    return grid_of(manager, manager.domain_parallel_size)[1]
 
 
 def _index_dims(x: torch.Tensor, index: Any) -> list[tuple[int, Any]]:
@@ -999,9 +1160,10 @@ def _padded(tr, func, args, kwargs, p, x, pad, pair, before, after, rows):
         return tr.run(func, (x, tuple(pad), *rest), {k: v for k, v in kwargs.items() if k != "pad"}, p)
     sizes = tr.band_sizes(rows) if tr.band_sizes is not None else [rows]
     padded = [s + (before if i == 0 else 0) + (after if i == len(sizes) - 1 else 0) for i, s in enumerate(sizes)]
+    out = tr.run(func, args, kwargs, p)
     if tr.adopt_layout is not None and not tr.adopt_layout(rows + before + after, padded):
-        raise _Why(f"the padded bands {padded} differ from an earlier tensor of {rows + before + after} rows")
-    return tr.run(func, args, kwargs, p)
+        tr.keep_layout(out, padded)  # another layout than an earlier tensor of that height's (a join re-bands it)
+    return out
 
 
 @_rule("pixel_shuffle", "pixel_unshuffle")
@@ -1013,24 +1175,23 @@ def _pixel(tr, func, args, kwargs, held):
         raise _Why("it moves channels into rows or rows into channels along the sharded dim")
     if _op_name(func) == "pixel_unshuffle" and p.dim >= x.ndim - 2 and not tr.rows_ok(x.shape[p.dim], r):
         raise _Why(f"pixel_unshuffle({r}) needs every band to be a whole number of {r} rows")
+    out = tr.run(func, args, kwargs, p)
     if p.dim >= x.ndim - 2 and tr.band_sizes is not None and tr.adopt_layout is not None:
-        _adopt_shuffled(tr, _op_name(func), x.shape[p.dim], r)
-    return tr.run(func, args, kwargs, p)
+        _adopt_shuffled(tr, out, _op_name(func), x.shape[p.dim], r)
+    return out
 
 
-def _adopt_shuffled(tr: Tracker, op: str, rows: int, r: int) -> None:
+def _adopt_shuffled(tr: Tracker, out: torch.Tensor, op: str, rows: int, r: int) -> None:
     """In the dry run: the bands after a pixel (un)shuffle are every band's rows times (divided by) ``r``.
 
-    That layout is the output's (as a transposed convolution's is), which an earlier tensor of that
-    height (the encoder's, joined to it by a skip connection) may not share on uneven bands: the run
-    would fail at the join (or at an interpolation to the other's size) on some ranks.
+    That layout is the output's (as a transposed convolution's is); where an earlier tensor of that
+    height (the encoder's, joined to it by a skip connection) has another one on uneven bands, it is
+    the output's own (a join re-bands it).
     """
     sizes = [s * r if op == "pixel_shuffle" else s // r for s in tr.band_sizes(rows)]
     height = rows * r if op == "pixel_shuffle" else rows // r
     if not tr.adopt_layout(height, sizes):
-        raise _Why(f"its output bands {sizes} of {height} rows differ from an earlier tensor's of that height; "
-                   + _LAYOUTS_DIFFER.removeprefix("it joins bands of one height whose band layouts differ (a band holds "
-                                                  "other rows of one part than of the other): "))
+        tr.keep_layout(out, sizes)
 
 
 _CONVS = "conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d".split()
@@ -1319,6 +1480,8 @@ def _interpolate(tr, func, args, kwargs, held):
         target = _tuple(size, nsp)[sd]
         if not _follows_band(target) and not torch.compiler.is_compiling():  # (a traced forward's sizes: plain ints)
             return _stored_size(tr, x, p, args, kwargs, mode, align)
+        if not torch.compiler.is_compiling() and (tr.manager is None or grid_cols(tr.manager) == 1):
+            return _band_size(tr, func, x, p, args, kwargs, size, nsp, mode, align)
         if target == rows:
             return tr.run(func, args, kwargs, p)
         if not tr.ratio_ok(rows, target):
@@ -1347,6 +1510,84 @@ def _interpolate(tr, func, args, kwargs, held):
     if align is not None:
         kw["align_corners"] = align
     return tr.run(func, (y,), {"size": rest_size, "scale_factor": rest_scale, **kw}, p)
+
+
+def _band_size(tr, func, x, p, args, kwargs, size, nsp, mode, align):
+    """``size=`` read from a band's shape (smp's UNet: ``F.interpolate(x, size=skip.shape[-2:])``): the output has the
+    field's rows of that band's tensor, in that tensor's layout.
+
+    Every rank's rows of ``x`` and its target are agreed first (one fixed-size agreement,
+    :func:`credit_mpi.ops.reband.agree_rows`; the dry run reads them from the layouts): the same
+    layouts pass as they are; a target of a whole factor of the field's rows is the exact layer by
+    that factor (its output bands ``factor`` times ``x``'s), re-banded to the target's layout where
+    that differs (a skip connection's on uneven bands). Any other target is refused on every rank.
+    """
+    from .resample import DomainParallelInterpolate
+
+    sd, path = p.dim - 2, tr.stack[-1][0]
+    target = _tuple(size, nsp)[sd]
+    mine, theirs = _rows_and_target(tr, x, p, target, path)
+    if mine == theirs:
+        _report_size(tr, path, x, p.dim, list(mine), list(theirs))
+        return tr.run(func, args, kwargs, p)
+    rows, total = sum(mine), sum(theirs)
+    if rows == 0 or total % rows or total < rows:
+        raise _Why(f"size={tuple(_tuple(size, nsp))} asks for {total} rows of a field of {rows} along the sharded dim, "
+                   f"not a whole factor of them (give scale_factor, or a size that is a whole multiple of the rows)")
+    factor = total // rows
+    layer = DomainParallelInterpolate(scale_factor=tuple(float(factor) if i == sd else 1.0 for i in range(nsp)),
+                                      mode=mode, align_corners=align, manager=_NoManager, shard_dim=p.dim - x.ndim)
+    layer.dp_manager = tr.manager
+    layer.dp_path = f"{path}: interpolate"
+    y = layer(x)  # the tracker's module hooks: a layer of the plan, its output a band
+    moved = [factor * s for s in mine]
+    _report_size(tr, path, y, p.dim, moved, list(theirs))
+    y = _to_layout(tr, y, p, moved, list(theirs), path)
+    rest = [y.shape[p.dim] if i == sd else v for i, v in enumerate(_tuple(size, nsp))]
+    if list(rest) == list(y.shape[2:]):
+        return y
+    kw = {"mode": mode} if align is None else {"mode": mode, "align_corners": align}
+    return tr.run(func, (y,), {"size": rest, **kw}, p)
+
+
+def _rows_and_target(tr, x, p, target, path: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Every band's rows of ``x`` and of an interpolation's target read from a band: agreed at run time, the layouts in
+    the dry run (``x``'s own or its height's; the target's from its :class:`Extent`)."""
+    if tr.manager is not None:
+        from ..ops.reband import agree_rows
+
+        with torch._C.DisableTorchFunction():
+            mine, theirs = agree_rows([x.shape[p.dim], int(target)], [x], p.dim, tr.manager.domain_group,
+                                      f"{path}: interpolate(size=)")
+        return mine, theirs
+    mine = tuple(tr.band_sizes(x.shape[p.dim]))
+    bands = getattr(target, "bands", None)
+    return mine, tuple(bands) if bands is not None else tuple(tr.band_sizes(int(target)))
+
+
+def _report_size(tr, path: str, t: torch.Tensor, dim: int, sizes: list[int], target: list[int]) -> None:
+    """The dry run: the agreement of an interpolation to a band's size, and its re-band when ``sizes`` is not ``target``."""
+    on_join = getattr(tr, "on_join", None) if tr.manager is None else None
+    if on_join is not None:
+        on_join(path, [t], dim, [sizes], target, "interpolate(size=)")
+
+
+def _to_layout(tr, y: torch.Tensor, p: Sharded, sizes: list[int], target: list[int], path: str) -> torch.Tensor:
+    """``y`` (bands ``sizes``, agreed) re-banded to ``target`` (no agreement of its own); the dry run reports it."""
+    if sizes == target:
+        return y
+    if tr.manager is None:
+        with torch._C.DisableTorchFunction():
+            out = y.view_as(y)
+        tr.set(out, p)
+        tr.keep_layout(out, target)
+        return out
+    from ..ops.reband import join_moved
+
+    with torch._C.DisableTorchFunction():
+        out = join_moved(y, p.dim, tr.manager.domain_group, tuple(sizes), tuple(target), f"{path}: interpolate(size=)")
+    tr.set(out, p)
+    return out
 
 
 def _stored_size(tr, x, p, args, kwargs, mode, align):

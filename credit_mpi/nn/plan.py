@@ -36,7 +36,7 @@ from ._comm import ConversionError
 from .attention_rules import sdpa_path
 from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
-from .functions import Tracker
+from .functions import Tracker, _Why
 from .replicated import is_replicated, replicated
 from .traffic import (
     AGREEMENT_BYTES,
@@ -44,6 +44,7 @@ from .traffic import (
     alltoall_traffic,
     gather_traffic,
     halo_traffic,
+    join_traffic,
     layer_traffic,
     ring_traffic,
 )
@@ -66,6 +67,9 @@ _MOVES = {
     "from_groups()": "back from the group layout (ops.group_rows)",
     "allgather_along()": "a product's operand gathered (every band's tokens)",
     "allgather_along(counts)": "every rank's token count (the offsets of a mask in the field's coordinates)",
+    "cat()": "a join of bands: every part's layout agreed (ops.reband.join_layouts)",
+    "cat() re-band": "a join of bands: the parts of another layout than the first-made part's re-banded to it",
+    "interpolate(size=)": "interpolated to a band's size: the rows agreed (re-banded to that band's layout)",
 }
 
 
@@ -273,10 +277,15 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
                                         domain_size, width, x.requires_grad,
                                         bool(getattr(getattr(mod, "weight", None), "requires_grad", False))))
 
-        plan.rows.append(_row(mod, tuple(x.shape), tuple(out.shape), layouts, domain_size, shard_dim, grid,
-                              None if grid else traffic_of))
+        own = tracker.layout_of(x)
+        row = _row(mod, tuple(x.shape), tuple(out.shape), layouts, domain_size, shard_dim, grid,
+                   None if grid else traffic_of, own if own is not None and sum(own) == x.shape[axis - len(input_shape)] else None)
+        plan.rows.append(row)
         if _replicates(mod, x.shape, out.shape, axis):
             return replicated(out)  # as the run: what is computed from it alone is replicated too
+        for t in tree_flatten(out)[0]:  # its own layout (a join re-bands it where an earlier tensor of its height differs)
+            if isinstance(t, torch.Tensor) and row.bands_out:
+                tracker.keep_layout(t, list(row.bands_out))
         return None
 
     def sizes_of(rows: int) -> list[int]:
@@ -302,6 +311,26 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         plan.rows.append(PlanRow(path, "scaled_dot_product_attention()", k.shape[-2], q.shape[-2],
                                  tuple(counts), tuple(counts), 0, 0, 1, 1, True, how, tuple(moved)))
 
+    def joined(path: str, parts: list, dim: int, sizes: list, target: list, kind: str = "cat()") -> None:
+        """A join of band parts (the run agrees their layouts, re-bands each that differs), or an interpolation to a
+        band's size re-banded to that band's layout: a row of its own."""
+        differ = [k for k, s in enumerate(sizes) if s != target]
+        if grid and differ:  # the run keeps the local check on a latitude x longitude grid (no re-band there yet)
+            raise _Why(f"it joins bands of {parts[0].shape[dim]} rows in different layouts ({sizes}), which has no "
+                       f"re-band rule on a latitude x longitude domain grid yet")
+        note = _MOVES[kind if kind != "cat()" else "cat() re-band" if differ else "cat()"]
+        traffic = None if grid else tuple(join_traffic(parts, dim, sizes, target, domain_size))
+        plan.rows.append(PlanRow(path.rsplit(" (", 1)[0], kind, parts[0].shape[dim], parts[0].shape[dim],
+                                 tuple(sizes[differ[0]] if differ else target), tuple(target), 0, 0, 1, 0, True, note,
+                                 traffic))
+
+    def conflict(path: str, kind: str, rows: int, one: list, other: list) -> None:
+        """An op (not a join) of two bands of one height in different layouts: the run fails where their rows differ."""
+        plan.rows.append(PlanRow(path.rsplit(" (", 1)[0], kind, rows, rows, tuple(one), tuple(other), 0, 0, 1, 0, False,
+                                 f"it combines bands of {rows} rows in different layouts ({one} and {other}): only a "
+                                 f"join (torch.cat, torch.stack) re-bands them; the run fails on the ranks whose rows "
+                                 f"differ"))
+
     def moved(path: str, kind: str, rows: int, sizes_in, sizes_out, traffic) -> None:
         """A row move or gather of a rule (re-band, roll, group layout, a product's operand): a row of its own."""
         plan.rows.append(PlanRow(path.rsplit(" (", 1)[0], kind, rows, rows, tuple(sizes_in), tuple(sizes_out), 0, 0, 1,
@@ -314,6 +343,7 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
             dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
             x = torch.empty(input_shape, device="meta", dtype=dtype, requires_grad=requires_grad)
             tracker.on_move = moved  # the rules' row moves and gathers (window_rules, attention_rules)
+            tracker.on_join, tracker.on_conflict = joined, conflict  # joins of bands; bands of two layouts combined
             tracker.plan_rows = plan.rows  # what a module's forward communicated (window_rules: a band of no window)
             tracker.mark_inputs(x)
             dry(x)
@@ -408,12 +438,15 @@ def _tuple(traffic: list[Traffic] | None) -> tuple[Traffic, ...] | None:
     return None if traffic is None else tuple(traffic)
 
 
-def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None, traffic=None) -> PlanRow:
-    """The plan row of one layer call; ``traffic(width)`` its per-rank traffic for the layout's halo ``width`` (exact rows)."""
+def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None, traffic=None, sizes=None) -> PlanRow:
+    """The plan row of one layer call; ``traffic(width)`` its per-rank traffic for the layout's halo ``width`` (exact rows).
+
+    ``sizes``: the input's own layout (the dry run follows it per tensor), else its height's.
+    """
     ax = normalize_dim(shard_dim, len(shape_in))
     h_in, h_out = shape_in[ax], shape_out[ax]
     note = ""
-    sizes = layouts.get(h_in)
+    sizes = layouts.get(h_in) if sizes is None else sizes
     if sizes is None:
         sizes = band_sizes(h_in, n, uneven=True)
         note = "input layout assumed (array_split); "
@@ -444,11 +477,8 @@ def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None, traffic=Non
     if mod.dp_replicated(h_in, h_out):
         return row  # replicated, not a band layout
     if h_out in layouts and layouts[h_out] != list(out_sizes) and h_out != 1:
-        extra = (f"output bands {list(out_sizes)} differ from an earlier {h_out}-row tensor's {layouts[h_out]} (joining "
-                 f"them fails: give every band an offset that is a multiple of the strides before it, e.g. even bands "
-                 f"of a field whose rows are a multiple of the domain size times the total stride)")
-        # A skip connection that joins the two would fail on some ranks only (torch.cat of different rows)
-        # while the others wait in the next layer's agreement: not a layout to run.
-        row = PlanRow(**{**row.__dict__, "exact": False, "note": f"{row.note}; {extra}" if row.note else extra})
+        # the output's own layout (followed per tensor): a join with the earlier tensor re-bands it
+        extra = f"output bands {list(out_sizes)}, an earlier {h_out}-row tensor's {layouts[h_out]}"
+        row = PlanRow(**{**row.__dict__, "note": f"{row.note}; {extra}" if row.note else extra})
     layouts.setdefault(h_out, list(out_sizes))
     return row

@@ -38,7 +38,7 @@ import torch
 from ..partition import BOUNDARIES, halo_neighbors
 
 __all__ = ["Traffic", "AGREEMENT_BYTES", "layer_traffic", "gather_traffic", "alltoall_traffic", "ring_traffic",
-           "halo_traffic", "move_traffic", "halo_rule", "stats_rule", "row_bytes", "acc_itemsize"]
+           "halo_traffic", "move_traffic", "join_traffic", "halo_rule", "stats_rule", "row_bytes", "acc_itemsize"]
 
 #: The bytes each rank contributes to one agreement (:func:`credit_mpi.validation.agree`: five int64).
 AGREEMENT_BYTES = 40
@@ -146,6 +146,27 @@ def move_traffic(moves_of, n: int, row_bytes: int, grad: bool, moves: bool = Tru
         m = moves_of(rank)
         back = (m.inverse().sent_rows(rank) * row_bytes, 1) if grad else (0, 0)
         out.append(Traffic(m.sent_rows(rank) * row_bytes, 1, *back, 1))
+    return out
+
+
+def join_traffic(parts, dim: int, sizes: list[list[int]], target: list[int], n: int) -> list[Traffic]:
+    """Every rank's :class:`Traffic` of a join of band parts (``torch.cat``: :func:`credit_mpi.ops.reband.join_layouts`).
+
+    ``parts`` are global (the dry run's), ``sizes`` every part's layout along ``dim``; the join agrees
+    every part's rows (one agreement per three parts), then each part whose layout is not ``target``
+    moves to it: one ``Alltoallv`` of the rows that leave the band, and back in backward when the
+    part requires grad (no agreement of its own: the join's covers it).
+    """
+    from ..ops.reband import join_agreements, plan_moves
+
+    out = [Traffic(agreements=join_agreements(len(parts)))] * n
+    for t, layout in zip(parts, sizes, strict=True):
+        if layout == target:
+            continue
+        size = row_bytes(tuple(t.shape), dim, t.element_size())
+        moved = [plan_moves(tuple(layout), tuple(target), lambda j: j, r) for r in range(n)]
+        out = [o + Traffic(m.sent_rows(r) * size, 1, *((m.inverse().sent_rows(r) * size, 1) if t.requires_grad else (0, 0)))
+               for r, (o, m) in enumerate(zip(out, moved, strict=True))]
     return out
 
 

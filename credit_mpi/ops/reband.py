@@ -41,7 +41,7 @@ from ..transport.moves import transport_name, transport_of
 from ..validation import Local
 
 __all__ = ["reband", "rebanded", "whole_windows", "move_rows", "plan_moves", "RowMoves", "check_float", "check_band",
-           "transport_key"]
+           "transport_key", "join_layouts", "agree_rows", "join_moved", "join_agreements"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -252,3 +252,66 @@ def rebanded(t: torch.Tensor, dim: int, comm: MPI.Comm, window: int, path: str =
     """
     out, plan = run_planned(_OP, t, comm, **_reband_args(dim, None, window, None, path, transport))
     return out, plan.sizes_in, plan.sizes_out
+
+
+# -- a join of bands (torch.cat / stack over another dim): the parts' layouts agreed, a differing part re-banded -----
+
+JOIN_PER_AGREEMENT = 3  # parts whose rows travel in one agreement's count (21 bits each)
+_JOIN_BITS = 63 // JOIN_PER_AGREEMENT
+JOIN_MOST_ROWS = (1 << _JOIN_BITS) - 1
+
+
+def join_agreements(parts: int) -> int:
+    """The agreements a join of ``parts`` band parts makes (one per :data:`JOIN_PER_AGREEMENT` parts)."""
+    return -(-parts // JOIN_PER_AGREEMENT)
+
+
+def join_layouts(parts: list[torch.Tensor], dim: int, comm: MPI.Comm, path: str) -> list[tuple[int, ...]]:
+    """Every rank's rows of every part along ``dim`` (collective: :func:`join_agreements` fixed-size agreements).
+
+    The join's own agreement: it covers what the re-bands after it need (every part's other dims,
+    dtype, device and autograd state equal on every rank), so those run on it
+    (:func:`credit_mpi.engine.run_agreed`) with no agreement of their own.
+    """
+    dim = normalize_dim(dim, parts[0].ndim)
+    return agree_rows([int(t.shape[dim]) for t in parts], parts, dim, comm, path)
+
+
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
+def agree_rows(rows: list[int], tensors: list[torch.Tensor], dim: int, comm: MPI.Comm, path: str) -> list[tuple[int, ...]]:
+    """Every rank's ``rows`` (a few row counts of this rank's bands), agreed with ``tensors``' other dims, dtypes,
+    devices and autograd states (collective: :func:`join_agreements` ``(len(rows))`` fixed-size agreements).
+
+    Up to :data:`JOIN_PER_AGREEMENT` counts travel in one agreement's count; a call seen before is one
+    ``Allgather`` of the header per agreement (:func:`credit_mpi.agreement.agree_cached`). Returns, per
+    count, every rank's value.
+    """
+    from ..engine import records_grad
+    from ..validation import agree_cached
+
+    described = tuple((tuple(t.shape[:dim]) + tuple(t.shape[dim + 1 :]), str(t.dtype), t.device.type, records_grad(t))
+                      for t in tensors)
+    out: list[tuple[int, ...]] = []
+    for first in range(0, len(rows), JOIN_PER_AGREEMENT):
+        group = [int(r) for r in rows[first : first + JOIN_PER_AGREEMENT]]
+
+        def local(group=group, first=first) -> Local:
+            if max(group) > JOIN_MOST_ROWS or min(group) < 0:
+                raise ValueError(f"{path}: a band of {max(group)} rows (at most {JOIN_MOST_ROWS})")
+            count = sum(r << (_JOIN_BITS * i) for i, r in enumerate(group))
+            return Local(None, (path, "rows", dim, len(rows), first, described), (), count)
+
+        def finish(plan: Any, counts: list[int], group=group) -> tuple:
+            return tuple(tuple((int(c) >> (_JOIN_BITS * i)) & JOIN_MOST_ROWS for c in counts) for i in range(len(group)))
+
+        out += agree_cached(comm, "layer", (path, dim, first, tuple(group), described), local, finish)
+    return out
+
+
+def join_moved(t: torch.Tensor, dim: int, comm: MPI.Comm, counts: tuple[int, ...], sizes: tuple[int, ...],
+               path: str) -> torch.Tensor:
+    """This rank's band of ``t`` (every rank's rows: ``counts``, agreed by :func:`join_layouts`) in the layout ``sizes``."""
+    from ..engine import run_agreed
+
+    return run_agreed(_OP, t, comm, list(counts), **_reband_args(dim, sizes, None, None, f"{path}: re-band to join",
+                                                                 "mpi"))
