@@ -581,6 +581,19 @@ def _pointwise(tr: Tracker, func, args, kwargs, held):
     return tr.run(func, args, kwargs, lambda out: Sharded(d - (ndim - out.ndim), outer, inner) if out.ndim >= ndim - d else None)
 
 
+# Python values read from a tensor (``.item()``, ``bool(t)``, ``t.tolist()``): describe()'s dry run (plan.py)
+# answers them for tensors every rank holds whole, which it cannot see on the meta device
+VALUE_CALLS = frozenset("item tolist numpy __array__ __bool__ __int__ __float__ __index__ __complex__".split())
+
+
+@_rule(*VALUE_CALLS)
+def _value(tr, func, args, kwargs, held):
+    """A band's values read into Python: each rank reads its own rows, one process the whole field's."""
+    raise _Why("it reads the band's values into Python (a data-dependent check or branch): each rank would see its "
+               "own rows where one process sees the whole field's, and the ranks could take different branches; read "
+               "a tensor every rank holds whole (a parameter, a global mean such as nn.AdaptiveAvgPool2d(1)'s output)")
+
+
 @_rule("type_as")
 def _type_as(tr, func, args, kwargs, held):
     p = tr.get(args[0])
