@@ -98,6 +98,34 @@ def test_describe_marks_replicated_by_the_layers_own_axis():
         assert plan.exact and (conv.note == "replicated input: computed locally") == replicated, str(plan)
 
 
+class SqueezeExcite(nn.Module):
+    """A squeeze-excite gate whose global mean goes through a BatchNorm (training) and a padded 3x3 conv: BatchNorm
+    computes with its running-statistics buffers (no Parameters), whose output was a plain tensor, then taken for a
+    band of one row on every rank: the conv's halo read the other ranks' copies (silently wrong, ~0.3 on 3 ranks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(2, 4, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.squeeze, self.bn, self.excite = nn.Conv2d(4, 2, 1), nn.BatchNorm2d(2), nn.Conv2d(2, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.c(x)
+        return y * torch.sigmoid(self.excite(torch.relu(self.bn(self.squeeze(self.pool(y))))))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_layer_on_a_replicated_input_gives_a_replicated_output(make_manager):
+    """Exact, and every layer after the global mean computes locally on a replicated input (describe() says so)."""
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            for h in heights(d):
+                with bounded(f"squeeze-excite {h} on {d}"):
+                    plan = verdict_is_the_run("squeeze-excite", SqueezeExcite, (2, 2, h, 6), manager)
+                local = [r.path for r in plan.rows if r.note == "replicated input: computed locally"]
+                assert plan.exact and (d == 1 or local == ["squeeze", "bn", "excite"]), str(plan)
+
+
 # -- 2. a Python value read in the forward ---------------------------------------------------------------------
 
 
@@ -113,7 +141,7 @@ class Reads(nn.Module):
 
     def forward(self, x):
         y = self.c(x)
-        if self.how == "param" and float(self.c.weight.abs().sum()) > 1e9:  # a weight check: a parameter
+        if self.how == "param" and float(self.c.weight.detach().abs().sum()) > 1e9:  # a weight check: a parameter
             raise ValueError("weights blew up")
         if self.how == "buffer":
             y = y * (1 + int(self.steps))  # a buffer's count

@@ -64,13 +64,13 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..partition import normalize_dim
 from . import base
 from ._comm import ConversionError
 from .base import DomainParallelModule
-from .replicated import is_replicated
+from .replicated import is_replicated, replicated
 
 __all__ = ["Sharded", "Extent", "Tracker", "refusal", "active_tracker"]
 
@@ -407,6 +407,11 @@ class Tracker(TorchFunctionMode):
             from .conv import fold_edge_rows
 
             fold_edge_rows(folded, None)
+        if trusted and not self.trusted and isinstance(module, DomainParallelModule) and _replicated_input(args):
+            # the original module on a replicated input (exact, local): its output is replicated too, in the run
+            # and in the dry run alike, also where the module computes with buffers (BatchNorm's running
+            # statistics), which are no Parameters and would make Replicated's own rule give a plain tensor
+            out = tree_map_only(torch.Tensor, replicated, out)
         if trusted and not self.trusted:  # a layer's output: a band along the sharded dim (or replicated)
             for t in _tensors(out):
                 self.set(t, local[0] if local is not None else self.band(t))
@@ -498,6 +503,12 @@ class Tracker(TorchFunctionMode):
         for t in _tensors(out):
             self.set(t, placement(t) if callable(placement) else placement)
         return out
+
+
+def _replicated_input(args: tuple) -> bool:
+    """True when a layer's input (its first tensor argument) is replicated on every rank."""
+    first = _tensors(args)[:1]
+    return bool(first) and is_replicated(first[0])
 
 
 @contextlib.contextmanager
