@@ -22,7 +22,6 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe  # noqa: E402
