@@ -594,7 +594,8 @@ def _pointwise(tr: Tracker, func, args, kwargs, held):
 
 # Python values read from a tensor (``.item()``, ``bool(t)``, ``t.tolist()``): describe()'s dry run (plan.py)
 # answers them for tensors every rank holds whole, which it cannot see on the meta device
-VALUE_CALLS = frozenset("item tolist numpy __array__ __bool__ __int__ __float__ __index__ __complex__".split())
+VALUE_CALLS = frozenset("item tolist numpy __array__ __bool__ __int__ __float__ __index__ __complex__ is_nonzero equal "
+                        "allclose".split())
 
 
 @_rule(*VALUE_CALLS)

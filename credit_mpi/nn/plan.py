@@ -313,11 +313,13 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         the dry run could not see it, and a stand-in (zeros) to go on with."""
         path = tracker.stack[-1][0].rsplit(" (", 1)[0]
         what = "a replicated tensor" if is_replicated(t) else "a tensor that is not a band"
+        got = _stand_in(op, t)
         plan.rows.append(PlanRow(path, f"{op}()", 0, 0, (), (), 0, 0, 1, 0, True,
                                  f"reads a value of {what} {tuple(t.shape)} (the same on every rank in the run): not "
-                                 f"seen on the meta device, the dry run went on with zeros (a branch on it may differ)",
-                                 None if grid else (Traffic(),) * domain_size))
-        return _stand_in(op, t)
+                                 f"seen on the meta device, the dry run went on with "
+                                 f"{repr(got) if isinstance(got, (bool, int, float, complex)) else 'zeros'} "
+                                 f"(a branch on it may differ)", None if grid else (Traffic(),) * domain_size))
+        return got
 
     try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.functions)
         # grad on (meta tensors: no memory, no compute): a layer sees whether its input requires grad
@@ -341,7 +343,7 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         raise ConversionError(
             f"describe(): the forward raised {type(exc).__name__}: {exc} after reading {len(reads)} value(s) that the "
             f"dry run (the meta device: shapes, no data) cannot see: {', '.join(reads)}; it went on with zeros (False "
-            f"for bool). The run reads the real values; to plan this forward, let the check pass on a meta tensor "
+            f"for bool, True for torch.equal / allclose). The run reads the real values; to plan this forward, let the check pass on a meta tensor "
             f"(e.g. skip it when t.is_meta) or make it outside forward"
         ) from exc
     return plan
@@ -398,10 +400,10 @@ class _DryRun(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in VALUE_CALLS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta and (
-                self.tracker.trusted or self.tracker.get(args[0]) is None):
-            return self.on_value(self.tracker, name, args[0])
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if name in VALUE_CALLS and any(t.is_meta for t in tensors) and (
+                self.tracker.trusted or all(self.tracker.get(t) is None for t in tensors)):
+            return self.on_value(self.tracker, name, tensors[0])
         if any(t.is_meta for t in tensors) and any(not t.is_meta and t.ndim for t in tensors):
             args, kwargs = tree_map(_to_meta, (args, kwargs))
         if getattr(func, "__name__", "") == "scaled_dot_product_attention":
@@ -411,12 +413,15 @@ class _DryRun(TorchFunctionMode):
 
 
 def _stand_in(op: str, t: torch.Tensor):
-    """What a value read gives in the dry run, where a meta tensor has no data: zeros (``False`` for ``bool``)."""
+    """What a value read gives in the dry run, where a meta tensor has no data: zeros (``False`` for ``bool``; a
+    comparison of two tensors, ``torch.equal`` / ``allclose``, ``True``: the check passes)."""
+    if op in ("equal", "allclose"):
+        return True
     if op in ("numpy", "__array__"):
         import numpy as np
 
         return np.zeros(tuple(t.shape), dtype=str(t.dtype).replace("torch.", "").replace("bfloat16", "float32"))
-    zero = False if op == "__bool__" or t.dtype == torch.bool else (0 if op in ("__int__", "__index__") or
+    zero = False if op in ("__bool__", "is_nonzero") or t.dtype == torch.bool else (0 if op in ("__int__", "__index__") or
                                                                     not t.is_floating_point() else 0.0)
     if op == "tolist":
         out = zero
