@@ -274,7 +274,7 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
                                         domain_size, width, x.requires_grad,
                                         bool(getattr(getattr(mod, "weight", None), "requires_grad", False))))
 
-        plan.rows.append(_row(mod, tuple(x.shape), tuple(out.shape), layouts, domain_size, shard_dim, grid,
+        plan.rows.append(_row(mod, tuple(x.shape), tuple(out.shape), layouts, domain_size, grid,
                               None if grid else traffic_of))
         if _replicates(mod, x.shape, out.shape, ax):
             return replicated(out)  # as the run: what is computed from it alone is replicated too
@@ -343,8 +343,8 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         raise ConversionError(
             f"describe(): the forward raised {type(exc).__name__}: {exc} after reading {len(reads)} value(s) that the "
             f"dry run (the meta device: shapes, no data) cannot see: {', '.join(reads)}; it went on with zeros (False "
-            f"for bool, True for torch.equal / allclose). The run reads the real values; to plan this forward, let the check pass on a meta tensor "
-            f"(e.g. skip it when t.is_meta) or make it outside forward"
+            f"for bool, True for torch.equal / allclose). The run reads the real values; to plan this forward, let "
+            f"the check pass on a meta tensor (e.g. skip it when t.is_meta) or make it outside forward"
         ) from exc
     return plan
 
@@ -406,7 +406,7 @@ class _DryRun(TorchFunctionMode):
             return self.on_value(self.tracker, name, tensors[0])
         if any(t.is_meta for t in tensors) and any(not t.is_meta and t.ndim for t in tensors):
             args, kwargs = tree_map(_to_meta, (args, kwargs))
-        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+        if name == "scaled_dot_product_attention":
             named = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(("query", "key", "value"))]
             self.on_call(self.tracker, *named, bool(args[7] if len(args) > 7 else kwargs.get("enable_gqa", False)))
         return func(*args, **kwargs)
@@ -426,7 +426,7 @@ def _stand_in(op: str, t: torch.Tensor):
     if op == "tolist":
         out = zero
         for n in reversed(t.shape):
-            out = [copy.copy(out) for _ in range(n)] if isinstance(out, list) else [out] * n
+            out = [copy.deepcopy(out) for _ in range(n)] if isinstance(out, list) else [out] * n
         return out
     return complex(zero) if op == "__complex__" else zero
 
@@ -466,8 +466,9 @@ def _tuple(traffic: list[Traffic] | None) -> tuple[Traffic, ...] | None:
     return None if traffic is None else tuple(traffic)
 
 
-def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None, traffic=None) -> PlanRow:
-    """The plan row of one layer call; ``traffic(width)`` its per-rank traffic for the layout's halo ``width`` (exact rows)."""
+def _row(mod, shape_in, shape_out, layouts, n, grid=None, traffic=None) -> PlanRow:
+    """The plan row of one layer call, on the layer's own axis and spatial dim; ``traffic(width)`` its per-rank traffic
+    for the layout's halo ``width`` (exact rows)."""
     ax = _layer_axis(mod, len(shape_in))
     h_in, h_out = shape_in[ax], shape_out[ax]
     note = ""
