@@ -314,12 +314,12 @@ def test_bad_input_on_one_rank_raises_on_every_rank(make_manager):
     same_error_everywhere(comm, lambda: model(torch.zeros(1, 2, 4, width)), ValueError)
     # a band too thin for the halo: named layer and minimum height
     thin = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 2, 7, padding=3)), manager)
-    msg = same_error_everywhere(comm, lambda: thin(torch.zeros(1, 2, 2, 4)), ValueError)
+    msg = same_error_everywhere(comm, lambda: thin(torch.zeros(1, 2, 2, 4)), ConversionError)
     assert "0 (" not in msg and "at least 3 row" in msg, msg
     # a strided layer where some band would own no output row
     strided = convert_to_domain_parallel(nn.Conv2d(2, 2, 4, stride=4), manager)
     rows = 1 if manager.domain_rank else 4 * d
-    msg = same_error_everywhere(comm, lambda: strided(torch.zeros(1, 2, rows, 4)), ValueError)
+    msg = same_error_everywhere(comm, lambda: strided(torch.zeros(1, 2, rows, 4)), ConversionError)
     assert "no output row" in msg
     # a shard dim that is not spatial
     chan = convert_to_domain_parallel(nn.Conv2d(2, 2, 3), manager, shard_dim=1)

@@ -358,7 +358,7 @@ def test_bad_input_on_grid(make_manager):
         assert "do not tile" in msg
         # a halo wider than a neighbouring block (k5 p2 needs 2 columns; blocks of 1 longitude)
         narrow = torch.zeros(1, 2, 4, 1, dtype=torch.float64)
-        msg = same_error_everywhere(comm, lambda m=conv, b=narrow: m(b), ValueError)
+        msg = same_error_everywhere(comm, lambda m=conv, b=narrow: m(b), ConversionError)
         assert "longitude" in msg and "<root>" in msg
         # mismatched dtypes across ranks
         odd = torch.zeros(1, 2, 4, 4, dtype=torch.float32 if manager.domain_rank == 0 else torch.float64)

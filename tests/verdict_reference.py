@@ -41,7 +41,8 @@ def verdict_is_the_run(name: str, build, shape: tuple, manager, seed: int = 3, s
     # a layout the layers cannot join (a cat of bands of different rows), or with same_op=False a model's
     # own rank-local exception (einops on a band that is not whole windows): every rank raises it through
     # the forward guard, a DomainParallelError; a function without a rule: its ConversionError
-    # a layer's own refusal of the layout (a band with no output row, a halo wider than a band): its ValueError
+    # a layer's own check of its input (a shard dim that is not spatial): its ValueError; a layout it cannot run
+    # (a band with no output row, a halo wider than a band, a band of no row): its ConversionError
     expected = ConversionError if (refused and same_op) else (ConversionError, DomainParallelError, ValueError)
     assert isinstance(error, expected), f"{name} {shape} on {d}: plan says NO, run gave {error!r}\n{plan}"
     if same_op and refused:

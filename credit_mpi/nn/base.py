@@ -35,9 +35,38 @@ from ._comm import ConversionError, forward_done, share_failure
 from .geometry import RowGeometry
 from .replicated import is_replicated
 
-__all__ = ["DomainParallelModule", "ManagerRef", "ForwardGuard", "adopt", "guard_forward"]
+__all__ = ["DomainParallelModule", "ManagerRef", "ForwardGuard", "adopt", "guard_forward", "layout_refusal", "no_empty_band"]
 
 _DICTS = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
+
+
+def layout_refusal(path: str, lay: Any, stride: int = 1) -> ConversionError:
+    """The one refusal of a band layout a layer cannot run (a band with no row, or too few for its window or halo).
+
+    ``lay`` is the layer's :class:`~credit_mpi.nn.geometry.Layout` of the AGREED bands, so every rank builds
+    the same error before any of the layer's data moves; a ConversionError (a DomainParallelError), as every
+    layout without an exact rule is, naming the layer, every rank's rows and what would run.
+    """
+    least = max(int(lay.min_rows), 1)
+    return ConversionError(
+        f"{path}: the band layout cannot run exactly: {lay.problem} (an input of {lay.size} rows on "
+        f"{len(lay.bands)} domain ranks). This layer needs every band to hold at least {least} row(s) of its input"
+        + (f", with band offsets that are multiples of the stride {stride} to keep skip connections aligned" if stride > 1 else "")
+        + f"; use at most {max(lay.size // least, 1)} domain rank(s) for this field, or a field of at least "
+        f"{len(lay.bands) * least} rows"
+    )
+
+
+def no_empty_band(path: str, sizes: list[int]) -> None:
+    """Raise the refusal of a layer whose input has a band of no row (more domain ranks than rows), from AGREED
+    ``sizes``: the same ConversionError on every rank, before the layer's statistics or halo move anything."""
+    if any(s == 0 for s in sizes):
+        total = sum(sizes)
+        raise ConversionError(
+            f"{path}: a band holds no row (each domain rank's rows along the sharded dim: {list(sizes)}, {total} in "
+            f"all); every band needs at least one row: use at most {max(total, 1)} domain rank(s) for this field, "
+            f"or a field of at least {len(sizes)} rows"
+        )
 
 
 class ManagerRef:
@@ -85,6 +114,16 @@ class DomainParallelModule:
 
     #: Agreements of one call on a replicated input (a global mean's): the layer's own agreement, one.
     dp_local_agreements = 1
+
+    #: The layer's spatial dims (a conv's, a pooling's: its kernel's), None: every dim after ``(N, C)``.
+    _nd: int | None = None
+
+    def dp_spatial_index(self, ndim: int, axis: int) -> int:
+        """Which of the layer's spatial dims the sharded ``axis`` of an ``ndim``-dimensional input is (its index
+        into ``kernel_size``, ``stride``, ``output_size``): counted from the end, as torch counts an unbatched
+        ``(C, H, W)`` input's. The one formula the forwards and ``describe()`` read (``axis - 2`` is wrong there)."""
+        nd = ndim - 2 if self._nd is None else self._nd
+        return axis - (ndim - nd)
 
     def dp_geometry(self, sizes: list[int], sd: int, h_out: int | None = None) -> RowGeometry:
         """What this layer does to the rows of spatial dim ``sd`` for input bands ``sizes`` (``h_out``: the output's

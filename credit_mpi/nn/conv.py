@@ -31,6 +31,7 @@ from . import geometry
 from ._comm import agree, agree_blocks, check_halo, fetch_block, fetch_rows, overlap_add, overlap_add_2d
 from ._overlap import overlapped_conv, split
 from .base import DomainParallelModule
+from .base import layout_refusal as layout_error
 from .rules import layer_rule
 from .traffic import halo_rule, row_bytes
 
@@ -114,16 +115,6 @@ def transposed_layout(module: nn.Module, sizes: list[int], sd: int) -> geometry.
     """The transposed layout of ``module`` along spatial dim ``sd``."""
     return geometry.transposed_layout(
         sizes, module.kernel_size[sd], module.stride[sd], module.dilation[sd], module.padding[sd], module.output_padding[sd]
-    )
-
-
-def layout_error(path: str, lay: geometry.Layout, stride: int) -> ValueError:
-    """The refusal of a layout (the same on every rank: it is derived from agreed sizes)."""
-    return ValueError(
-        f"{path}: the band layout cannot run exactly: {lay.problem}. This layer needs every band to hold at "
-        f"least {lay.min_rows} row(s) of its input (of {lay.size})"
-        + (f", with band offsets that are multiples of the stride {stride} to keep skip connections aligned" if stride > 1 else "")
-        + "; use fewer domain ranks or a larger field"
     )
 
 

@@ -64,13 +64,13 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..partition import normalize_dim
 from . import base
 from ._comm import ConversionError
 from .base import DomainParallelModule
-from .replicated import is_replicated
+from .replicated import is_replicated, replicated
 
 __all__ = ["Sharded", "Extent", "Tracker", "refusal", "active_tracker"]
 
@@ -435,6 +435,11 @@ class Tracker(TorchFunctionMode):
             from .conv import fold_edge_rows
 
             fold_edge_rows(folded, None)
+        if trusted and not self.trusted and isinstance(module, DomainParallelModule) and _replicated_input(args):
+            # the original module on a replicated input (exact, local): its output is replicated too, in the run
+            # and in the dry run alike, also where the module computes with buffers (BatchNorm's running
+            # statistics), which are no Parameters and would make Replicated's own rule give a plain tensor
+            out = tree_map_only(torch.Tensor, replicated, out)
         if trusted and not self.trusted:  # a layer's output: a band along the sharded dim (or replicated)
             for t in _tensors(out):
                 self.set(t, local[0] if local is not None else self.band(t))
@@ -579,6 +584,12 @@ class Tracker(TorchFunctionMode):
         return out
 
 
+def _replicated_input(args: tuple) -> bool:
+    """True when a layer's input (its first tensor argument) is replicated on every rank."""
+    first = _tensors(args)[:1]
+    return bool(first) and is_replicated(first[0])
+
+
 @contextlib.contextmanager
 def judge_forward(root: torch.nn.Module, shard_dim: int, manager: Any, inputs: Any):
     """The context of a converted forward at run time: every floating input is a band; one tracker per thread."""
@@ -658,6 +669,20 @@ def _pointwise(tr: Tracker, func, args, kwargs, held):
             raise _Why(f"it combines a band with {what} of {t.shape[k]} rows along the sharded dim "
                        f"(make it from the band, or give it one row along that dim)")
     return tr.run(func, args, kwargs, lambda out: Sharded(d - (ndim - out.ndim), outer, inner) if out.ndim >= ndim - d else None)
+
+
+# Python values read from a tensor (``.item()``, ``bool(t)``, ``t.tolist()``): describe()'s dry run (plan.py)
+# answers them for tensors every rank holds whole, which it cannot see on the meta device
+VALUE_CALLS = frozenset("item tolist numpy __array__ __bool__ __int__ __float__ __index__ __complex__ is_nonzero equal "
+                        "allclose".split())
+
+
+@_rule(*VALUE_CALLS)
+def _value(tr, func, args, kwargs, held):
+    """A band's values read into Python: each rank reads its own rows, one process the whole field's."""
+    raise _Why("it reads the band's values into Python (a data-dependent check or branch): each rank would see its "
+               "own rows where one process sees the whole field's, and the ranks could take different branches; read "
+               "a tensor every rank holds whole (a parameter, a global mean such as nn.AdaptiveAvgPool2d(1)'s output)")
 
 
 @_rule("type_as")

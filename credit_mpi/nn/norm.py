@@ -37,9 +37,11 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..autograd import check_backward_thread
+from ..partition import normalize_dim
 from ..validation import Local, agree_cached
 from ._comm import ConversionError, _eager, agree, agree_blocks, allgather_stats
 from .base import DomainParallelModule
+from .base import no_empty_band as _no_empty
 from .geometry import RowGeometry
 from .replicated import is_replicated
 from .rules import layer_rule
@@ -380,7 +382,7 @@ class _BatchNormMixin(DomainParallelModule):
             # the mode is agreed in eval too: an eval rank skips the statistics the training ranks gather
             mine = (x.ndim, x.shape[1], str(x.dtype), x.device.type, bool(torch.is_grad_enabled() and x.requires_grad),
                     bool(self.training), bool(self.track_running_stats))
-            return Local(mine, mine)
+            return Local(mine, mine, (), _rows(self, x))
 
         def explain(locals_: list[Local]) -> None:
             raise ValueError(
@@ -391,10 +393,11 @@ class _BatchNormMixin(DomainParallelModule):
 
         try:  # the call's description decides local(): a repeated call is one Allgather of the remembered header
             key = ("BatchNorm", self.dp_path, x.ndim, x.shape[1], str(x.dtype), x.device.type,
-                   bool(torch.is_grad_enabled() and x.requires_grad), bool(self.training), bool(self.track_running_stats))
+                   bool(torch.is_grad_enabled() and x.requires_grad), bool(self.training), bool(self.track_running_stats),
+                   _rows(self, x))
         except Exception:  # noqa: BLE001 - local() raises it again inside the agreement, on every rank
             key = None
-        agree_cached(comm, "layer", key, local, _nothing, explain=explain)
+        agree_cached(comm, "layer", key, local, lambda plan, rows: _no_empty(self.dp_path, rows), explain=explain)
         if not use_batch:
             return super().forward(x)  # the running statistics: a pointwise map
         if self.training and self.track_running_stats:
@@ -429,8 +432,9 @@ class DomainParallelBatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` with SyncBatchNorm semantics over the manager's ranks."""
 
 
-def _nothing(plan, counts) -> None:
-    """BatchNorm's agreement plans nothing (its statistics' shape is the agreed channels)."""
+def _rows(layer: DomainParallelModule, x: torch.Tensor) -> int:
+    """This rank's rows along the sharded dim (BatchNorm's agreement refuses a band of none on every rank)."""
+    return x.shape[normalize_dim(layer.dp_shard_dim, x.ndim)] if x.ndim >= 3 else 1
 
 
 def _batch_comm(manager, x: torch.Tensor):
@@ -451,9 +455,3 @@ def _agreed_sizes(layer: DomainParallelModule, x: torch.Tensor, axis_of) -> list
     if layer.dp_on_grid():
         return agree_blocks(x, axis_of, manager, layer.dp_path, mode=layer.dp_mode()).sizes
     return agree(x, axis_of, manager.domain_group, layer.dp_path, mode=layer.dp_mode()).sizes
-
-
-def _no_empty(path: str, sizes: list[int]) -> None:
-    if any(s == 0 for s in sizes):
-        raise ValueError(f"{path}: a band holds no row (bands {sizes}); every band needs at least one row")
-

@@ -36,7 +36,7 @@ from ._comm import ConversionError
 from .attention_rules import sdpa_path
 from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
-from .functions import Tracker, _Why
+from .functions import VALUE_CALLS, Tracker, _Why
 from .replicated import is_replicated, replicated
 from .traffic import (
     AGREEMENT_BYTES,
@@ -263,9 +263,10 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
 
     def record(mod, args, out):
         x = args[0]
+        ax = _layer_axis(mod, x.ndim)
         whole = is_replicated(x)
         if whole:  # a replicated input (a global mean's, on every rank): the layer computes on it locally
-            h_in, h_out = x.shape[axis - len(input_shape)], out.shape[axis - len(input_shape)]
+            h_in, h_out = x.shape[ax], out.shape[ax]
             traffic = None if grid else _tuple(layer_traffic(mod, (), (), x.dtype, 0, domain_size, 0, False, False, local=True))
             plan.rows.append(PlanRow(mod.dp_path, type(mod).__name__.replace("DomainParallel", ""), h_in, h_out,
                                      (h_in,) * domain_size, (h_out,) * domain_size, 0, 0, 1, 0, True,
@@ -278,10 +279,10 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
                                         bool(getattr(getattr(mod, "weight", None), "requires_grad", False))))
 
         own = tracker.layout_of(x)
-        row = _row(mod, tuple(x.shape), tuple(out.shape), layouts, domain_size, shard_dim, grid,
-                   None if grid else traffic_of, own if own is not None and sum(own) == x.shape[axis - len(input_shape)] else None)
+        row = _row(mod, tuple(x.shape), tuple(out.shape), layouts, domain_size, grid,
+                   None if grid else traffic_of, own if own is not None and sum(own) == x.shape[ax] else None)
         plan.rows.append(row)
-        if _replicates(mod, x.shape, out.shape, axis):
+        if _replicates(mod, x.shape, out.shape, ax):
             return replicated(out)  # as the run: what is computed from it alone is replicated too
         for t in tree_flatten(out)[0]:  # its own layout (a join re-bands it where an earlier tensor of its height differs)
             if isinstance(t, torch.Tensor) and row.bands_out:
@@ -336,10 +337,23 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         plan.rows.append(PlanRow(path.rsplit(" (", 1)[0], kind, rows, rows, tuple(sizes_in), tuple(sizes_out), 0, 0, 1,
                                  0, True, _MOVES.get(kind.split()[0], ""), None if grid else tuple(traffic)))
 
+    def value(tracker, op: str, t) -> object:
+        """A value read from a tensor every rank holds whole (the run reads the same on each, exact): a row saying
+        the dry run could not see it, and a stand-in (zeros) to go on with."""
+        path = tracker.stack[-1][0].rsplit(" (", 1)[0]
+        what = "a replicated tensor" if is_replicated(t) else "a tensor that is not a band"
+        got = _stand_in(op, t)
+        plan.rows.append(PlanRow(path, f"{op}()", 0, 0, (), (), 0, 0, 1, 0, True,
+                                 f"reads a value of {what} {tuple(t.shape)} (the same on every rank in the run): not "
+                                 f"seen on the meta device, the dry run went on with "
+                                 f"{repr(got) if isinstance(got, (bool, int, float, complex)) else 'zeros'} "
+                                 f"(a branch on it may differ)", None if grid else (Traffic(),) * domain_size))
+        return got
+
     try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.functions)
         # grad on (meta tensors: no memory, no compute): a layer sees whether its input requires grad
         with torch.enable_grad(), Tracker(dry, shard_dim, None, sizes_of, record, judge=domain_size > 1,
-                                          adopt_layout=adopt) as tracker, _DryRun(tracker, gathered):
+                                          adopt_layout=adopt) as tracker, _DryRun(tracker, gathered, value):
             dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
             x = torch.empty(input_shape, device="meta", dtype=dtype, requires_grad=requires_grad)
             tracker.on_move = moved  # the rules' row moves and gathers (window_rules, attention_rules)
@@ -352,6 +366,16 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
             raise
         path, op, why = exc.refused
         plan.rows.append(PlanRow(path, op, 0, 0, (), (), 0, 0, 1, 0, False, f"refused: {why}"))
+    except Exception as exc:
+        reads = [f"{r.path} ({r.kind})" for r in plan.rows if r.kind.rstrip("()") in VALUE_CALLS]
+        if not reads:
+            raise
+        raise ConversionError(
+            f"describe(): the forward raised {type(exc).__name__}: {exc} after reading {len(reads)} value(s) that the "
+            f"dry run (the meta device: shapes, no data) cannot see: {', '.join(reads)}; it went on with zeros (False "
+            f"for bool, True for torch.equal / allclose). The run reads the real values; to plan this forward, let "
+            f"the check pass on a meta tensor (e.g. skip it when t.is_meta) or make it outside forward"
+        ) from exc
     return plan
 
 
@@ -392,21 +416,49 @@ class _DryRun(TorchFunctionMode):
 
     A tensor the forward made on the host (``torch.linspace(...)`` without ``device=``) joins the dry run's
     meta tensors on the meta device, as it joins the bands on their device in the run.
+
+    A Python value read from a meta tensor (``.item()``, ``bool(t)``, ``t.tolist()``: a data-dependent check)
+    has no data to read: a band's goes on to the tracker, which refuses it as the run does; any other's (a
+    parameter, a buffer, a global mean: the same value on every rank, which the run lets through) is
+    ``on_value(tracker, op, t)``'s stand-in, and a row of the plan.
     """
 
-    def __init__(self, tracker: Tracker, on_call) -> None:
+    def __init__(self, tracker: Tracker, on_call, on_value) -> None:
         super().__init__()
-        self.tracker, self.on_call = tracker, on_call
+        self.tracker, self.on_call, self.on_value = tracker, on_call, on_value
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if name in VALUE_CALLS and any(t.is_meta for t in tensors) and (
+                self.tracker.trusted or all(self.tracker.get(t) is None for t in tensors)):
+            return self.on_value(self.tracker, name, tensors[0])
         if any(t.is_meta for t in tensors) and any(not t.is_meta and t.ndim for t in tensors):
             args, kwargs = tree_map(_to_meta, (args, kwargs))
-        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+        if name == "scaled_dot_product_attention":
             named = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(("query", "key", "value"))]
             self.on_call(self.tracker, *named, bool(args[7] if len(args) > 7 else kwargs.get("enable_gqa", False)))
         return func(*args, **kwargs)
+
+
+def _stand_in(op: str, t: torch.Tensor):
+    """What a value read gives in the dry run, where a meta tensor has no data: zeros (``False`` for ``bool``; a
+    comparison of two tensors, ``torch.equal`` / ``allclose``, ``True``: the check passes)."""
+    if op in ("equal", "allclose"):
+        return True
+    if op in ("numpy", "__array__"):
+        import numpy as np
+
+        return np.zeros(tuple(t.shape), dtype=str(t.dtype).replace("torch.", "").replace("bfloat16", "float32"))
+    zero = False if op in ("__bool__", "is_nonzero") or t.dtype == torch.bool else (0 if op in ("__int__", "__index__") or
+                                                                    not t.is_floating_point() else 0.0)
+    if op == "tolist":
+        out = zero
+        for n in reversed(t.shape):
+            out = [copy.deepcopy(out) for _ in range(n)] if isinstance(out, list) else [out] * n
+        return out
+    return complex(zero) if op == "__complex__" else zero
 
 
 def _to_meta(t):
@@ -428,29 +480,36 @@ def _halo_problem(sizes: list[int], width: int, boundary: str | None, axis: int)
     return None
 
 
-def _replicates(mod, shape_in, shape_out, axis: int) -> bool:
-    """True when ``mod``'s output is replicated on every rank (a global mean along the sharded axis)."""
-    ax = axis - len(shape_in) if axis >= 0 else axis
-    return len(shape_in) >= -ax and len(shape_out) >= -ax and mod.dp_replicated(shape_in[ax], shape_out[ax])
+def _layer_axis(mod, ndim: int) -> int:
+    """The sharded axis of a layer's ``ndim``-dimensional input, as the layer's forward takes it (its own
+    ``shard_dim`` against its own input: not the model input's axis, whose ndim a reshape may have changed)."""
+    return normalize_dim(mod.dp_shard_dim, ndim)
+
+
+def _replicates(mod, shape_in, shape_out, ax: int) -> bool:
+    """True when ``mod``'s output is replicated on every rank (a global mean along the sharded axis ``ax``), the
+    judgement of the layer's forward (``dp_replicated`` of its input's and output's rows along its own axis)."""
+    return len(shape_out) == len(shape_in) and mod.dp_replicated(shape_in[ax], shape_out[ax])
 
 
 def _tuple(traffic: list[Traffic] | None) -> tuple[Traffic, ...] | None:
     return None if traffic is None else tuple(traffic)
 
 
-def _row(mod, shape_in, shape_out, layouts, n, shard_dim, grid=None, traffic=None, sizes=None) -> PlanRow:
-    """The plan row of one layer call; ``traffic(width)`` its per-rank traffic for the layout's halo ``width`` (exact rows).
+def _row(mod, shape_in, shape_out, layouts, n, grid=None, traffic=None, sizes=None) -> PlanRow:
+    """The plan row of one layer call, on the layer's own axis and spatial dim; ``traffic(width)`` its per-rank traffic
+    for the layout's halo ``width`` (exact rows).
 
     ``sizes``: the input's own layout (the dry run follows it per tensor), else its height's.
     """
-    ax = normalize_dim(shard_dim, len(shape_in))
+    ax = _layer_axis(mod, len(shape_in))
     h_in, h_out = shape_in[ax], shape_out[ax]
     note = ""
     sizes = layouts.get(h_in) if sizes is None else sizes
     if sizes is None:
         sizes = band_sizes(h_in, n, uneven=True)
         note = "input layout assumed (array_split); "
-    sd = ax - 2
+    sd = mod.dp_spatial_index(len(shape_in), ax)  # the layer's own geometry (an unbatched input counts from the end)
     kind = type(mod).__name__.replace("DomainParallel", "")
     geo = mod.dp_geometry(sizes, sd, h_out)
     lay, stride, out_sizes, boundary = geo.layout, geo.stride, sizes, geo.boundary

@@ -33,7 +33,7 @@ from torch import nn
 from ..layout import split
 from . import geometry
 from ._comm import agree, allgather_stats, check_halo, fetch_rows
-from .base import DomainParallelModule
+from .base import DomainParallelModule, no_empty_band
 from .conv import layout_error
 from .replicated import replicated
 from .rules import layer_rule
@@ -357,6 +357,7 @@ class _AdaptiveAvgMixin(DomainParallelModule):
             return super().forward(x)
         nd, manager = self._nd, self.dp_manager
         bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path, mode=self.dp_mode())
+        no_empty_band(self.dp_path, bands.sizes)  # agreed: an empty band would fail alone, the others in the mean's allgather
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         out = _per_dim(self.output_size, nd)
