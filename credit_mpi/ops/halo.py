@@ -378,7 +378,7 @@ def _host_pad(x: np.ndarray, ph: Phase, transfer: Any) -> np.ndarray:
     """
     w, rows, outer, inner = ph.width, ph.rows, ph.outer, ph.inner
     out = arrays.pooled_empty(x, ph.padded)
-    ob, xb = _host_rows(out, outer, rows + 2 * w, inner), _host_rows(x, outer, rows, inner)
+    ob, xb = out.reshape(outer, rows + 2 * w, inner), x.reshape(outer, rows, inner)  # _HOST_ROWS views
     ob[:, w : w + rows] = xb
     if w == 0:
         return out
@@ -395,13 +395,9 @@ def _host_pad(x: np.ndarray, ph: Phase, transfer: Any) -> np.ndarray:
     return out
 
 
-def _host_rows(x: np.ndarray, outer: int, rows: int, inner: int) -> np.ndarray:
-    """Contiguous numpy ``x`` as an ``(outer, rows, inner)`` view of its own dtype.
-
-    Typed, not bytes: a phase along the last dim has rows of one element,
-    which numpy copies several times slower as single bytes.
-    """
-    return x.reshape(outer, rows, inner)
+# _HOST_ROWS: the host paths see a contiguous numpy array as an ``(outer, rows, inner)`` view of its own
+# dtype (``x.reshape``, written inline: the per-call path), rows along the phase's axis. Typed, not bytes:
+# a phase along the last dim has rows of one element, which numpy copies several times slower as single bytes.
 
 
 def _swap(a: Any, ph: Phase, transfer: Any, lo: int, hi: int) -> tuple[Any, Any]:
@@ -471,11 +467,16 @@ def halo_adjoint(grad: Any, p: Any) -> Any:
     the rank that owns it.
     """
     host = arrays.host_numpy(grad) if p.torch_group is None else None
-    if host is not None and host is not grad:  # a torch CPU tensor: the numpy code on a view of it
-        return arrays.from_host_numpy(grad, halo_adjoint(host, p))
-    grad = arrays.contiguous(grad)
+    if host is None:
+        return _adjoint_phases(arrays.contiguous(grad), p, False)
+    gx = _adjoint_phases(np.ascontiguousarray(host), p, True)  # numpy, or a torch CPU tensor's numpy view
+    return gx if host is grad else arrays.from_host_numpy(grad, gx)
+
+
+def _adjoint_phases(grad: Any, p: Any, host: bool) -> Any:
+    """Contiguous ``grad`` through each phase's transpose, last phase first (``host``: numpy over MPI)."""
     for ph in reversed(p.phases):
-        grad = phase_adjoint(grad, ph, p.moves, host is not None)
+        grad = phase_adjoint(grad, ph, p.moves, host)
     return grad
 
 
@@ -514,8 +515,9 @@ def _host_edges_home(grad: np.ndarray, ph: Phase, transfer: Any) -> tuple[Any, A
     from_next = np.empty(edge, grad.dtype) if ph.next is not None else None
     from_prev = np.empty(edge, grad.dtype) if ph.prev is not None else None
     if (ph.prev is not None or ph.next is not None) and outer * inner:
-        gb = _host_rows(grad, outer, ph.rows + 2 * w, inner)
-        into = tuple(None if e is None else _host_rows(e, outer, w, inner) for e in (from_next, from_prev))
+        gb = grad.reshape(outer, ph.rows + 2 * w, inner)  # _HOST_ROWS views
+        into = (None if from_next is None else from_next.reshape(outer, w, inner),
+                None if from_prev is None else from_prev.reshape(outer, w, inner))
         moves.swap_edges(transfer, gb[:, :w], gb[:, w + ph.rows :], ph.prev, ph.next, ph.tags, into=into)
     return from_next, from_prev
 
