@@ -82,12 +82,14 @@ class Op:
     local_adjoint: ClassVar[bool] = False  # the adjoint is local torch code (no communication in backward)
 
     binds: ClassVar[bool] = False  # the op has its own bind() (set by __init_subclass__)
+    writes: ClassVar[bool] = False  # the op has its own written() (set by __init_subclass__)
     data_phase: ClassVar[str] = ""  # the watchdog's names of the kernel and of the adjoint (set by __init_subclass__)
     backward_phase: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.binds = cls.bind is not Op.bind
+        cls.binds = cls.bind is not Op.bind  # (the per-call fast path calls neither hook for an op without it)
+        cls.writes = cls.written is not Op.written
         if cls.name:
             register_operation(cls.name)
             cls.data_phase, cls.backward_phase = f"{cls.name}: data", f"{cls.name}: backward"
@@ -229,7 +231,8 @@ def _apply(op: Op, x: Any, plan: Any, grad: bool) -> Any:
     """The kernel, inside the engine's autograd Function when autograd records the call."""
     if not grad:
         return _watched(op.data_phase, plan, op.kernel, x)
-    return _function().apply(x, op, plan, op.written(plan))
+    run = _FUNCTION[0] if _FUNCTION else _function()  # (made once: the per-call path asks no function for it)
+    return run.apply(x, op, plan, op.written(plan) if op.writes else None)
 
 
 def _watched(phase: str, plan: Any, fn: Any, x: Any) -> Any:
@@ -248,13 +251,6 @@ def _watched(phase: str, plan: Any, fn: Any, x: Any) -> Any:
         return fn(x, plan)
     finally:
         state.since = 0.0
-
-
-def _adjoint(op: Op, grad: Any, plan: Any) -> Any:
-    """``op``'s adjoint, watched when it communicates (a local adjoint cannot wait for another rank)."""
-    if op.local_adjoint:
-        return op.adjoint(grad, plan)
-    return _watched(op.backward_phase, plan, op.adjoint, grad)
 
 
 _FUNCTION: list = []
@@ -282,17 +278,17 @@ def _function() -> Any:
             op, plan = ctx.op, ctx.plan
             if op.backward_calls_mpi(plan):
                 autograd.check_backward_thread()
-            if op.local_adjoint or not torch.is_grad_enabled():
-                # local torch code records itself (double backward through torch's ops); a backward
-                # that records no graph calls the adjoint directly: the same calls, one Function less
-                return _adjoint(op, grad, plan), None, None, None
+            if op.local_adjoint:  # local torch code records itself (double backward through torch's ops), unwatched:
+                return op.adjoint(grad, plan), None, None, None  # it cannot wait for another rank
+            if not torch.is_grad_enabled():  # a backward that records no graph: the same calls, one Function less
+                return _watched(op.backward_phase, plan, op.adjoint, grad), None, None, None
             return _Adjoint.apply(grad, op, plan), None, None, None  # double backward: the adjoint recorded as an op
 
     class _Adjoint(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, grad, op, plan):
+        def forward(ctx, grad, op, plan):  # (a communicating adjoint: a local one records itself, above)
             ctx.op, ctx.plan = op, plan
-            return _adjoint(op, grad, plan)
+            return _watched(op.backward_phase, plan, op.adjoint, grad)
 
         @staticmethod
         def backward(ctx, grad):  # the adjoint of a linear op's adjoint is the op

@@ -59,6 +59,11 @@ class _Gather(NamedTuple):
     out: Any  # the output array, or None (allocated by the gather)
     transport: str
     manager: Any
+    # what the kernel reads each call, worked out once from the agreed values above
+    shape: tuple  # the gathered array's
+    outer: int  # product of the dimensions before axis
+    row_bytes: int  # bytes of one row along axis
+    offsets: list  # every rank's first row along axis
 
 
 class _Gathers(Op):
@@ -127,7 +132,9 @@ class GatherBands(_Gathers):
         domain = domain_of(args["manager"])
         if args["out"] is not None:  # out's rows are agreed (a call argument): every rank raises alike
             check_out(args["out"], info, axis, sum(sizes))
-        return _Gather(comm, info, axis, sizes, domain.rank, None, args["transport"], domain.manager)
+        shape = _gathered_shape(info.shape, axis, sum(sizes))
+        return _Gather(comm, info, axis, sizes, domain.rank, None, args["transport"], domain.manager, shape,
+                       math.prod(shape[:axis]), math.prod(shape[axis + 1 :]) * info.itemsize, band_offsets(sizes))
 
     def adjoint(self, grad: Any, p: _Gather) -> Any:
         """This rank's rows of the gathered (replicated) gradient: no communication."""
@@ -224,7 +231,7 @@ class GatherBlocks(_Gathers):
 
 def gather_kernel(x: Any, p: _Gather) -> Any:
     """Move the bands of an agreed gather (no checks, no autograd): returns the output."""
-    shape = _gathered_shape(p.info.shape, p.axis, sum(p.sizes))
+    shape = p.shape
     adapter = arrays.adapter(x)  # x's library, looked up once (out is of its kind: agreed)
     # A new output each call, from memory no live array uses (a loop does not first-touch fresh pages every step).
     out = arrays.pooled_empty(x, shape, adapter) if p.out is None else p.out
@@ -237,15 +244,13 @@ def gather_kernel(x: Any, p: _Gather) -> Any:
 
         moves.gather_blocks(TorchMoves(p.manager.torch_group("domain")), x, out, Layout.bands(p.sizes), (p.axis,))
     else:
-        outer = math.prod(shape[: p.axis])
-        row_bytes = math.prod(shape[p.axis + 1 :]) * p.info.itemsize
         x = adapter.contiguous(x)
         send, recv = arrays.host_bytes(x, adapter), arrays.host_bytes(out, adapter)
         if send is not None and recv is not None:  # host memory: numpy byte views, no staging
-            _allgather_rows(p.comm, send, recv, outer, p.sizes, row_bytes)
+            _allgather_rows(p.comm, send, recv, p.outer, p.sizes, p.row_bytes, p.offsets)
         else:
             with staging.send_buffer(x, p.comm, adapter) as send, staging.recv_buffer(out, p.comm, adapter=adapter) as recv:
-                _allgather_rows(p.comm, send, recv, outer, p.sizes, row_bytes)
+                _allgather_rows(p.comm, send, recv, p.outer, p.sizes, p.row_bytes, p.offsets)
     if p.out is not None:
         adapter.mark_written(out)  # autograd sees the write (a tensor it saved is now stale)
     return out
@@ -253,8 +258,11 @@ def gather_kernel(x: Any, p: _Gather) -> Any:
 
 
 
-def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: list[int], row_bytes: int) -> None:
+def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: list[int], row_bytes: int,
+                    offsets: list[int] | None = None) -> None:
     """All-gather bands of rows: ``send`` is ``(outer, mine, row)``, ``recv`` is ``(outer, total, row)`` bytes.
+
+    ``offsets``: every rank's first row, ``band_offsets(sizes)`` (a plan's, worked out once; None: here).
 
     Host memory on a domain of at most :data:`~credit_mpi.transport.limits.P2P_RANKS`
     ranks goes point to point (:func:`_gather_p2p`). Otherwise two
@@ -276,16 +284,17 @@ def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: lis
     the raw call with it; point to point with the same type, 0.7-1.04 x.
     """
     rank, total = comm.Get_rank(), sum(sizes)
+    offsets = band_offsets(sizes) if offsets is None else offsets
     mine, even = sizes[rank], len(set(sizes)) == 1
     slice_bytes = total * row_bytes
     on_device = arrays.in_device_memory(recv)  # a CUDA-aware MPI gets device pointers
     if not on_device and len(sizes) <= limits.P2P_RANKS:
-        _gather_p2p(comm, send, recv, outer, sizes, row_bytes)
+        _gather_p2p(comm, send, recv, outer, sizes, row_bytes, offsets)
         return
     if outer == 1 or slice_bytes >= limits.SLICE_BYTES:
         row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
         try:
-            counts = mine if even else (sizes, band_offsets(sizes))
+            counts = mine if even else (sizes, offsets)
             send_slice = mine * row_bytes
             slices = [
                 ([send[p * send_slice : (p + 1) * send_slice], mine, row], [recv[p * slice_bytes : (p + 1) * slice_bytes], counts, row])
@@ -305,7 +314,6 @@ def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: lis
     group = max(1, min(outer, limits.PACK_BYTES // slice_bytes))
     host = isinstance(recv, np.ndarray) and not on_device
     with _scratch(recv, group * slice_bytes, host) as scratch:
-        offsets = band_offsets(sizes)
         for first in range(0, outer, group):
             k = min(group, outer - first)
             counts = [k * size * row_bytes for size in sizes]
@@ -328,7 +336,8 @@ def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: lis
                     target[:, offset * row_bytes : (offset + size) * row_bytes] = scratch[displ : displ + count].reshape(k, size * row_bytes)
 
 
-def _gather_p2p(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: list[int], row_bytes: int) -> None:
+def _gather_p2p(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: list[int], row_bytes: int,
+                offsets: list[int]) -> None:
     """:func:`_allgather_rows` point to point: every band lands straight in its place, no scratch.
 
     Each rank sends its band to every other rank and receives theirs
@@ -342,7 +351,6 @@ def _gather_p2p(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: list[in
     nothing (every rank knows the agreed ``sizes``, so both sides choose alike).
     """
     rank, n, total = comm.Get_rank(), len(sizes), sum(sizes)
-    offsets = band_offsets(sizes)
     slice_bytes = total * row_bytes
     mine = sizes[rank] * row_bytes
     at = offsets[rank] * row_bytes

@@ -378,7 +378,7 @@ def _host_pad(x: np.ndarray, ph: Phase, transfer: Any) -> np.ndarray:
     """
     w, rows, outer, inner = ph.width, ph.rows, ph.outer, ph.inner
     out = arrays.pooled_empty(x, ph.padded)
-    ob, xb = _host_rows(out, outer, rows + 2 * w, inner), _host_rows(x, outer, rows, inner)
+    ob, xb = out.reshape(outer, rows + 2 * w, inner), x.reshape(outer, rows, inner)  # _HOST_ROWS views
     ob[:, w : w + rows] = xb
     if w == 0:
         return out
@@ -395,13 +395,9 @@ def _host_pad(x: np.ndarray, ph: Phase, transfer: Any) -> np.ndarray:
     return out
 
 
-def _host_rows(x: np.ndarray, outer: int, rows: int, inner: int) -> np.ndarray:
-    """Contiguous numpy ``x`` as an ``(outer, rows, inner)`` view of its own dtype.
-
-    Typed, not bytes: a phase along the last dim has rows of one element,
-    which numpy copies several times slower as single bytes.
-    """
-    return x.reshape(outer, rows, inner)
+# _HOST_ROWS: the host paths see a contiguous numpy array as an ``(outer, rows, inner)`` view of its own
+# dtype (``x.reshape``, written inline: the per-call path), rows along the phase's axis. Typed, not bytes:
+# a phase along the last dim has rows of one element, which numpy copies several times slower as single bytes.
 
 
 def _swap(a: Any, ph: Phase, transfer: Any, lo: int, hi: int) -> tuple[Any, Any]:
@@ -471,11 +467,16 @@ def halo_adjoint(grad: Any, p: Any) -> Any:
     the rank that owns it.
     """
     host = arrays.host_numpy(grad) if p.torch_group is None else None
-    if host is not None and host is not grad:  # a torch CPU tensor: the numpy code on a view of it
-        return arrays.from_host_numpy(grad, halo_adjoint(host, p))
-    grad = arrays.contiguous(grad)
+    if host is None:
+        return _adjoint_phases(arrays.contiguous(grad), p, False)
+    gx = _adjoint_phases(np.ascontiguousarray(host), p, True)  # numpy, or a torch CPU tensor's numpy view
+    return gx if host is grad else arrays.from_host_numpy(grad, gx)
+
+
+def _adjoint_phases(grad: Any, p: Any, host: bool) -> Any:
+    """Contiguous ``grad`` through each phase's transpose, last phase first (``host``: numpy over MPI)."""
     for ph in reversed(p.phases):
-        grad = phase_adjoint(grad, ph, p.moves, host is not None)
+        grad = phase_adjoint(grad, ph, p.moves, host)
     return grad
 
 
@@ -485,18 +486,18 @@ def phase_adjoint(grad: Any, ph: Phase, transfer: Any, host: bool = False) -> An
     ``host``: ``grad`` is a numpy array over MPI (the halo rows go home from views of it).
     """
     w, rows, axis = ph.width, ph.rows, ph.axis
-    gx = rowops.clone_rows(grad, axis, w, rows)
     if w == 0:
-        return gx
+        return rowops.clone_rows(grad, axis, w, rows)
     # the halo before came from prev's last rows, the halo after from next's first rows
     if host:
-        from_next, from_prev = _host_edges_home(grad, ph, transfer)
+        gx = _host_rows_home(grad, ph, transfer)
     else:
+        gx = rowops.clone_rows(grad, axis, w, rows)
         from_next, from_prev = _swap(grad, ph, transfer, 0, w + rows)
-    if from_next is not None:
-        rowops.add_rows(gx, axis, rows - w, from_next)
-    if from_prev is not None:
-        rowops.add_rows(gx, axis, 0, from_prev)
+        if from_next is not None:
+            rowops.add_rows(gx, axis, rows - w, from_next)
+        if from_prev is not None:
+            rowops.add_rows(gx, axis, 0, from_prev)
     if ph.rule.mirror is not None:
         for side, neighbour, at in ((0, ph.prev, 0), (1, ph.next, w + rows)):
             if neighbour is None:
@@ -507,17 +508,26 @@ def phase_adjoint(grad: Any, ph: Phase, transfer: Any, host: bool = False) -> An
     return gx
 
 
-def _host_edges_home(grad: np.ndarray, ph: Phase, transfer: Any) -> tuple[Any, Any]:
-    """:func:`_swap` of the adjoint for a contiguous numpy ``grad``: ``(from_next, from_prev)`` as new arrays."""
-    w, outer, inner = ph.width, ph.outer, ph.inner
-    edge = ph.shape[: ph.axis] + (w,) + ph.shape[ph.axis + 1 :]
-    from_next = np.empty(edge, grad.dtype) if ph.next is not None else None
-    from_prev = np.empty(edge, grad.dtype) if ph.prev is not None else None
+def _host_rows_home(grad: np.ndarray, ph: Phase, transfer: Any) -> np.ndarray:
+    """The adjoint's rows of a contiguous numpy ``grad`` over MPI: its band's rows, the neighbours' halo gradients added.
+
+    :func:`phase_adjoint`'s clone, :func:`_swap` and sums on ``(outer, rows, inner)``
+    views (_HOST_ROWS), as :func:`_host_pad` is the forward's: the same
+    arithmetic in the same order (from next, then from prev).
+    """
+    w, rows, outer, inner = ph.width, ph.rows, ph.outer, ph.inner
+    gb = grad.reshape(outer, rows + 2 * w, inner)
+    gx = gb[:, w : w + rows].copy()  # C-contiguous
     if (ph.prev is not None or ph.next is not None) and outer * inner:
-        gb = _host_rows(grad, outer, ph.rows + 2 * w, inner)
-        into = tuple(None if e is None else _host_rows(e, outer, w, inner) for e in (from_next, from_prev))
-        moves.swap_edges(transfer, gb[:, :w], gb[:, w + ph.rows :], ph.prev, ph.next, ph.tags, into=into)
-    return from_next, from_prev
+        edge = (outer, w, inner)
+        from_next = np.empty(edge, grad.dtype) if ph.next is not None else None
+        from_prev = np.empty(edge, grad.dtype) if ph.prev is not None else None
+        moves.swap_edges(transfer, gb[:, :w], gb[:, w + rows :], ph.prev, ph.next, ph.tags, into=(from_next, from_prev))
+        if from_next is not None:
+            gx[:, rows - w :] += from_next
+        if from_prev is not None:
+            gx[:, :w] += from_prev
+    return gx.reshape(ph.shape)
 
 
 # --------------------------------------------------------------------------- argument checks

@@ -114,7 +114,7 @@ class MpiMoves:
             for buf, peer, tag in sends:
                 requests.append(comm.Isend([buf, byte], peer, tag))
         except BaseException:
-            _release(stack, self._lock if mine else None)
+            _finish([], [], stack, self._lock if mine else None)  # the release alone
             raise
         return requests, unpack, stack, self._lock if mine else None
 
@@ -177,20 +177,18 @@ class Posted:
 
 
 def _finish(requests: list, unpack: list, stack: contextlib.ExitStack | None, lock: threading.Lock | None) -> None:
-    """Wait for posted messages, unpack strided host receives, close the staging (copies back) and release the lock."""
+    """Wait for posted messages (none: only the release), unpack strided host receives, close the staging
+    (copies back) and release the lock."""
     try:
-        MPI.Request.Waitall(requests)
+        if requests:
+            MPI.Request.Waitall(requests)
         for dst, src in unpack:
             dst[...] = src
     finally:
-        _release(stack, lock)
-
-
-def _release(stack: contextlib.ExitStack | None, lock: threading.Lock | None) -> None:
-    if stack is not None:
-        stack.close()  # received device data copied back (after Waitall)
-    if lock is not None:
-        lock.release()
+        if stack is not None:
+            stack.close()  # received device data copied back (after Waitall)
+        if lock is not None:
+            lock.release()
 
 
 _PROTOCOL = ("post", "exchange", "allgatherv", "alltoallv")
