@@ -172,7 +172,7 @@ def _verdict(name, build, shape, manager):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in HEAVY else pytest.mark.one_domain_size) for n in sorted(CASES)])
 def test_credit_model_exact_or_refused_on_every_rank(name, make_manager):
     global _D
     _skip_unless_runs_here(name)
