@@ -58,7 +58,7 @@ def prefix_managers(make_manager):
     sizes = getattr(make_manager, "domain_sizes", range(1, world.Get_size() + 1))
     comms = [world.Split(0 if world.Get_rank() < d else MPI.UNDEFINED, world.Get_rank()) for d in sizes]
     try:
-        yield [(d, make_manager(d, comm=comm)) for d, comm in zip(sizes, comms) if comm != MPI.COMM_NULL]
+        yield [(d, make_manager(d, comm=comm)) for d, comm in zip(sizes, comms, strict=True) if comm != MPI.COMM_NULL]
     finally:
         for comm in comms:
             if comm != MPI.COMM_NULL:
