@@ -84,9 +84,25 @@ def rng():
     return np.random.default_rng(SEED)
 
 
+def domain_sizes_of(node) -> tuple[int, ...]:
+    """The domain sizes ``prefix_managers`` gives a test in this job: 1..world size, or the world size only.
+
+    ``@pytest.mark.one_domain_size``: d = the world size only, so each domain size
+    runs once over the 1..4-rank jobs (d bands in the d-rank job, no rank left
+    busy-waiting outside the domain), not d = 1..W again in every W-rank job. For
+    tests whose point is the bands, not a domain smaller than the world (the
+    manager and layer tests keep those).
+    """
+    n = MPI.COMM_WORLD.Get_size()
+    return (n,) if node.get_closest_marker("one_domain_size") is not None else tuple(range(1, n + 1))
+
+
 @pytest.fixture
-def make_manager():
-    """Build managers over COMM_WORLD (or a given comm); all are freed after the test."""
+def make_manager(request):
+    """Build managers over COMM_WORLD (or a given comm); all are freed after the test.
+
+    ``make.domain_sizes``: the domain sizes of ``prefix_managers`` (see :func:`domain_sizes_of`).
+    """
     made = []
 
     def make(domain_parallel_size=None, comm=None, **kwargs):
@@ -96,6 +112,7 @@ def make_manager():
         made.append(manager)
         return manager
 
+    make.domain_sizes = domain_sizes_of(request.node)
     yield make
     for manager in made:
         manager.free()

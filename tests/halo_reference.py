@@ -50,12 +50,15 @@ def prefix_managers(make_manager):
 
     Collective over COMM_WORLD (every rank creates its managers in the same
     ascending order). The sub-communicators are freed afterwards; the
-    managers by ``make_manager``'s fixture.
+    managers by ``make_manager``'s fixture. A test marked
+    ``@pytest.mark.one_domain_size`` gets d = the world size only
+    (``make_manager.domain_sizes``, tests/conftest.py).
     """
     world = MPI.COMM_WORLD
-    comms = [world.Split(0 if world.Get_rank() < d else MPI.UNDEFINED, world.Get_rank()) for d in range(1, world.Get_size() + 1)]
+    sizes = getattr(make_manager, "domain_sizes", range(1, world.Get_size() + 1))
+    comms = [world.Split(0 if world.Get_rank() < d else MPI.UNDEFINED, world.Get_rank()) for d in sizes]
     try:
-        yield [(d, make_manager(d, comm=comm)) for d, comm in enumerate(comms, start=1) if comm != MPI.COMM_NULL]
+        yield [(d, make_manager(d, comm=comm)) for d, comm in zip(sizes, comms, strict=True) if comm != MPI.COMM_NULL]
     finally:
         for comm in comms:
             if comm != MPI.COMM_NULL:

@@ -14,8 +14,8 @@ encoders): a stand-in package whose every class refuses to be built takes its pl
 one does not import. The UNet uses a timm encoder (``timm-regnetx_002``, no weights).
 
 The heavy cases (whole models) run on 1, 2 and 4 ranks only, each domain size once over those jobs:
-d bands in the d-rank job, 3 bands in the 4-rank one (the light cases run every domain size up to
-the world size).
+d bands in the d-rank job, 3 bands in the 4-rank one (the light cases: d bands in the d-rank job,
+``@pytest.mark.one_domain_size``).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _verdict(name, build, shape, manager):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in HEAVY else pytest.mark.one_domain_size) for n in sorted(CASES)])
 def test_credit_model_exact_or_refused_on_every_rank(name, make_manager):
     global _D
     _skip_unless_runs_here(name)

@@ -83,6 +83,7 @@ def short_attention():
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.one_domain_size
 def test_credit_window_attention_is_exact_on_uneven_bands(make_manager):
     """Bands that are not whole windows (9, 9, 8 rows of windows of 2) are re-banded to whole windows and back."""
     for _, manager, h in band_cases(make_manager, 2):
@@ -90,6 +91,7 @@ def test_credit_window_attention_is_exact_on_uneven_bands(make_manager):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.one_domain_size
 @pytest.mark.parametrize("shift", [1, 0])
 def test_credit_swin_block_is_refused_on_every_rank(shift, make_manager):
     """The mask buffer of every window of the field (shift 1), the windows reversed to the stored feat_size (both)."""
@@ -103,6 +105,7 @@ def test_credit_swin_block_is_refused_on_every_rank(shift, make_manager):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.one_domain_size
 def test_credit_patch_embed_asserting_the_global_height_is_refused_on_every_rank(make_manager):
     """PatchEmbed asserts ``H == self.img_size[0]`` (the field's height, stored in __init__): describe() and every
     rank refuse that comparison (the band's rows against a size stored for the whole field) before the assertion."""

@@ -89,6 +89,7 @@ CASES = {
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.one_domain_size
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_verdict_is_what_the_run_does(name, make_manager):
     """Exact on even bands and on uneven ones (not whole windows: re-banded), on 1..W ranks."""
@@ -99,6 +100,7 @@ def test_verdict_is_what_the_run_does(name, make_manager):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.one_domain_size
 @pytest.mark.parametrize("shift", [1, 0])
 def test_fewer_windows_than_ranks_is_the_same_refusal_everywhere(shift, make_manager):
     """Windows of 3 rows, a field of fewer windows than ranks (6 or 9 rows on 4 ranks): re-banded to whole windows a
@@ -120,6 +122,7 @@ def test_fewer_windows_than_ranks_is_the_same_refusal_everywhere(shift, make_man
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.one_domain_size
 def test_credit_short_attention_with_fewer_windows_than_ranks_is_exact(make_manager):
     """CREDIT's own short-distance Attention (einops windows, ``h=height // wsz``) where its default configuration
     meets it on 4 and 8 bands: fewer windows than ranks (2 windows of 2 rows on 4 ranks, 2 of 3, uneven bands), the
@@ -200,6 +203,7 @@ def test_credit_default_configuration_on_4_and_8_bands(family):
 
 
 @pytest.mark.mpi(min_size=3)
+@pytest.mark.one_domain_size
 def test_describe_traffic_of_a_band_without_a_window(make_manager):
     """Windows of 3 over 6 rows on 3 and 4 ranks (a band re-banded to no window runs a phantom one): describe()'s
     traffic is what the run sends, forward (the re-band, the phantom moves nothing) and backward."""

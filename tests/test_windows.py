@@ -219,6 +219,7 @@ def band_cases(make_manager, unit):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.one_domain_size
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_verdict_is_what_the_run_does(name, make_manager):
     """Even bands, then uneven ones that are not whole windows (re-banded to whole windows and back)."""
@@ -229,6 +230,7 @@ def test_verdict_is_what_the_run_does(name, make_manager):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.one_domain_size
 def test_a_mask_of_the_global_size_is_refused_on_every_rank(make_manager):
     """Swin's mask buffer (one per window of the whole field, built in __init__) against a band's windows."""
     with prefix_managers(make_manager) as managers:
@@ -279,6 +281,7 @@ class Neighbourhood(nn.Module):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.one_domain_size
 @pytest.mark.parametrize("pad_unfold", [False, True])
 def test_neighbourhood_attention_takes_the_halo_or_is_refused(pad_unfold, make_manager):
     """F.unfold with "same" padding: the neighbours' rows from the halo, exact on even and uneven bands;
