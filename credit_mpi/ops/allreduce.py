@@ -55,7 +55,7 @@ from ..transport import arrays
 from ..transport.moves import transport_name, transport_of
 
 __all__ = ["Allreduce", "ALLREDUCE", "AllreducePlan", "DomainSumPlan", "allreduce_sum", "allreduce_agreed",
-           "agree_domain_sum", "domain_sum", "received_elements"]
+           "agree_domain_sum", "domain_sum", "reduce_scatter", "received_elements"]
 
 _RECEIVED = Counter()
 _TORCH_DTYPES = (torch.float32, torch.float64)
@@ -165,15 +165,28 @@ def _summed(x: Any, p: AllreducePlan) -> Any:
     if n == 1 or size == 0:
         return flat.reshape(p.shape) + 0  # a new array (the caller's stays its own)
     sizes = split(size, n, uneven=True)  # this rank adds slice `rank` of every rank's array
-    mine, item = sizes[p.rank], arrays.describe(flat).itemsize
-    parts = arrays.empty(flat, (n, mine))
-    p.moves.alltoallv(flat, [s * item for s in sizes], parts, [mine * item] * n)
-    total = parts[0] + parts[1]
-    for part in parts[2:]:
-        total += part
+    item = arrays.describe(flat).itemsize
     out = arrays.empty(flat, (size,))
-    p.moves.allgatherv(total, out, [s * item for s in sizes], [o * item for o in offsets(sizes)])
+    p.moves.allgatherv(reduce_scatter(flat, sizes, p.rank, p.moves), out, [s * item for s in sizes],
+                       [o * item for o in offsets(sizes)])
     return out.reshape(p.shape)
+
+
+def reduce_scatter(flat: Any, sizes: list[int], rank: int, moves: Any) -> Any:
+    """Slice ``rank`` of every rank's flat ``flat`` (cut in slices of ``sizes`` elements), added in rank order.
+
+    One ``alltoallv`` of the transport protocol (slice ``r`` to rank ``r``),
+    then the sum: the same order on every rank and transport, so the same
+    bits. A new 1-D array of ``flat``'s kind and device. Also the adjoint of
+    the layers' statistics (each rank's row of the stacked gradient).
+    """
+    n, mine, item = len(sizes), sizes[rank], arrays.describe(flat).itemsize
+    parts = arrays.empty(flat, (n, mine))
+    moves.alltoallv(flat, [s * item for s in sizes], parts, [mine * item] * n)
+    total = parts[0] + 0
+    for part in parts[1:]:
+        total += part
+    return total
 
 
 ALLREDUCE = Allreduce()
