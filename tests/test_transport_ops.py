@@ -1,7 +1,7 @@
 """The six comm-level ops on the transport protocol: MPI and torch.distributed give the same bits, forward and backward.
 
-all-gather along a dim, all-to-all (heads), re-band, roll, the group layout
-and the ring attention are each written once against
+all-gather along a dim, all-to-all (heads), re-band, roll, the group layout,
+the ring attention and the sum over the ranks are each written once against
 :mod:`credit_mpi.transport.moves`; here every one runs on uneven bands over
 ``transport="mpi"`` (an ``MpiMoves``), over ``TorchMoves`` of a gloo group
 (the code path of NCCL but the backend's name), and over MPI with CPU
@@ -31,6 +31,7 @@ if not pytest.importorskip("torch.distributed").is_available():  # pragma: no co
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 from credit_mpi.ops.allgather_along import allgather_along  # noqa: E402 (after the skips: torch)
+from credit_mpi.ops.allreduce import allreduce_sum  # noqa: E402
 from credit_mpi.ops.alltoall import alltoall  # noqa: E402
 from credit_mpi.ops.group_rows import from_groups, grouped  # noqa: E402
 from credit_mpi.ops.reband import reband, rebanded  # noqa: E402
@@ -89,6 +90,7 @@ def _cases(comm: MPI.Comm):
                                             transport=t), (_band(tall, 2, tall_sizes, rank),), _band(tall, 2, tall_sizes, rank)),
         "ring": (lambda t, a, b, c: ring_attention(a, b, c, comm, is_causal=True, transport=t), (qb, kb, vb),
                  _band(_sdpa_causal(q, k, v), 2, sizes, rank)),
+        "allreduce": (lambda t, x: allreduce_sum(x, comm, transport=t), (band.sum(2),), full.sum(2)),
     }
 
 

@@ -1163,7 +1163,7 @@ def _domain_contraction(tr: Tracker, func, args: tuple, kwargs: dict, specs: lis
     ``[start * inner, stop * inner)`` (its rows of the field, from the agreed layout) with that
     slice of every partner that is not a band (a parameter, a replicated tensor), and the partial
     sums are added over the domain (:func:`credit_mpi.ops.allreduce.domain_sum`: one
-    ``Allreduce``, backward the ``Allreduce`` of the gradient). The result is
+    sum over the ranks, backward the same sum of the gradient). The result is
     :class:`~credit_mpi.nn.replicated.Replicated`; a parameter's gradient is this band's slice,
     added over the domain by ``reduce_gradients``. The field is remembered for the inverse
     (:func:`_spread`). Every check before the agreement depends on the model's structure only

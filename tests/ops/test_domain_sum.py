@@ -4,32 +4,25 @@ A rank's part is its band of the field; the call sums the band's rows and adds t
 domain: the field's row sums on every rank (integer values: exact in any order). The plan's rows
 are this band's rows of the field (what a weight over the field is cut to); the adjoint adds every
 rank's gradient of the replicated result. The sum is made in rank order, so with any values it is
-the same bits on every rank, over MPI and over torch.distributed, from host or device memory.
+the same bits on every rank (over torch.distributed and from device memory too: tests/test_transport_ops.py).
 """
 
 from __future__ import annotations
-
-import warnings
-from datetime import timedelta
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-import credit_mpi
-from credit_mpi import gpu
 from credit_mpi.ops.allreduce import agree_domain_sum, allreduce_sum, domain_sum, received_elements
-from credit_mpi.transport import arrays, staging
 
-from ..conftest import reset_torch_distributed
 from .conformance import Conformance, agreed_failure, one_column_less, other_dtype, other_kind, to_numpy, torch
 
 
-def _summed(part, manager, path="test", transport="mpi"):
+def _summed(part, manager, path="test"):
     rows = part.shape[-2]
     partial = part.sum(-2)
     plan = agree_domain_sum(tuple(partial.shape), part.dtype, rows, bool(getattr(partial, "requires_grad", False)),
-                            manager.domain_group, path, transport=transport)
+                            manager.domain_group, path)
     return domain_sum(partial, plan), plan
 
 
@@ -92,15 +85,6 @@ def _bits(t) -> bytes:
     return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _forward_backward(part, manager, transport="mpi"):
-    """The domain sum of ``part``'s rows and the gradient of ``sum(out * w)`` (``w`` this rank's own)."""
-    x = part.clone().requires_grad_(True)
-    out, _ = _summed(x, manager, transport=transport)
-    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape) * (manager.domain_rank + 1.5)
-    (out * w).sum().backward()
-    return [out, x.grad]
-
-
 @pytest.mark.mpi(min_size=1)
 def test_the_sum_is_in_rank_order_the_same_bits_on_every_rank(make_manager):
     manager = make_manager()
@@ -114,42 +98,6 @@ def test_the_sum_is_in_rank_order_the_same_bits_on_every_rank(make_manager):
     assert len(set(comm.allgather(_bits(out)))) == 1
     flat = allreduce_sum(parts[rank].sum(-2).numpy(), comm)  # the numpy use: the same op, the same bits
     assert isinstance(flat, np.ndarray) and flat.tobytes() == _bits(want)
-
-
-@pytest.mark.mpi(min_size=1)
-def test_over_torch_distributed_the_same_bits_as_mpi(make_manager):
-    manager = credit_mpi.init_torch_distributed(make_manager(), "gloo", timeout=timedelta(seconds=60))
-    try:
-        from credit_mpi.transport.torch_moves import TorchMoves
-
-        part = _parts(manager.domain_parallel_size)[manager.domain_rank]
-        via_mpi = _forward_backward(part, manager)
-        via_torch = _forward_backward(part, manager, TorchMoves(manager.torch_group("domain")))
-        assert [_bits(t) for t in via_torch] == [_bits(t) for t in via_mpi]
-    finally:
-        reset_torch_distributed()
-
-
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("aware", ["0", "1"])  # staged through host buffers / device pointers to a CUDA-aware MPI
-def test_device_memory_takes_the_staged_or_direct_path_with_the_same_bits(make_manager, monkeypatch, aware):
-    manager = make_manager()
-    part = _parts(manager.domain_parallel_size)[manager.domain_rank]
-    host = _forward_backward(part, manager)
-    monkeypatch.setattr(staging, "_WARNED_STAGING", True)
-    monkeypatch.setattr(staging, "_ROUTES", staging.collections.Counter())
-    monkeypatch.setenv(gpu.ENV_OVERRIDE, aware)
-    monkeypatch.setattr(arrays, "_SIMULATE_DEVICE", True)
-    fresh = make_manager()  # a new communicator: its CUDA-awareness verdict is made under the override
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        got = _forward_backward(part, fresh)
-    staging.release_staging_buffers()
-    assert [_bits(t) for t in got] == [_bits(t) for t in host]
-    if fresh.domain_parallel_size > 1:
-        route = "direct" if aware == "1" else "staged"
-        assert staging._ROUTES[route, "send"] > 0 and staging._ROUTES[route, "recv"] > 0, dict(staging._ROUTES)
-        assert ("host", "send") not in staging._ROUTES, dict(staging._ROUTES)
 
 
 @pytest.mark.mpi(min_size=1)
