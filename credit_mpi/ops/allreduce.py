@@ -1,4 +1,4 @@
-"""The sum over the ranks: every rank's array added, the same bits on every rank; differentiable (its own adjoint).
+"""The sum over the ranks: every rank's array added (one Allreduce); differentiable (its own adjoint).
 
 One op of :mod:`credit_mpi.engine` (operation ``"allreduce"``) for the two
 uses that add arrays over a communicator:
@@ -26,16 +26,16 @@ gradient of it is that band's part of the total, and every rank's input
 feeds all of them (the adjoint of the adjoint is the sum again: double
 backward through the engine).
 
-The kernel is written once against the transport protocol
-(:mod:`credit_mpi.transport.moves`): a reduce-scatter (one ``alltoallv``
-brings every rank its slice of every rank's array, which it adds in rank
-order) and one ``allgatherv`` of the summed slices. So host arrays move in
-place, a CUDA tensor goes straight to a CUDA-aware MPI (else through the
-staging), ``transport=TorchMoves(group)`` runs it on torch.distributed,
-and the result is bit for bit the same on every rank and on every
-transport (the order of the additions is fixed, not MPI's). Per rank it
-sends and receives about twice the array (``2 (n - 1) / n``), what a
-bandwidth-optimal ``Allreduce`` moves.
+The kernel is one ``allreduce`` of the transport protocol
+(:mod:`credit_mpi.transport.moves`): ``comm.Allreduce`` on host arrays and
+on device memory with a CUDA-aware MPI (staged otherwise), ``all_reduce``
+with ``transport=TorchMoves(group)``; so the sum costs what the raw call
+on the same bytes costs. The order of the additions is the library's: the
+ranks get the same bits in practice (MPICH and Open MPI do, as the MPI
+standard recommends: tests/ops/test_domain_sum.py checks it), but not
+necessarily the bits of a sum in rank order, nor those of another
+transport. :func:`reduce_scatter` (an ``alltoallv``, then the slices
+added in rank order) is the adjoint of the layers' statistics.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from mpi4py import MPI
 
 from ..agreement import Local, agree_cached
 from ..engine import Counter, Op, apply_agreed, records_grad, run, run_agreed
-from ..layout import offsets, split
 from ..transport import arrays
 from ..transport.moves import transport_name, transport_of
 
@@ -158,17 +157,13 @@ class Allreduce(Op):
 
 
 def _summed(x: Any, p: AllreducePlan) -> Any:
-    """``x`` summed over ``p.comm`` in rank order, a new array of ``x``'s kind and device (see the module docstring)."""
+    """``x`` summed over ``p.comm``, a new array of ``x``'s kind and device: one ``allreduce`` of the transport."""
     x = x.detach() if isinstance(x, torch.Tensor) else x
     flat = arrays.contiguous(x).reshape(-1)
-    n, size = p.comm.Get_size(), flat.shape[0]
-    if n == 1 or size == 0:
+    if p.comm.Get_size() == 1 or flat.shape[0] == 0:
         return flat.reshape(p.shape) + 0  # a new array (the caller's stays its own)
-    sizes = split(size, n, uneven=True)  # this rank adds slice `rank` of every rank's array
-    item = arrays.describe(flat).itemsize
-    out = arrays.empty(flat, (size,))
-    p.moves.allgatherv(reduce_scatter(flat, sizes, p.rank, p.moves), out, [s * item for s in sizes],
-                       [o * item for o in offsets(sizes)])
+    out = arrays.pooled_empty(flat, (flat.shape[0],))  # host memory reused: no fresh pages to fault in per call
+    p.moves.allreduce(flat, out)
     return out.reshape(p.shape)
 
 

@@ -3,8 +3,8 @@
 A rank's part is its band of the field; the call sums the band's rows and adds the sums over the
 domain: the field's row sums on every rank (integer values: exact in any order). The plan's rows
 are this band's rows of the field (what a weight over the field is cut to); the adjoint adds every
-rank's gradient of the replicated result. The sum is made in rank order, so with any values it is
-the same bits on every rank (over torch.distributed and from device memory too: tests/test_transport_ops.py).
+rank's gradient of the replicated result. The sum is one Allreduce: with any values it is the same
+bits on every rank (what MPICH and Open MPI give; from device memory too: tests/test_transport_ops.py).
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def _bits(t) -> bytes:
 
 
 @pytest.mark.mpi(min_size=1)
-def test_the_sum_is_in_rank_order_the_same_bits_on_every_rank(make_manager):
+def test_the_sum_is_the_same_bits_on_every_rank(make_manager):
+    """MPI's order of the additions, not rank order: equal to it to round-off, and the same bits on every rank."""
     manager = make_manager()
     comm, rank = manager.domain_group, manager.domain_rank
     parts = _parts(comm.Get_size())
@@ -94,10 +95,10 @@ def test_the_sum_is_in_rank_order_the_same_bits_on_every_rank(make_manager):
     for p in parts[1:]:
         want = want + p.sum(-2)
     out = _summed(parts[rank], manager)[0]
-    assert _bits(out) == _bits(want)
+    torch.testing.assert_close(out, want, rtol=1e-13, atol=1e-13 * 10 ** comm.Get_size())
     assert len(set(comm.allgather(_bits(out)))) == 1
     flat = allreduce_sum(parts[rank].sum(-2).numpy(), comm)  # the numpy use: the same op, the same bits
-    assert isinstance(flat, np.ndarray) and flat.tobytes() == _bits(want)
+    assert isinstance(flat, np.ndarray) and flat.tobytes() == _bits(out)
 
 
 @pytest.mark.mpi(min_size=1)
