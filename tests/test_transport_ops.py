@@ -1,13 +1,15 @@
 """The six comm-level ops on the transport protocol: MPI and torch.distributed give the same bits, forward and backward.
 
-all-gather along a dim, all-to-all (heads), re-band, roll, the group layout
-and the ring attention are each written once against
+all-gather along a dim, all-to-all (heads), re-band, roll, the group layout,
+the ring attention and the sum over the ranks are each written once against
 :mod:`credit_mpi.transport.moves`; here every one runs on uneven bands over
 ``transport="mpi"`` (an ``MpiMoves``), over ``TorchMoves`` of a gloo group
 (the code path of NCCL but the backend's name), and over MPI with CPU
 tensors taken as device memory (``_SIMULATE_DEVICE``: the staged path and
 the CUDA-aware one), and must equal the single-process result and each
-other bit for bit. A bad or mismatched transport is an error on every rank.
+other bit for bit (the sum over the ranks: MPI's and torch's to round-off,
+each library adding in its own order). A bad or mismatched transport is an
+error on every rank.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ if not pytest.importorskip("torch.distributed").is_available():  # pragma: no co
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 from credit_mpi.ops.allgather_along import allgather_along  # noqa: E402 (after the skips: torch)
+from credit_mpi.ops.allreduce import allreduce_sum  # noqa: E402
 from credit_mpi.ops.alltoall import alltoall  # noqa: E402
 from credit_mpi.ops.group_rows import from_groups, grouped  # noqa: E402
 from credit_mpi.ops.reband import reband, rebanded  # noqa: E402
@@ -89,7 +92,11 @@ def _cases(comm: MPI.Comm):
                                             transport=t), (_band(tall, 2, tall_sizes, rank),), _band(tall, 2, tall_sizes, rank)),
         "ring": (lambda t, a, b, c: ring_attention(a, b, c, comm, is_causal=True, transport=t), (qb, kb, vb),
                  _band(_sdpa_causal(q, k, v), 2, sizes, rank)),
+        "allreduce": (lambda t, x: allreduce_sum(x, comm, transport=t), (band.sum(2),), full.sum(2)),
     }
+
+
+_REDUCTIONS = ("allreduce",)  # MPI's Allreduce and torch's all_reduce: the same bits on every rank, not each other's
 
 
 def _sdpa_causal(q, k, v):
@@ -115,6 +122,10 @@ def test_the_ops_over_torch_equal_mpi_bit_for_bit(over_torch):
         via_mpi = _forward_backward(run, inputs, "mpi")
         via_torch = _forward_backward(run, inputs, moves)
         torch.testing.assert_close(via_mpi[0], expected, rtol=1e-12, atol=1e-12, msg=name)
+        if name in _REDUCTIONS:  # each library adds in its own order: equal to round-off
+            for a, b in zip(via_torch, via_mpi, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+            continue
         assert [_bits(t) for t in via_torch] == [_bits(t) for t in via_mpi], name
 
 

@@ -11,7 +11,8 @@
   (backward: the gradients summed over the ranks): the op
   :mod:`credit_mpi.ops.statistics` under the layer's agreement.
 * :func:`overlap_add` - the adjoint of a halo exchange (transposed
-  convolutions), differentiable.
+  convolutions), an op of the engine whose adjoint is the exchange
+  (differentiable twice).
 * :func:`share_failure` / :func:`forward_done` - the converted model's
   forward ends in one agreement, and a rank-local exception anywhere inside
   it takes part in the agreement the other ranks are in (the next layer's
@@ -26,12 +27,10 @@ from typing import Any, NoReturn
 
 import torch
 from mpi4py import MPI
-from torch.autograd.function import once_differentiable
 
 from .._printing import settled_comm
-from ..autograd import check_backward_thread
 from ..blocks import decode_block, encode_block, grid_comm
-from ..engine import agreed_plan, apply_agreed
+from ..engine import Op, agreed_plan, apply_agreed
 from ..grid import grid_coords, grid_of
 from ..halo import _exchange_agreed
 from ..layout import Layout
@@ -254,26 +253,37 @@ def allgather_stats(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
     return gather_agreed(t, comm)
 
 
-class _OverlapAdd(torch.autograd.Function):
-    """The adjoint of an agreed halo exchange (the halo ``op`` and its ``plan``): forward its adjoint, backward its kernel."""
+class _Transposed(Op):
+    """An op's adjoint run as an op of its own (its adjoint: the op's kernel), routed by the engine like any op.
 
-    @staticmethod
-    def forward(ctx, y, op, plan):
-        ctx.op, ctx.plan = op, plan
-        return op.adjoint(y.detach(), plan)
+    The transposed convolutions' overlap-add is the adjoint of the halo
+    exchange with a zero boundary; its backward the exchange itself, and the
+    engine's autograd Function records either way round (double backward
+    included). No agreement of its own: the layer's covers the exchange's.
+    The watchdog names the phases as the halo's (the forward is its backward).
+    """
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        check_backward_thread()
-        # the adjoint of the adjoint: the plain exchange (no grad of its own: double backward is refused)
-        return ctx.op.kernel(grad.detach().contiguous(), ctx.plan), None, None
+    def __init__(self, op: Op) -> None:
+        self.op = op
+        self.data_phase, self.backward_phase = op.backward_phase, op.data_phase
+
+    def kernel(self, y: torch.Tensor, plan: Any) -> torch.Tensor:
+        return self.op.adjoint(y, plan)
+
+    def adjoint(self, grad: torch.Tensor, plan: Any) -> torch.Tensor:
+        return self.op.kernel(grad.contiguous(), plan)
+
+    def backward_calls_mpi(self, plan: Any) -> bool:
+        return self.op.backward_calls_mpi(plan)
+
+
+_OVERLAP_ADD = {id(op): _Transposed(op) for op in (halo_op.BANDS, halo_op.BLOCKS)}
 
 
 def _overlap_add_with(y: torch.Tensor, op: Any, plan: Any) -> torch.Tensor:
-    if torch.is_grad_enabled() and y.requires_grad:  # agreed by the layer (its input and weight): every rank or none
-        return _OverlapAdd.apply(y, op, plan)
-    return op.adjoint(y, plan)
+    """``op``'s adjoint of ``y`` through the engine (differentiable when autograd records it: agreed by the layer,
+    from its input and weight, so every rank records it or none)."""
+    return apply_agreed(_OVERLAP_ADD[id(op)], y, plan)
 
 
 @_eager
@@ -283,7 +293,7 @@ def overlap_add(y: torch.Tensor, rows: int, width: int, axis: int, manager: Any,
     The adjoint of :func:`credit_mpi.halo_exchange` with a zero boundary
     (rows beyond the global edges are dropped). ``sizes`` are every rank's
     own rows, agreed by the caller (a transposed layer's one agreement
-    covers the exchange's). Collective over the domain group; differentiable once.
+    covers the exchange's). Collective over the domain group; differentiable.
     """
     if not width:
         return y
@@ -436,7 +446,7 @@ def overlap_add_2d(y: torch.Tensor, own: tuple[int, int], width: tuple[int, int]
     (the adjoint of the 2-D halo exchange with zero boundaries: what falls
     beyond the global edges is dropped). ``heights`` / ``widths`` are every
     block's own rows / columns, agreed by the caller. Collective over the
-    domain grid; differentiable once.
+    domain grid; differentiable.
     """
     if not any(width):
         return y

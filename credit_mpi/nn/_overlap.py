@@ -1,14 +1,16 @@
 """A converted convolution's halo, overlapped with its interior rows (issue 26, item 1).
 
-:func:`overlapped_conv` starts the exchange of the edge rows (``Isend`` /
-``Irecv`` on the domain group), convolves the output rows whose window lies
-in the band (they need no neighbour), then waits for the halo rows and
-convolves the few edge rows; the result is the non-overlapped layer's, row
-for row. Its backward (:class:`_HaloRows`) sends the halo rows' gradients
-home the same way. The layer's agreement has already settled every band's
-rows, the layer and the autograd state (see ``conv.py``): the messages are
-decided by agreed values only. Host (CPU) tensors, ``"zero"`` and
-``"periodic"`` boundaries; anything else takes the plain path.
+:func:`overlapped_conv` starts the exchange of the edge rows (posted on the
+transport protocol's :class:`~credit_mpi.transport.moves.MpiMoves` over the
+domain group), convolves the output rows whose window lies in the band
+(they need no neighbour), then waits for the halo rows and convolves the few
+edge rows; the result is the non-overlapped layer's, row for row. Its
+backward (:class:`_HaloRows`) sends the halo rows' gradients home with the
+halo exchange's edge swap (:func:`~credit_mpi.transport.moves.swap_edges`).
+The layer's agreement has already settled every band's rows, the layer and
+the autograd state (see ``conv.py``): the messages are decided by agreed
+values only. Host (CPU) tensors, ``"zero"`` and ``"periodic"`` boundaries;
+anything else takes the plain path.
 
 MPICH (and Open MPI without a progress thread) moves a message larger than
 its eager limit only inside an MPI call, so the overlap is real for small
@@ -20,25 +22,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from mpi4py import MPI
 from torch.autograd.function import once_differentiable
 
 from ..autograd import check_backward_thread
+from ..transport.moves import RECV, SEND, MpiMoves, swap_edges
 from ._comm import _eager
 
 # a tag per direction: on 2 periodic bands prev and next are one rank, whose two messages must not swap
 _UP, _DOWN, _GRAD_UP, _GRAD_DOWN = 2601, 2602, 2603, 2604
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    """The bytes of a contiguous host tensor (any dtype: numpy has no bfloat16), for a message."""
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
-
-
 class _Pending:
-    """An exchange under way: this band's edge rows sent, the neighbours' being received."""
+    """An exchange under way (:meth:`MpiMoves.post <credit_mpi.transport.moves.MpiMoves.post>`): this band's edge
+    rows sent, the neighbours' being received (zeros where there is none)."""
 
     def __init__(self, x: torch.Tensor, axis: int, width: int, comm: MPI.Comm, prev: int | None, nxt: int | None):
         self.shape = list(x.shape)
@@ -48,14 +46,15 @@ class _Pending:
         self.top = torch.zeros(self.shape, dtype=x.dtype)
         self.bottom = torch.zeros(self.shape, dtype=x.dtype)
         self.sent = [x.detach().narrow(axis, 0, width).contiguous(), x.detach().narrow(axis, rows - width, width).contiguous()]
-        self.requests = []
+        ops = []
         if prev is not None:
-            self.requests += [comm.Irecv(_numpy(self.top), prev, _DOWN), comm.Isend(_numpy(self.sent[0]), prev, _UP)]
+            ops += [(RECV, self.top, prev, _DOWN), (SEND, self.sent[0], prev, _UP)]
         if nxt is not None:
-            self.requests += [comm.Irecv(_numpy(self.bottom), nxt, _UP), comm.Isend(_numpy(self.sent[1]), nxt, _DOWN)]
+            ops += [(RECV, self.bottom, nxt, _UP), (SEND, self.sent[1], nxt, _DOWN)]
+        self.posted = MpiMoves(comm).post(ops)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        MPI.Request.Waitall(self.requests)
+        self.posted.wait()
         return self.top, self.bottom
 
 
@@ -77,19 +76,17 @@ class _HaloRows(torch.autograd.Function):
     def backward(ctx, g_top, g_bottom, g_interior):
         check_backward_thread()
         p = ctx.pending
-        g_top, g_bottom = g_top.contiguous(), g_bottom.contiguous()
-        mine_top, mine_bottom = torch.zeros(p.shape, dtype=g_top.dtype), torch.zeros(p.shape, dtype=g_top.dtype)
-        requests = []
-        if p.prev is not None:  # my top halo is prev's last rows: their gradient goes back to prev
-            requests += [p.comm.Irecv(_numpy(mine_top), p.prev, _GRAD_DOWN), p.comm.Isend(_numpy(g_top), p.prev, _GRAD_UP)]
-        if p.next is not None:
-            requests += [p.comm.Irecv(_numpy(mine_bottom), p.next, _GRAD_UP), p.comm.Isend(_numpy(g_bottom), p.next, _GRAD_DOWN)]
-        MPI.Request.Waitall(requests)
+        # my top halo is prev's last rows: its gradient goes back to prev; prev's bottom one is my first rows'
+        from_next, from_prev = swap_edges(MpiMoves(p.comm), g_top.contiguous() if p.prev is not None else None,
+                                          g_bottom.contiguous() if p.next is not None else None, p.prev, p.next,
+                                          tags=(_GRAD_UP, _GRAD_DOWN))
         shape = list(p.shape)
         shape[p.axis] = ctx.rows
         grad = torch.zeros(shape, dtype=g_top.dtype)
-        grad.narrow(p.axis, 0, p.width).add_(mine_top)
-        grad.narrow(p.axis, ctx.rows - p.width, p.width).add_(mine_bottom)
+        if from_prev is not None:
+            grad.narrow(p.axis, 0, p.width).add_(from_prev)
+        if from_next is not None:
+            grad.narrow(p.axis, ctx.rows - p.width, p.width).add_(from_next)
         return grad, None, g_interior
 
 

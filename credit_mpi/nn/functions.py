@@ -1348,15 +1348,15 @@ def _domain_contraction(tr: Tracker, func, args: tuple, kwargs: dict, specs: lis
     ``agg_w`` a parameter over the field's ``H * W`` tokens. Each band contracts its own tokens
     ``[start * inner, stop * inner)`` (its rows of the field, from the agreed layout) with that
     slice of every partner that is not a band (a parameter, a replicated tensor), and the partial
-    sums are added over the domain (:func:`credit_mpi.ops.domain_sum.domain_sum`: one
-    ``Allreduce``, backward the ``Allreduce`` of the gradient). The result is
+    sums are added over the domain (:func:`credit_mpi.ops.allreduce.domain_sum`: one
+    sum over the ranks, backward the same sum of the gradient). The result is
     :class:`~credit_mpi.nn.replicated.Replicated`; a parameter's gradient is this band's slice,
     added over the domain by ``reduce_gradients``. The field is remembered for the inverse
     (:func:`_spread`). Every check before the agreement depends on the model's structure only
     (the same on every rank); the field's size after it on agreed values.
     """
     from ..grid import grid_of
-    from ..ops.domain_sum import agree_domain_sum, domain_sum
+    from ..ops.allreduce import agree_domain_sum, domain_sum
     from .replicated import replicated
 
     letter, outer, inner = band

@@ -176,7 +176,7 @@ _GLOBAL_STATS = RowGeometry(note="global statistics: one allgather")  # the band
 def _group_traffic(n: int, groups: int, dtype: torch.dtype, grad: bool):
     """Per group a mean, a variance and a count gathered forward; two sums gathered backward."""
     acc = acc_itemsize(dtype)
-    return stats_rule(n, 3 * groups * acc, 2 * groups * acc, False, grad)
+    return stats_rule(n, 3 * groups * acc, 2 * groups * acc, grad)
 
 
 def _running_stats(module: nn.Module) -> str:
@@ -360,11 +360,11 @@ class _BatchNormMixin(DomainParallelModule):
         return _GLOBAL_STATS
 
     def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
-        """Per channel sums gathered, an Allreduce backward; the running statistics (eval): the agreement only."""
+        """Per channel sums gathered, a reduce-scatter backward; the running statistics (eval): the agreement only."""
         if not self.training and self.track_running_stats:
             return lambda rank: Traffic(agreements=1)
         c = shape_in[1] * acc_itemsize(dtype)
-        return stats_rule(n, 3 * c, 3 * c, True, grad)
+        return stats_rule(n, 3 * c, 3 * c, grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         use_batch = self.training or not self.track_running_stats

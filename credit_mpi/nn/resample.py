@@ -346,10 +346,10 @@ class _AdaptiveAvgMixin(DomainParallelModule):
         return geometry.RowGeometry(geometry.resample_layout(sizes, h_out, _support(adaptive_matrix(h_in, h_out))))
 
     def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
-        """The global mean: sums gathered, an Allreduce backward; else a halo of the input's rows (none kept)."""
+        """The global mean: sums gathered, a reduce-scatter backward; else a halo of the input's rows (none kept)."""
         if self.dp_replicated(shape_in[axis], shape_out[axis]):
             b = math.prod(shape_out) * acc_itemsize(dtype)
-            return stats_rule(n, b, b, True, grad)
+            return stats_rule(n, b, b, grad)
         return _input_halo(shape_in, dtype, axis, n, width, grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,9 @@ bytes, forward and, when the input requires grad, backward (the halo
 gradients sent home); a transposed convolution's overlap-add the same of its
 output rows (backward whenever its weight requires grad); a norm's
 statistics one ``Allgather`` forward and one backward (Group / Instance /
-LayerNorm) or an ``Allreduce`` backward (BatchNorm, a global mean; BatchNorm's
-over the domain group, as in a job without data-parallel ranks); attention
+LayerNorm) or a reduce-scatter backward (BatchNorm, a global mean: each rank's
+row of the stacked gradient; BatchNorm's over the domain group, as in a job
+without data-parallel ranks); attention
 over every band's tokens as the layout it runs in (:func:`gather_traffic`:
 K and V gathered, and the operand a hand-written ``q k^T`` or ``a v`` gathers;
 :func:`alltoall_traffic`: heads; :func:`ring_traffic`); a row move
@@ -110,10 +111,10 @@ def halo_rule(n: int, width: int, rows_bytes: int, boundary: str | None, backwar
     return at
 
 
-def stats_rule(n: int, forward: int, backward: int, reduce_backward: bool, grad: bool):
-    """``rank -> Traffic`` of an Allgather of ``forward`` bytes; backward (``grad``) an Allgather (or an Allreduce of
-    every rank's, ``reduce_backward``) of ``backward`` bytes."""
-    back = (backward * (n if reduce_backward else 1) * (n - 1), 1) if backward and grad else (0, 0)
+def stats_rule(n: int, forward: int, backward: int, grad: bool):
+    """``rank -> Traffic`` of an Allgather of ``forward`` bytes; backward (``grad``) an Allgather of ``backward`` bytes
+    (or the statistics op's reduce-scatter: ``backward`` bytes to each other rank)."""
+    back = (backward * (n - 1), 1) if backward and grad else (0, 0)
     t = Traffic(forward * (n - 1), 1, *back, 1)
     return lambda rank: t
 

@@ -350,7 +350,7 @@ def global_loss(
     buf[manager.domain_group_index] = value
     buf[groups] = error is not None
     buf[groups + 1] = data_parallel is True
-    allreduce_agreed(buf, comm)  # its agreement is in the buffer: the counters carry every rank's errors and flags
+    buf = allreduce_agreed(buf, comm)  # its agreement is in the buffer: the counters carry every rank's errors and flags
     if buf[groups]:
         mine = f"this rank: {error}" if error is not None else "this rank's arguments were fine"
         raise ValueError(
@@ -486,7 +486,7 @@ def latitude_weighted_metrics(
     else:
         stats = local()[0]
     if comm is not None and comm.Get_size() > 1:
-        allreduce_agreed(stats, comm)  # agreed above (check=True) or trusted (check=False)
+        stats = allreduce_agreed(stats, comm)  # agreed above (check=True) or trusted (check=False)
     s = dict(zip(_STATS, torch.from_numpy(stats), strict=False))
     out = {"mse": s["se"] / s["w"]}
     out["rmse"] = out["mse"].sqrt()

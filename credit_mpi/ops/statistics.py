@@ -3,11 +3,14 @@
 An op of :mod:`credit_mpi.engine` (operation ``"statistics"``): the band
 sums of the normalisation layers (count, mean, ``M2`` per group or channel;
 the backward's two per-group sums) and the global mean of an adaptive
-pooling, one ``Allgather`` of a fixed-size float32/float64 tensor per rank.
-Its adjoint is one ``Allreduce`` (sum) of the gradient of the stack, of
-which each rank keeps its own row: each rank's loss is its share of the
-global loss, as :func:`credit_mpi.reduce_gradients` assumes. The adjoint of
-the adjoint is the gather again (double backward through the engine).
+pooling, one ``allgatherv`` of the transport protocol of a fixed-size
+float32/float64 tensor per rank (host tensors in place, device tensors
+straight to a CUDA-aware MPI or staged). Its adjoint is the reduce-scatter
+of the gradient of the stack (:func:`credit_mpi.ops.allreduce.reduce_scatter`:
+each rank gets its own row of every rank's gradient, added in rank order):
+each rank's loss is its share of the global loss, as
+:func:`credit_mpi.reduce_gradients` assumes. The adjoint of the adjoint is
+the gather again (double backward through the engine).
 
 A converted layer runs it with :func:`credit_mpi.engine.run_agreed`: its one
 agreement per call (the band's description, the autograd state, every
@@ -22,12 +25,13 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
 from ..agreement import Local
 from ..engine import Op, run, run_agreed
+from ..transport.moves import MpiMoves
+from .allreduce import reduce_scatter
 
 __all__ = ["Statistics", "STATISTICS", "gather_statistics", "gather_agreed"]
 
@@ -38,6 +42,7 @@ class _Plan(NamedTuple):
     comm: MPI.Comm
     size: int
     rank: int
+    moves: Any
 
 
 class Statistics(Op):
@@ -66,18 +71,19 @@ class Statistics(Op):
         raise ValueError(f"statistics: every rank must pass a tensor of the same shape, dtype and device type ({detail})")
 
     def plan(self, mine: Any, counts: list[int], comm: MPI.Comm, args: dict) -> _Plan:
-        return _Plan(comm, comm.Get_size(), comm.Get_rank())
+        return _Plan(comm, comm.Get_size(), comm.Get_rank(), MpiMoves(comm))
 
     def kernel(self, t: Any, p: _Plan) -> Any:
-        send = np.ascontiguousarray(t.detach().cpu().numpy())
-        recv = np.empty((p.size,) + send.shape, send.dtype)
-        p.comm.Allgather(send, recv)
-        return torch.from_numpy(recv).to(t.device)
+        send = t.detach().contiguous()
+        recv = torch.empty((p.size,) + tuple(send.shape), dtype=send.dtype, device=send.device)
+        nbytes = send.numel() * send.element_size()
+        p.moves.allgatherv(send, recv, [nbytes] * p.size, [r * nbytes for r in range(p.size)])
+        return recv
 
     def adjoint(self, grad: Any, p: _Plan) -> Any:
-        g = np.ascontiguousarray(grad.detach().cpu().numpy())
-        p.comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
-        return torch.from_numpy(g[p.rank]).to(grad.device)
+        g = grad.detach().contiguous()
+        row = g[0].numel()
+        return reduce_scatter(g.reshape(-1), [row] * p.size, p.rank, p.moves).reshape(g.shape[1:])
 
 
 STATISTICS = Statistics()

@@ -16,7 +16,9 @@ A transport (a *moves* object) does these things on whole arrays of bytes:
   order (the all-to-all of heads, the row moves of re-banding, the roll and
   the group layout);
 * ``allgather_slices(send, recv, outer)``: the gather of equal bands
-  straight into place (False: not this way).
+  straight into place (False: not this way);
+* ``allreduce(send, recv)``: every rank's typed ``send`` summed into
+  ``recv`` (the one reduction: the sum over the ranks).
 
 :class:`MpiMoves` moves over an MPI communicator: host memory as numpy byte
 views in place (the fast path: no staging, packed copies of strided views
@@ -161,6 +163,21 @@ class MpiMoves:
             return
         with staging.send_buffer(send, self.comm, a) as s, staging.recv_buffer(recv, self.comm, adapter=b) as r:
             yield s, r
+
+    def allreduce(self, send: Any, recv: Any) -> None:
+        """``recv`` = every rank's ``send`` summed (one ``Allreduce``; the same shape and dtype on every rank).
+
+        Host numpy arrays go to MPI as they are; other arrays as the byte
+        buffers of :meth:`_buffers` (host views, device pointers to a
+        CUDA-aware MPI, or staged) typed with the arrays' MPI datatype: the
+        sum needs it. The order of the additions is MPI's.
+        """
+        if type(send) is np.ndarray and type(recv) is np.ndarray and send.flags.c_contiguous:
+            self.comm.Allreduce(send, recv)
+            return
+        datatype = arrays.mpi_datatype(send)
+        with self._buffers(send, recv) as (s, r):
+            self.comm.Allreduce([s, datatype], [r, datatype])
 
 
 class Posted:

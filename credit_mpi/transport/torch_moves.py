@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -105,6 +106,18 @@ class TorchMoves:
         target = arrays.as_torch_bytes(recv)
         buf = target if target.device == device else torch.empty_like(target, device=device)
         dist.all_to_all_single(buf, data, [int(c) for c in recv_counts], [int(c) for c in send_counts], group=self.group)
+        if buf is not target:
+            target.copy_(buf)
+        arrays.after_torch_wrote(recv)
+
+    def allreduce(self, send: Any, recv: Any) -> None:
+        """``recv`` = every rank's ``send`` summed (``send`` copied into ``recv`` on the group's device, ``all_reduce``)."""
+        device = _group_device(self.group)
+        target = arrays.as_torch_bytes(recv)
+        buf = target if target.device == device else torch.empty_like(target, device=device)
+        buf.copy_(arrays.as_torch_bytes(arrays.contiguous(send)))
+        dtype = recv.dtype if isinstance(recv, torch.Tensor) else torch.from_numpy(np.empty(0, recv.dtype)).dtype
+        dist.all_reduce(buf.view(dtype), group=self.group)
         if buf is not target:
             target.copy_(buf)
         arrays.after_torch_wrote(recv)

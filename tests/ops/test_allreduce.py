@@ -1,7 +1,9 @@
-"""The training helpers' fused sums (credit_mpi.ops.allreduce): the conformance checks, inherited.
+"""The sum over the ranks (credit_mpi.ops.allreduce), as the training helpers use it: the conformance checks, inherited.
 
 A rank's "part" is the first row of its band (bands) or first element of its block (blocks), the
-same shape on every rank; the result is every rank's part summed (integer values: exact in any order).
+same shape on every rank; the result is every rank's part summed (integer values: exact in any order),
+for numpy arrays (the training helpers' sums) and torch tensors alike. The domain sum's use of the
+same op (its two steps, its adjoint, the transports) is tests/ops/test_domain_sum.py.
 """
 
 from __future__ import annotations
@@ -16,16 +18,17 @@ from .test_statistics import first_of, pieces_of
 
 class TestAllreduce(Conformance):
     forms = ("bands", "blocks")
-    kinds = ("numpy",)
+    kinds = ("numpy", "torch")
 
     def values(self, rng, shape):
         return rng.integers(-8, 8, shape).astype(np.float64)
 
     def part(self, field, manager, form):
-        return first_of(super().part(field, manager, form), form).copy()
+        piece = first_of(super().part(field, manager, form), form)
+        return piece.copy() if isinstance(piece, np.ndarray) else piece.clone()
 
     def call(self, part, manager, form, **change):
-        return allreduce_sum(part.copy() if isinstance(part, np.ndarray) else part, manager.domain_group)
+        return allreduce_sum(part, manager.domain_group)
 
     def expected(self, field, manager, form):
         return np.sum(pieces_of(field, manager, form), axis=0)
