@@ -208,7 +208,7 @@ def _finish(requests: list, unpack: list, stack: contextlib.ExitStack | None, lo
             lock.release()
 
 
-_PROTOCOL = ("post", "exchange", "allgatherv", "alltoallv")
+_PROTOCOL = ("post", "exchange", "allgatherv", "alltoallv", "allreduce")
 
 
 def transport_name(transport: Any, path: str) -> str:
