@@ -18,10 +18,11 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from credit_mpi.nn import describe  # noqa: E402
+from credit_mpi.nn import ConversionError, describe  # noqa: E402
 
 from .halo_reference import prefix_managers  # noqa: E402
-from .verdict_reference import verdict_is_the_run  # noqa: E402
+from .nn_reference import run_both  # noqa: E402
+from .verdict_reference import _outcome, verdict_is_the_run  # noqa: E402
 
 
 class Skip(nn.Module):
@@ -172,3 +173,6 @@ def test_bands_of_two_layouts_in_an_op_that_is_not_a_join(make_manager):
             plan = verdict_is_the_run("residual", Residual, (1, 2, 4 * d + 2, 4), manager)
             row = next(r for r in plan.rows if not r.exact)
             assert "add" in row.kind and "only a join" in row.note, str(plan)
+            # the run: the add's ConversionError on every rank (never a band of one row broadcast to another's)
+            _, error = _outcome(manager.domain_group, lambda d=d, m=manager: run_both(Residual, (1, 2, 4 * d + 2, 4), m))
+            assert isinstance(error, ConversionError) and "add" in str(error) and "other rows" in str(error), error

@@ -662,6 +662,8 @@ def _pointwise(tr: Tracker, func, args, kwargs, held):
             raise _Why(f"it combines tensors whose bands are along different dims ({sorted(dims)})")
         dims = bands
     d, outer, inner = dims.pop()
+    if len({t.shape[d - (ndim - t.ndim)] for t, _ in held}) > 1:  # else a band of one row would broadcast silently
+        raise _Why(_OTHER_LAYOUTS)
     for t in tensors:
         k = d - (ndim - t.ndim)
         if tr.get(t) is None and k >= 0 and t.shape[k] != 1:
@@ -973,6 +975,12 @@ _LAYOUTS_DIFFER = (
     "strided convolution's output bands and a transposed convolution's do not line up: give every band an offset "
     "that is a multiple of the encoder's total stride (even bands of a field whose rows are a multiple of the "
     "domain size times that stride), as describe() shows")
+
+
+# an elementwise op of two bands of other rows (at run time: this rank's rows differ; shared through the ForwardGuard)
+_OTHER_LAYOUTS = ("it combines bands that hold other rows of the field (their band layouts differ: a residual "
+                  "around a strided and a transposed convolution on uneven bands): only a join (torch.cat) re-bands "
+                  "its parts; give every band an offset that is a multiple of the total stride, or join the parts")
 
 
 @_rule("cat", "concat", "concatenate", "stack", "hstack", "vstack")
