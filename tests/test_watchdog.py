@@ -64,7 +64,7 @@ def test_an_exception_without_abort_on_exception_ends_the_job():
 
 
 def test_an_exception_in_backward_ends_the_job():
-    """A rank that raises in backward before a layer's exchange: the others wait in the adjoint's, watched too."""
+    """A rank that raises in backward before a layer's exchange and lives on: the others wait in the adjoint's, watched too."""
     pytest.importorskip("torch")
     rc, out = watch("backward-raise", 2)
     assert rc != 0 and "injected failure in backward on rank 1" in out and "rank 0: done" not in out, out[-4000:]
