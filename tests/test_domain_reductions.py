@@ -62,12 +62,16 @@ class RowSum(nn.Module):
         return x + self.fc(torch.sum(x, dim=-2)).unsqueeze(-2)
 
 
-class FieldNorm(nn.Module):
-    """A normalisation by the field's mean over every dim (a 0-dim replicated tensor), and by a nan-aware mean."""
+class _Conv0(nn.Module):
+    """A 3x3 conv (its output a band needing a halo), then the subclass's forward."""
 
     def __init__(self):
         super().__init__()
         self.conv0 = nn.Conv2d(2, 2, 3, padding=1)
+
+
+class FieldNorm(_Conv0):
+    """A normalisation by the field's mean over every dim (a 0-dim replicated tensor), and by a nan-aware mean."""
 
     def forward(self, x):
         x = self.conv0(x)
@@ -75,12 +79,8 @@ class FieldNorm(nn.Module):
         return centred / (centred.square().nanmean(dim=(-2, -1), keepdim=True) + 1).sqrt() + x.nansum(-2, True)
 
 
-class RowMax(nn.Module):
+class RowMax(_Conv0):
     """A max over the sharded dim: no rule on bands (refused on every rank)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv0 = nn.Conv2d(2, 2, 3, padding=1)
 
     def forward(self, x):
         x = self.conv0(x)
