@@ -9,7 +9,7 @@ run on the meta device) a :class:`Tracker` (a
 that holds bands and judges each torch function applied to one:
 
 * what leaves the sharded dim alone passes: pointwise ops (a broadcast
-  partner must have one row along it), reductions, softmax, norms, ``linear``,
+  partner must have one row along it), reductions over other dims, softmax, norms, ``linear``,
   ``matmul`` and ``cat`` over other dims, permutes, reshapes that keep the
   band's rows whole;
 * what has an exact rule runs it: ``F.interpolate`` along the sharded dim by
@@ -27,7 +27,10 @@ that holds bands and judges each torch function applied to one:
   product (``einsum``, ``@``) that contracts a band's tokens with a tensor over
   the field's tokens, a parameter (NCAR CREDIT's nextgen WXFormer bottleneck): a
   sum over the domain, replicated, and its inverse back to the band's tokens
-  (:func:`_domain_contraction`, :func:`spread_rule`);
+  (:func:`_domain_contraction`, :func:`spread_rule`); ``sum``, ``mean``,
+  ``nansum``, ``nanmean`` over dims that include the sharded one (or every
+  dim): the band's partial sum, one sum over the domain, replicated
+  (:func:`_domain_reduction`);
 * a reshape's sizes along the band must follow the band: ``x.shape`` of a
   band gives its size along the sharded dim as an :class:`Extent` (what is
   computed from it stays one), so a size stored for the whole field is told
@@ -772,9 +775,14 @@ _ALONG = """softmax log_softmax softmin cumsum cumprod cummax cummin logcumsumex
 glu diff""".split()
 
 
+# a reduction over the sharded dim that is exact on bands: the band's partial, one sum over the domain
+_DOMAIN_REDUCE = frozenset("sum mean nansum nanmean".split())
+
+
 @_rule(*_REDUCE)
 def _reduce(tr, func, args, kwargs, held):
-    """A reduction over dims other than the sharded one passes; over it (or every dim) refused."""
+    """A reduction over dims other than the sharded one passes; over it (or every dim) a sum or mean is one domain
+    sum (:func:`_domain_reduction`), the others are refused (a max, a median, a variance: no rule on bands)."""
     op = _op_name(func)
     x = args[0]
     if op in ("max", "min") and len(args) > 1 and isinstance(args[1], torch.Tensor):
@@ -784,11 +792,83 @@ def _reduce(tr, func, args, kwargs, held):
         raise _Why("a band as a reduction's extra argument")
     index = 2 if op == "norm" else 1
     dims = _dims(_arg(args, kwargs, index, "dim"), x.ndim)
+    if dims is not None and not dims and op in _DOMAIN_REDUCE:
+        dims = None  # sum(x, dim=()): every dim, as torch reads it
     if dims is None or p.dim in dims:
+        if op in _DOMAIN_REDUCE:
+            return _domain_reduction(tr, func, args, kwargs, op, p, dims)
         raise _Why(f"it reduces over the sharded dim ({'every dim' if dims is None else 'dim ' + str(p.dim)}): "
-                   f"one band's rows are not the field's")
+                   f"one band's rows are not the field's (sum, mean, nansum and nanmean over it are exact: one sum "
+                   f"over the domain; {op} has no rule on bands)")
     dropped = p.dim - sum(1 for k in dims if k < p.dim)
     return tr.run(func, args, kwargs, lambda out: p if out.ndim == x.ndim else p.moved(dropped))
+
+
+def _domain_reduction(tr: Tracker, func, args: tuple, kwargs: dict, op: str, p: Sharded, dims: list[int] | None):
+    """``sum`` / ``mean`` / ``nansum`` / ``nanmean`` over dims that include the sharded one: exact, replicated.
+
+    The band's partial sum over those dims, added over the domain
+    (:func:`credit_mpi.ops.allreduce.domain_sum`, differentiable: its adjoint is the
+    same sum, so each rank's gradient of the result is its band's part); a mean
+    divides by the field's element count, whose rows come from the agreement (every
+    band's rows), never from this band; a nan-mean by the domain sum of the non-NaN
+    counts (summed in the same call). The result is
+    :class:`~credit_mpi.nn.replicated.Replicated`: the layers after it compute on it
+    locally, a band times it (one row along the sharded dim) is pointwise, and the
+    parameters of those layers get each rank's partial gradient, added by
+    ``reduce_gradients``. Every check before the agreement depends on the model's
+    structure only (the same on every rank).
+    """
+    from ..grid import grid_of
+    from ..ops.allreduce import agree_domain_sum, domain_sum
+
+    x = args[0]
+    reduced = list(range(x.ndim)) if dims is None else sorted(set(dims))
+    keepdim = bool(_arg(args, kwargs, 2, "keepdim", False))
+    out_dtype = _arg(args, kwargs, 3, "dtype", None) or x.dtype
+    if out_dtype not in (torch.float32, torch.float64):
+        raise _Why(f"it {op}s over the sharded dim in {out_dtype}: the sum over the domain has a rule for float32 "
+                   f"and float64")
+    nan = op.startswith("nan")
+
+    def partial(t: torch.Tensor) -> torch.Tensor:  # the band's sum (with its non-NaN count for nanmean)
+        s = (torch.nansum if nan else torch.sum)(t, reduced, keepdim=keepdim, dtype=out_dtype)
+        if op != "nanmean":
+            return s
+        return torch.stack([s, (~torch.isnan(t)).sum(reduced, keepdim=keepdim).to(out_dtype)])
+
+    if tr.manager is None:  # the dry run: the whole field, one process's result
+        out = replicated(func(*args, **kwargs))
+        _report_domain_sum(tr, op, x, p, partial(x.detach()).shape, out_dtype)
+        return out
+    size = tr.manager.domain_parallel_size
+    if grid_of(tr.manager, size)[1] > 1:
+        raise _Why(f"it {op}s over the sharded dim on a latitude x longitude domain grid (no rule there yet: a sum "
+                   f"over the rows alone is a sum over a column of the grid)")
+    mine = partial(x)
+    grad = torch.is_grad_enabled() and x.requires_grad
+    plan = agree_domain_sum(tuple(mine.shape), out_dtype, x.shape[p.dim] // (p.outer * p.inner), grad,
+                            tr.manager.domain_group, tr.stack[-1][0])
+    total = domain_sum(mine, plan)
+    if op == "nanmean":
+        return replicated(total[0] / total[1])
+    if op == "mean":
+        count = math.prod(p.outer * plan.total * p.inner if k == p.dim else x.shape[k] for k in reduced)
+        total = total / count
+    return replicated(total)
+
+
+def _report_domain_sum(tr: Tracker, op: str, x: torch.Tensor, p: Sharded, shape: tuple, dtype: torch.dtype) -> None:
+    """In the dry run: the domain sum of a reduction as a row of describe()'s plan, with its traffic (``tr.on_move``)."""
+    on_move = getattr(tr, "on_move", None)
+    if on_move is None:
+        return
+    from .traffic import domain_sum_traffic
+
+    rows = x.shape[p.dim] // (p.outer * p.inner)
+    sizes = tr.band_sizes(rows)
+    traffic = domain_sum_traffic(tuple(shape), dtype, len(sizes), x.requires_grad and torch.is_grad_enabled())
+    on_move(tr.stack[-1][0], f"domain_sum() of {op}()", rows, sizes, [1] * len(sizes), traffic)
 
 
 @_rule(*_ALONG)

@@ -39,7 +39,7 @@ import torch
 from ..partition import BOUNDARIES, halo_neighbors
 
 __all__ = ["Traffic", "AGREEMENT_BYTES", "layer_traffic", "gather_traffic", "alltoall_traffic", "ring_traffic",
-           "halo_traffic", "move_traffic", "join_traffic", "halo_rule", "stats_rule", "row_bytes", "acc_itemsize"]
+           "halo_traffic", "move_traffic", "domain_sum_traffic", "join_traffic", "halo_rule", "stats_rule", "row_bytes", "acc_itemsize"]
 
 #: The bytes each rank contributes to one agreement (:func:`credit_mpi.validation.agree`: five int64).
 AGREEMENT_BYTES = 40
@@ -129,6 +129,14 @@ def halo_traffic(shape: tuple[int, ...], dtype: torch.dtype, axis: int, n: int, 
         b, m = _halo(rank, n, width, rows_bytes, "periodic" if periodic else "zero")
         out.append(Traffic(b, m, *((b, m) if grad else (0, 0)), 1))
     return out
+
+
+def domain_sum_traffic(shape: tuple[int, ...], dtype: torch.dtype, n: int, grad: bool) -> list[Traffic]:
+    """Every rank's :class:`Traffic` of one sum over the domain (:func:`credit_mpi.ops.allreduce.domain_sum`, a sum or
+    mean over the sharded dim): its agreement, one ``Allreduce`` of the partial sum, the same back when ``grad``."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    at = stats_rule(n, nbytes, nbytes, grad)
+    return [at(rank) for rank in range(n)]
 
 
 def move_traffic(moves_of, n: int, row_bytes: int, grad: bool, moves: bool = True) -> list[Traffic]:
