@@ -115,3 +115,9 @@ def test_describe_shows_the_domain_sum_and_its_traffic():
     assert row.traffic == (Traffic(nbytes, 1, nbytes, 1, 1),) * 3
     refused = describe(RowMax().double(), (2, 2, 7, 4), 3)
     assert not refused.exact and "amax" in refused.rows[-1].kind and "sum, mean" in refused.rows[-1].note
+
+
+def test_describe_refuses_a_domain_sum_on_a_grid_as_the_run_does():
+    """On a latitude x longitude grid the rule refuses (a sum over the rows alone is one column's): describe() too."""
+    plan = describe(SqueezeExcite().double(), (2, 2, 8, 8), domain_grid=(2, 2))
+    assert not plan.exact and "domain grid" in str(plan), str(plan)

@@ -779,6 +779,13 @@ glu diff""".split()
 _DOMAIN_REDUCE = frozenset("sum mean nansum nanmean".split())
 
 
+def _grid_columns(tr: Tracker) -> int:
+    """The domain grid's columns: the run's manager's, or in the dry run describe()'s ``domain_grid`` (1 on bands)."""
+    if tr.manager is None:
+        return (getattr(tr, "grid", None) or (1, 1))[1]
+    return grid_cols(tr.manager)
+
+
 @_rule(*_REDUCE)
 def _reduce(tr, func, args, kwargs, held):
     """A reduction over dims other than the sharded one passes; over it (or every dim) a sum or mean is one domain
@@ -819,7 +826,6 @@ def _domain_reduction(tr: Tracker, func, args: tuple, kwargs: dict, op: str, p: 
     ``reduce_gradients``. Every check before the agreement depends on the model's
     structure only (the same on every rank).
     """
-    from ..grid import grid_of
     from ..ops.allreduce import agree_domain_sum, domain_sum
 
     x = args[0]
@@ -827,7 +833,7 @@ def _domain_reduction(tr: Tracker, func, args: tuple, kwargs: dict, op: str, p: 
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False))
     out_dtype = _arg(args, kwargs, 3, "dtype", None) or x.dtype
     if out_dtype not in (torch.float32, torch.float64):
-        raise _Why(f"it {op}s over the sharded dim in {out_dtype}: the sum over the domain has a rule for float32 "
+        raise _Why(f"it takes {op}() over the sharded dim in {out_dtype}: the sum over the domain has a rule for float32 "
                    f"and float64")
     nan = op.startswith("nan")
 
@@ -837,14 +843,13 @@ def _domain_reduction(tr: Tracker, func, args: tuple, kwargs: dict, op: str, p: 
             return s
         return torch.stack([s, (~torch.isnan(t)).sum(reduced, keepdim=keepdim).to(out_dtype)])
 
+    if _grid_columns(tr) > 1:
+        raise _Why(f"it takes {op}() over the sharded dim on a latitude x longitude domain grid (no rule there yet: a sum "
+                   f"over the rows alone is a sum over a column of the grid)")
     if tr.manager is None:  # the dry run: the whole field, one process's result
         out = replicated(func(*args, **kwargs))
         _report_domain_sum(tr, op, x, p, partial(x.detach()).shape, out_dtype)
         return out
-    size = tr.manager.domain_parallel_size
-    if grid_of(tr.manager, size)[1] > 1:
-        raise _Why(f"it {op}s over the sharded dim on a latitude x longitude domain grid (no rule there yet: a sum "
-                   f"over the rows alone is a sum over a column of the grid)")
     mine = partial(x)
     grad = torch.is_grad_enabled() and x.requires_grad
     plan = agree_domain_sum(tuple(mine.shape), out_dtype, x.shape[p.dim] // (p.outer * p.inner), grad,
@@ -1443,7 +1448,6 @@ def _domain_contraction(tr: Tracker, func, args: tuple, kwargs: dict, specs: lis
     (:func:`_spread`). Every check before the agreement depends on the model's structure only
     (the same on every rank); the field's size after it on agreed values.
     """
-    from ..grid import grid_of
     from ..ops.allreduce import agree_domain_sum, domain_sum
     from .replicated import replicated
 
@@ -1462,6 +1466,8 @@ def _domain_contraction(tr: Tracker, func, args: tuple, kwargs: dict, specs: lis
         raise _Why(_contracted(what, letter, "with another band (a sum over pairs of every band's tokens)"))
     if not partners:
         raise _Why(_contracted(what, letter, "alone (no tensor over the field's tokens to weight it)"))
+    if _grid_columns(tr) > 1:
+        raise _Why(_contracted(what, letter, "on a latitude x longitude domain grid (a band's tokens are not one block)"))
     if tr.manager is None:  # the dry run: global shapes
         sizes = {operands[i].shape[at[i]] for i in partners}
         if sizes != {tokens}:
@@ -1469,9 +1475,6 @@ def _domain_contraction(tr: Tracker, func, args: tuple, kwargs: dict, specs: lis
         out = replicated(func(*args, **kwargs))
         _remember_field(tr, tokens, inner, None)
         return out
-    size = tr.manager.domain_parallel_size
-    if grid_of(tr.manager, size)[1] > 1:
-        raise _Why(_contracted(what, letter, "on a latitude x longitude domain grid (a band's tokens are not one block)"))
     cut = list(operands)
     for i in partners:  # shapes for the agreement: every partner cut to this band's tokens
         cut[i] = torch.empty(tuple(tokens if d == at[i] else s for d, s in enumerate(operands[i].shape)), device="meta",

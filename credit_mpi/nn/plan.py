@@ -358,6 +358,7 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
             dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
             x = torch.empty(input_shape, device="meta", dtype=dtype, requires_grad=requires_grad)
             tracker.on_move = moved  # the rules' row moves and gathers (window_rules, attention_rules)
+            tracker.grid = grid  # the domain grid (the rules without one on a grid refuse it in the dry run too)
             tracker.on_join, tracker.on_conflict = joined, conflict  # joins of bands; bands of two layouts combined
             tracker.plan_rows = plan.rows  # what a module's forward communicated (window_rules: a band of no window)
             tracker.mark_inputs(x)
