@@ -130,10 +130,15 @@ def test_tiny_demo_passes_its_checks(capsys):
 def test_tiny_bench_json(capsys):
     world = MPI.COMM_WORLD
     h = 4 * world.Get_size()
+    # the default --ops: halo_grid is left out with a note on 1-3 ranks, and the note is not part of the JSON
     rcs, out = _run(capsys, ["bench", "-s", f"2x{h}x8", "-r", "1", "--no-torch", "--json"])
     assert rcs == [0] * world.Get_size()
     if world.Get_rank() == 0:
-        result = json.loads(out.out[out.out.index("{") :])
+        result = json.loads(out.out)  # the whole stdout is one JSON document
+        left_out = bench.halo_grid_unavailable(world.Get_size(), world.Get_size())
+        assert ("note: halo_grid" in out.err) == (left_out is not None), out.err
+        assert ("single MPI rank" in out.err) == (world.Get_size() == 1), out.err
+        assert {r["op"] for r in result["rows"]} >= ({"halo_grid"} if left_out is None else set())
         assert result["ranks"] == world.Get_size()
         ops = {r["op"] for r in result["rows"]}
         assert {"gather", "gather out=", "shard_batch"} <= ops
@@ -224,9 +229,32 @@ def test_plot_writes_a_png(tmp_path):
          "credit": bench.Timing("credit_mpi", h * 32, [1e-4 * h]), "raw": bench.Timing("raw mpi4py", h * 32, [5e-5 * h])}
         for h in (8, 16, 32)
     ]
+    rows.append({"op": "halo_grid", "size": "1x8x8", "grid_1d": "4x1", "grid_2d": "2x2",
+                 "time_1d": bench.Timing("4x1 halo", 8, [2.0, 4.0]), "time_2d": bench.Timing("2x2 halo", 8, [1.0, 1.0])})
     path = tmp_path / "bench.png"
     cli._plot(rows, str(path), 2)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_shows_each_op_as_a_ratio_to_its_floor_with_its_spread():
+    """One panel per op; each curve a time ratio to the floor (the ratio of the medians, the middle half of the pairs)."""
+    rows = [
+        {"op": "halo", "size": "1x100x100", "bytes": 1, "credit": bench.Timing("credit_mpi", 1, [2.0, 3.0, 4.0]),
+         "raw": bench.Timing("copy + Sendrecv", 1, [1.0, 2.0]), "torch": bench.Timing("gloo", 1, [6.0])},
+        {"op": "gather", "size": "1x250x100", "bytes": 1, "credit": bench.Timing("credit_mpi", 1, [1.0]),
+         "raw": bench.Timing("raw mpi4py", 1, [0.5])},
+        {"op": "halo_grid", "size": "1x8x8", "grid_1d": "4x1", "grid_2d": "2x2",
+         "time_1d": bench.Timing("4x1 halo", 8, [2.0]), "time_2d": bench.Timing("2x2 halo", 8, [1.0])},
+    ]
+    panels = cli.plot_series(rows)
+    assert list(panels) == ["halo", "gather", "halo_grid"]
+    (label, pts), (gloo_label, gloo_pts) = panels["halo"]
+    assert label == "credit_mpi / copy + Sendrecv" and gloo_label == "gloo / copy + Sendrecv"
+    # pairs: 2/1 3/1 4/1 2/2 3/2 4/2 = 1 1.5 2 2 3 4; quartiles 1.625 and 2.75; medians 3 / 1.5 = 2
+    assert pts == [(0.04, 2.0, 1.625, 2.75)]
+    assert gloo_pts == [(0.04, 4.0, 3.75, 5.25)]  # 6/2, 6/1: quartiles 3.75, 5.25
+    assert panels["gather"] == [("credit_mpi / raw mpi4py", [(0.1, 2.0, 2.0, 2.0)])]
+    assert panels["halo_grid"] == [("2x2 grid / 4x1 bands", [(pytest.approx(256e-6), 0.5, 0.5, 0.5)])]
 
 
 @pytest.mark.mpi(min_size=1)

@@ -364,7 +364,10 @@ def cmd_demo(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
 
 
 def run_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> list[dict]:
-    """The sweep behind ``credit-mpi bench``; returns one row per (operation, size), same on every rank."""
+    """The sweep behind ``credit-mpi bench``; returns one row per (operation, size), same on every rank.
+
+    ``say`` prints its notes (``cmd_bench`` sends them to stderr).
+    """
     from ..manager import DomainParallelManager
     from . import bench
 
@@ -460,28 +463,75 @@ def _table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def ratio_spread(num: Any, den: Any) -> tuple[float, float, float]:
+    """``num``'s time over ``den``'s (two :class:`~credit_mpi.cli.bench.Timing`): the ratio of the medians, and
+    the 25th and 75th percentiles of the ratios over every pair of repetitions (their spread)."""
+    pairs = np.divide.outer(np.asarray(num.times, dtype=float), np.asarray(den.times, dtype=float)).ravel()
+    low, high = np.percentile(pairs, [25, 75])
+    return num.median / den.median, float(low), float(high)
+
+
+def _field_mb(size: str) -> float:
+    """The global float32 field ``CxHxW`` in MB (the x axis of every panel)."""
+    return float(np.prod([int(v) for v in size.split("x")])) * 4 / 1e6
+
+
+def plot_series(rows: list[dict]) -> dict[str, list[tuple[str, list[tuple[float, float, float, float]]]]]:
+    """What ``--plot`` draws: per operation, ``(label, [(field MB, ratio, low, high), ...])`` per curve.
+
+    Every curve is a time ratio to the operation's floor (raw mpi4py, a
+    slice copy, copy + Sendrecv), with its spread (:func:`ratio_spread`);
+    ``halo_grid`` is the 2-D grid's time over latitude bands'.
+    """
+    panels: dict[str, list] = {}
+    for op in dict.fromkeys(r["op"] for r in rows):
+        mine = [r for r in rows if r["op"] == op]
+        if op == "halo_grid":
+            pairs = [(f"{mine[0]['grid_2d']} grid / {mine[0]['grid_1d']} bands", "time_2d", "time_1d")]
+        else:
+            floor = mine[0]["raw"].name
+            pairs = [(f"{mine[0][key].name} / {floor}", key, "raw") for key in ("credit", "torch") if any(key in r for r in mine)]
+        panels[op] = [
+            (label, [(_field_mb(r["size"]), *ratio_spread(r[num], r[den])) for r in mine if num in r])
+            for label, num, den in pairs
+        ]
+    return panels
+
+
 def _plot(rows: list[dict], path: str, ranks: int) -> None:
+    """One panel per operation: time ratio to its floor (1 = as fast as raw) against the field size, with spread."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    # one colour per operation; solid = credit_mpi, dashed = raw floor, dotted = torch gloo
-    for i, op in enumerate(dict.fromkeys(r["op"] for r in rows)):
-        mine = [r for r in rows if r["op"] == op]
-        mb = [r["bytes"] / 1e6 for r in mine]
-        for key, style in (("credit", "-o"), ("raw", "--s"), ("torch", ":^")):
-            pts = [(m, r[key].gbps) for m, r in zip(mb, mine, strict=True) if key in r]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), style, color=f"C{i}", label=f"{op}: {mine[0][key].name}")
-    ax.set_xscale("log")
-    ax.set_xlabel("MB per rank (result)")
-    ax.set_ylabel("GB/s (result bytes per rank / median time)")
-    ax.set_title(f"credit-mpi bench, {ranks} rank(s)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    panels = plot_series(rows)
+    cols = min(len(panels), 3)
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows + 0.9), squeeze=False, layout="constrained")
+    for ax, (op, curves) in zip(axes.flat, panels.items()):
+        for i, (label, pts) in enumerate(curves):
+            mb, ratio, low, high = (np.array(v) for v in zip(*pts, strict=True))
+            ax.errorbar(mb, ratio, yerr=[ratio - low, high - ratio], fmt="-o", ms=4, capsize=3, color=f"C{i}", label=label)
+        ax.axhline(1.0, color="0.3", lw=1, ls="--", label="1 = the floor" if op == next(iter(panels)) else None)
+        ax.set_xscale("log")
+        ax.set_yscale("log")  # 2x slower and 2x faster are as far from 1
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.set_title(op)
+        ax.set_xlabel("field size, MB (float32, global)")
+        ax.set_ylabel("time / floor's time" if op != "halo_grid" else "time / bands' time")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    handles = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, h)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=min(len(handles), 3), fontsize=8)
+    fig.suptitle(f"credit-mpi bench, {ranks} rank(s): time ratio to raw (median; bars: middle half over pairs of "
+                 "repetitions)", fontsize=9)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -500,14 +550,24 @@ def _check_plot_possible(comm: MPI.Comm) -> None:
     allgather_or_raise(comm, check)
 
 
+def _to_stderr(say: Say) -> Say:
+    """``say`` to stderr: notes beside the results, so that stdout is the table or the JSON alone."""
+    return lambda *a, **k: say(*a, **{**k, "file": sys.stderr})
+
+
 def cmd_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
-    """``credit-mpi bench``: a table (or JSON, or a plot) of credit_mpi against its floors."""
-    _single_rank_note(comm, say, "mpiexec -n 2 credit-mpi bench")
+    """``credit-mpi bench``: a table (or JSON, or a plot) of credit_mpi against its floors.
+
+    stdout is the table, or with ``--json`` one JSON document; notes (a single
+    rank, an operation left out) go to stderr.
+    """
+    note = _to_stderr(say)
+    _single_rank_note(comm, note, "mpiexec -n 2 credit-mpi bench")
     if args.plot:
         _check_plot_possible(comm)  # before the sweep, not after it
     if not args.json:
         say(f"{comm.Get_size()} rank(s); median of {args.repeats} repetitions, slowest rank; GB/s = result bytes per rank / time", flush=True)
-    rows = run_bench(args, comm, say)
+    rows = run_bench(args, comm, note)
     if comm.Get_rank() != 0:
         return 0
     if args.json:
@@ -523,5 +583,5 @@ def cmd_bench(args: argparse.Namespace, comm: MPI.Comm, say: Say) -> int:
             "halo = batch_isend_irecv of the edge rows + torch.cat")
     if args.plot:
         _plot(rows, args.plot, comm.Get_size())
-        say(f"wrote {args.plot}")
+        note(f"wrote {args.plot}")
     return 0
