@@ -510,7 +510,7 @@ def _plot(rows: list[dict], path: str, ranks: int) -> None:
     cols = min(len(panels), 3)
     nrows = -(-len(panels) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows + 0.9), squeeze=False, layout="constrained")
-    for ax, (op, curves) in zip(axes.flat, panels.items()):
+    for ax, (op, curves) in zip(axes.flat, panels.items(), strict=False):  # the grid may have a spare panel
         for i, (label, pts) in enumerate(curves):
             mb, ratio, low, high = (np.array(v) for v in zip(*pts, strict=True))
             ax.errorbar(mb, ratio, yerr=[ratio - low, high - ratio], fmt="-o", ms=4, capsize=3, color=f"C{i}", label=label)
