@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "halo on an (n x 1) and a square 2-D grid; needs a domain size with a 2-D grid, e.g. 4)")
     bench.add_argument("--no-torch", action="store_true", help="leave out the torch.distributed (gloo) column")
     bench.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    bench.add_argument("--plot", metavar="FILE.png", default=None, help="draw bandwidth curves (needs matplotlib)")
+    bench.add_argument("--plot", metavar="FILE.png", default=None,
+                       help="draw each op's time as a ratio to raw, with its spread (needs matplotlib)")
     bench.set_defaults(func=cmd_bench)
     return parser
 
