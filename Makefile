@@ -47,8 +47,15 @@ test: install
 	PYTHON=$(PY) tools/run-tests
 
 # The documentation (Sphinx, autodoc API reference), warnings are errors: docs/_build/html/index.html
-docs: install
+# Needs the package and the docs extra only (sphinx, the MPICH wheel for mpi4py): docs/conf.py mocks torch and
+# the io extra where they are missing, so a fresh venv builds them in about a minute (make docs VENV=.venv-docs
+# keeps the docs in a venv of their own; in make test's .venv, the real torch is used).
+$(VENV)/.docs-installed: pyproject.toml
+	$(PYTHON3) -m venv $(VENV)
 	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
 	$(PY) -m sphinx -W --keep-going -b html -q docs docs/_build/html
 
 # Lint (ruff, rules in pyproject.toml); the version is pinned so the rules do not move

@@ -41,6 +41,7 @@ order), a mask or ``is_causal`` with such queries.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import weakref
@@ -422,13 +423,17 @@ def _mha_per_sample(tr, func, a: dict, p: Sharded):
     return out, weights
 
 
-_MHA = inspect.signature(torch.nn.functional.multi_head_attention_forward)
+@functools.cache
+def _mha_signature() -> inspect.Signature:
+    """torch's ``multi_head_attention_forward`` signature, read when first needed (not at import: the docs build
+    imports this module with torch mocked)."""
+    return inspect.signature(torch.nn.functional.multi_head_attention_forward)
 
 
 @_rule("multi_head_attention_forward")
 def _mha(tr, func, args, kwargs, held):
     """``nn.MultiheadAttention``: the tokens (dim 0 of ``(L, N, E)``) on bands, key and value gathered."""
-    bound = _MHA.bind(*args, **kwargs)
+    bound = _mha_signature().bind(*args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
     query, key, value = a["query"], a["key"], a["value"]
