@@ -1,7 +1,11 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - install the package + the PyPI MPICH wheel into .venv, run the end-to-end demo on 4 MPI ranks
-#   make test   - install the rest (torch, the test/io/plot extras) into .venv, run the whole test suite
-#                 (serial + MPI on 1-4 ranks)
+#   make test   - install the rest into .venv (torch, the test/io/plot/credit extras, miles-credit, timm and
+#                 segmentation-models-pytorch), run the whole test suite: serial, then MPI on 1-4 ranks, the
+#                 manager's layout tests on 8 ranks and the grid tests on 5 and 6 (about 20 minutes on 2 cores)
+#   make docs   - the Sphinx docs from the docs extra alone (about a minute from nothing but the venv)
+#   make slurm-test - a one-node Slurm (Debian's slurm-wlm + munge, installed if missing; needs root) runs the
+#                 job scripts of slurm/ with sbatch and srun (tools/slurm-test)
 # The MPI is the PyPI `mpich` wheel (embedded, nothing to install system-wide).
 #   make wheel  - build dist/credit_mpi-<version>-py3-none-any.whl (pip install it anywhere, with extras)
 # pip shows its own progress (downloads are the slow part on a fresh machine).
@@ -19,7 +23,7 @@ DEMO_EXTRAS ?= mpich
 EXTRAS      ?= mpich,test,io,plot,credit
 PY          := $(VENV)/bin/python
 
-.PHONY: install demo test docs lint wheel clean
+.PHONY: install demo test docs lint wheel clean slurm-test
 
 # What the demo needs: the package (numpy, mpi4py) and the MPICH wheel; no torch.
 $(VENV)/.demo-installed: pyproject.toml
@@ -57,6 +61,11 @@ $(VENV)/.docs-installed: pyproject.toml
 
 docs: $(VENV)/.docs-installed
 	$(PY) -m sphinx -W --keep-going -b html -q docs docs/_build/html
+
+# The job scripts of slurm/ under a real one-node Slurm (tools/slurm-test: installs slurm-wlm + munge when
+# missing, which needs root; starts and stops its own daemons, touches nothing in /etc)
+slurm-test: $(VENV)/.demo-installed
+	PYTHON=$(PY) timeout 900 tools/slurm-test
 
 # Lint (ruff, rules in pyproject.toml); the version is pinned so the rules do not move
 lint: install
