@@ -47,7 +47,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from ._printing import TRACEBACK_VARIABLE, agreed_printer, last_traceback, one_line
+from ._printing import TRACEBACK_VARIABLE, agreed_printer, last_traceback, message_first, one_line
 
 __all__ = ["abort_on_exception", "abort_on_exception_enabled"]
 
@@ -122,7 +122,7 @@ def _abort(exc_type, exc_value, exc_tb, where: str) -> None:
     rank, size = world.Get_rank(), world.Get_size()
     try:
         head = f"[credit_mpi rank {rank}/{size}] uncaught exception{where}; aborting all {size} rank(s) of MPI.COMM_WORLD with status {_errorcode}"
-        printer = agreed_printer(exc_tb)
+        printer = agreed_printer(exc_tb, exc_value)
         if os.environ.get(TRACEBACK_VARIABLE) == "all":
             text = f"{head}\n" + "".join(traceback.format_exception(exc_type, exc_value, exc_tb))
         elif printer is not None and printer != rank:
@@ -131,9 +131,12 @@ def _abort(exc_type, exc_value, exc_tb, where: str) -> None:
             sys.stdout.flush()
             time.sleep(_PRINTER_GRACE_S)
             text = f"[credit_mpi rank {rank}/{size}] {one_line(exc_type, exc_value)} (the same error as rank {printer})\n"
-        else:
-            group = "" if printer is None else " (raised alike on every rank of its group: printed once)"
-            text = f"{head}{group}\n" + last_traceback(exc_type, exc_value, exc_tb)
+        elif printer is None:  # this rank's own error: the whole traceback
+            text = f"{head}\n" + last_traceback(exc_type, exc_value, exc_tb)
+        else:  # the message and the user's line first
+            text = message_first(
+                exc_type, exc_value, exc_tb, f"raised alike on every rank of its group: printed once; uncaught exception{where}: "
+                f"aborting all {size} rank(s) of MPI.COMM_WORLD with status {_errorcode}", prefix=f"[credit_mpi rank {rank}/{size}] ")
         sys.stderr.write(text)
         sys.stderr.flush()
         sys.stdout.flush()

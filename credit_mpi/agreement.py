@@ -32,7 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import watchdog
-from ._printing import install_print_once
+from ._printing import install_print_once, raised_alike
 
 __all__ = [
     "DomainParallelError",
@@ -194,7 +194,7 @@ def _settle(
     failures = {rank: info for rank, (ok, info) in enumerate(items) if not ok}
     where = comm_label(comm)
     if failures:
-        raise _agreed_error(failures, where) from error
+        raise raised_alike(_agreed_error(failures, where), comm) from error
     calls = [info for _, info in items]
     _raise_mixed_forms(where, [op for op, _, _ in calls])
     if explain is not None and len({(op, chk) for op, chk, _ in calls}) == 1:

@@ -104,24 +104,40 @@ def test_a_cause_with_other_words_is_named_not_printed():
     assert "CREDIT_MPI_TRACEBACK=all" in text
 
 
-AGREED_JOB = """
+AGREED_JOBS = {
+    # an agreement that fails (raised inside agreement._settle)
+    "halo": ("""
 import numpy as np
 import credit_mpi as cm
 {hook}
 m = cm.initialize_domain_parallel(None, {n})
 x = np.zeros((1, 2, 8 + (m.domain_rank == 1), 4))
 cm.halo_exchange(x, 1, dim=-1)
-"""
+""", "bands do not fit together", "cm.halo_exchange(x, 1, dim=-1)"),
+    # an error every rank raises from agreed data after the agreement (the checkpoint's world size)
+    "checkpoint": ("""
+import torch
+from mpi4py import MPI
+import credit_mpi as cm
+import credit_mpi.nn
+{hook}
+model = torch.nn.Linear(2, 2)
+if MPI.COMM_WORLD.Get_rank() == 0:
+    with cm.initialize_domain_parallel(None, 1, comm=MPI.COMM_SELF) as single:
+        cm.nn.save_checkpoint("ckpt.pt", model, single)
+MPI.COMM_WORLD.Barrier()
+m = cm.initialize_domain_parallel(None, {n})
+cm.nn.load_checkpoint("ckpt.pt", model, m)
+""", "holds the RNG states of 1 ranks, this job has 3", 'cm.nn.load_checkpoint("ckpt.pt", model, m)'),
+}
+LAUNCHES = {  # how the job ends on an uncaught exception
+    "abort_on_exception": ("cm.abort_on_exception()", []),
+    "no-hook": ("", []),  # a plain script: the first agreed error installs the print-once hook
+    "python -m mpi4py": ("", ["-m", "mpi4py"]),  # mpi4py's own abort at exit
+}
 
 
-@pytest.mark.parametrize("hook", [True, False], ids=["abort_on_exception", "no-hook"])
-@pytest.mark.parametrize("variable", [None, "all"])
-def test_one_traceback_for_an_error_every_rank_raises(variable, hook, tmp_path):
-    """3 ranks, one wrong band: the agreed ValueError is one traceback (every rank's with CREDIT_MPI_TRACEBACK=all).
-
-    With abort_on_exception the first rank prints it and aborts the job; without it (a plain script) the
-    first agreed error installs the print-once hook (Python's own hook was in place), every rank exits.
-    """
+def _run_agreed_job(tmp_path, job: str, launch: str, variable: str | None) -> str:
     import subprocess
     from pathlib import Path
 
@@ -134,23 +150,49 @@ def test_one_traceback_for_an_error_every_rank_raises(variable, hook, tmp_path):
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.exists():
         pytest.skip(f"no {mpiexec}")
+    if job == "checkpoint":
+        pytest.importorskip("torch")
+    code, hook_args = AGREED_JOBS[job][0], LAUNCHES[launch]
     script = tmp_path / "job.py"
-    script.write_text(AGREED_JOB.format(n=3, hook="cm.abort_on_exception()" if hook else ""))
+    script.write_text(code.format(n=3, hook=hook_args[0]))
     env = child_env(MPIEXEC_TIMEOUT="120", **({"CREDIT_MPI_TRACEBACK": variable} if variable else {}))
     for _ in range(2):  # a launch that printed nothing at all is tried once more (as in test_faults.run_job)
-        result = subprocess.run([str(mpiexec), "-n", "3", sys.executable, str(script)], env=env, cwd=tmp_path,
-                                capture_output=True, text=True, timeout=150)
+        result = subprocess.run([str(mpiexec), "-n", "3", sys.executable, *hook_args[1], str(script)], env=env,
+                                cwd=tmp_path, capture_output=True, text=True, timeout=150)
         out = result.stdout + result.stderr
         if out:
             break
     assert result.returncode != 0, out
-    assert "bands do not fit together" in out, out
-    if variable is None:
-        assert out.count("Traceback (most recent call last)") == 1, out
-        head = "[credit_mpi rank 0/3] uncaught exception" if hook else "[credit_mpi rank 0/3] raised alike"
-        assert head in out and "printed once" in out, out
-        if not hook:  # the others say one line each
-            assert all(f"[credit_mpi rank {r}/3] ValueError:" in out and "(the same error as rank 0" in out
-                       for r in (1, 2)), out
-    else:
-        assert out.count("Traceback (most recent call last)") >= 2, out  # the chain too (on every rank that got to print)
+    return out
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+@pytest.mark.parametrize("job", list(AGREED_JOBS))
+def test_an_error_every_rank_raises_is_printed_once_message_first(job, launch, tmp_path):
+    """3 ranks: the agreed error is printed once, its first lines the message and the user's own line.
+
+    With abort_on_exception the first rank prints it and aborts the job; without it (a plain script, or
+    ``python -m mpi4py``) the first agreed error installs the print-once hook, where Python's own hook was in
+    place; the other ranks say one line each. credit_mpi's frames are left out, Python's traceback is not printed.
+    """
+    out = _run_agreed_job(tmp_path, job, launch, None)
+    _, says, line = AGREED_JOBS[job]
+    lines = out.splitlines()
+    firsts = [i for i, text in enumerate(lines) if text.startswith("[credit_mpi rank 0/3] ValueError: ")]
+    assert len(firsts) == 1, out  # printed once
+    first = firsts[0]
+    assert says in lines[first], out
+    assert lines[first + 1].startswith(f'  File "{tmp_path / "job.py"}"') or lines[first + 1].startswith('  File "job.py"'), out
+    assert lines[first + 2].strip() == line, out  # the user's own line
+    assert "printed once" in lines[first + 3] and "frame(s) of credit_mpi left out" in lines[first + 3], out
+    assert "Traceback (most recent call last):" not in out and "agreement.py" not in out, out  # no whole traceback
+    assert "mpi4py/run.py" not in out and "<frozen runpy>" not in out, out  # nor the launcher's frames
+    if launch != "abort_on_exception":  # the others say one line each (an aborted job may end before they do)
+        assert all(f"[credit_mpi rank {r}/3] ValueError:" in out and "(the same error as rank 0" in out
+                   for r in (1, 2)), out
+
+
+def test_every_rank_prints_the_whole_traceback_when_asked(tmp_path):
+    out = _run_agreed_job(tmp_path, "halo", "no-hook", "all")
+    assert out.count("Traceback (most recent call last):") >= 3, out  # every rank's, the chain too
+    assert "agreement.py" in out and "_settle" in out, out

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .._printing import raised_alike
 from ..manager import DomainParallelManager, get_domain_parallel_manager
 from ..validation import DomainParallelError, allgather_or_raise
 
@@ -345,10 +346,10 @@ def load_checkpoint(
     sizes = allgather_or_raise(comm, read)
     ckpt = box[0]
     if rng and "rng_states" in ckpt and sizes[0] != comm.Get_size():
-        raise ValueError(
+        raise raised_alike(ValueError(  # every rank read the same file: printed once
             f"load_checkpoint: {path} holds the RNG states of {sizes[0]} ranks, this job has {comm.Get_size()}; "
             f"pass rng=False to resume without them (not bit for bit)"
-        )
+        ), comm)
 
     def restore() -> None:
         if optimizer is not None and ckpt.get("optimizer_state_dict") is None:
