@@ -94,11 +94,15 @@ def one_line(exc_type, exc_value) -> str:
 def last_traceback(exc_type, exc_value, exc_tb) -> str:
     """The traceback of the exception itself; its chained causes (often the same error a rank raised first) by name only."""
     text = "".join(traceback.format_exception(exc_type, exc_value, exc_tb, chain=False))
+    return text + _cause_line(exc_value, f"; {TRACEBACK_VARIABLE}=all prints the whole chain on every rank")
+
+
+def _cause_line(exc_value, more: str = "") -> str:
+    """The chained cause in one line, or '' (also when the error repeats its cause's text, as an agreed error does)."""
     cause = exc_value.__cause__ or (None if exc_value.__suppress_context__ else exc_value.__context__)
-    if cause is not None and not str(exc_value).startswith(str(cause)):  # an agreed error repeats its cause's text
-        text += (f"(raised while handling {type(cause).__name__}: {str(cause).strip()[:200]}; "
-                 f"{TRACEBACK_VARIABLE}=all prints the whole chain on every rank)\n")
-    return text
+    if cause is None or str(exc_value).startswith(str(cause)):
+        return ""
+    return f"(raised while handling {type(cause).__name__}: {str(cause).strip()[:200]}{more})\n"
 
 
 def _internal(filename: str) -> bool:
@@ -130,9 +134,7 @@ def message_first(exc_type, exc_value, exc_tb, note: str, prefix: str = "") -> s
         text += "".join(traceback.format_list([own[-1]]))
     text += (f"({note}; {hidden} frame(s) of credit_mpi left out: {TRACEBACK_VARIABLE}=all prints the whole "
              f"traceback on every rank)\n")
-    cause = exc_value.__cause__ or (None if exc_value.__suppress_context__ else exc_value.__context__)
-    if cause is not None and not str(exc_value).startswith(str(cause)):  # an agreed error repeats its cause's text
-        text += f"(raised while handling {type(cause).__name__}: {str(cause).strip()[:200]})\n"
+    text += _cause_line(exc_value)
     if len(outside) > 1:
         text += "Traceback (most recent call last), the caller's frames:\n" + "".join(outside.format())
     return text

@@ -92,6 +92,25 @@ def test_an_agreed_error_is_printed_by_the_groups_first_rank():
     assert abort.one_line(ValueError, ValueError("a\nb")) == "ValueError: a..."
 
 
+def test_an_agreed_error_reads_message_first_without_credit_mpis_frames():
+    from mpi4py import MPI
+
+    from credit_mpi import _printing
+
+    def bad():
+        raise ValueError("nope")
+
+    agreed = _caught(lambda: credit_mpi.allgather_or_raise(MPI.COMM_SELF, bad))
+    lines = _printing.message_first(type(agreed), agreed, agreed.__traceback__, "a note").splitlines()
+    assert lines[0].startswith("ValueError: nope [on rank(s) 0")
+    assert lines[1].startswith(f'  File "{__file__}"') and "in <lambda>" in lines[1]  # the line that called credit_mpi
+    assert lines[2].strip().startswith("agreed = _caught(lambda: credit_mpi.allgather_or_raise(")
+    assert lines[3].startswith("(a note; ") and "frame(s) of credit_mpi left out" in lines[3]
+    assert "agreement.py" not in "\n".join(lines) and "validation.py" not in "\n".join(lines)
+    marked = _printing.raised_alike(ValueError("after"), MPI.COMM_SELF)  # no _settle on its traceback: marked
+    assert abort.agreed_printer(None, marked) == MPI.COMM_WORLD.Get_rank()
+
+
 def test_a_cause_with_other_words_is_named_not_printed():
     try:
         try:
