@@ -1,7 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - install the package + the PyPI MPICH wheel into .venv, run the end-to-end demo on 4 MPI ranks
-#   make test   - install the rest (torch, the test/io/plot extras) into .venv, run the whole test suite
-#                 (serial + MPI on 1-4 ranks)
+#   make test   - install the rest (torch, the test/io/plot/credit extras, miles-credit, timm, smp) into .venv,
+#                 run the whole test suite (serial + MPI on 1-4 ranks, 8 for the layout, 5-6 for grids; ~20 min on 2 cores)
 # The MPI is the PyPI `mpich` wheel (embedded, nothing to install system-wide).
 #   make wheel  - build dist/credit_mpi-<version>-py3-none-any.whl (pip install it anywhere, with extras)
 # pip shows its own progress (downloads are the slow part on a fresh machine).
