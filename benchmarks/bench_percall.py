@@ -2,7 +2,7 @@
 
     mpiexec -n 2 python benchmarks/bench_percall.py [--repeats 15] [--json FILE]
 
-The per-call cost table of the README: each rank holds a float32 band (B, C, h, W), the
+The per-call cost table of docs/performance.rst: each rank holds a float32 band (B, C, h, W), the
 same shapes call after call, and the script times, interleaved (so that the
 machine's noise falls on every method alike):
 

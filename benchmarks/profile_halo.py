@@ -1,4 +1,4 @@
-"""Where the time of a small halo exchange goes (the README's profile table).
+"""Where the time of a small halo exchange goes (docs/performance.rst's profile table).
 
     mpiexec -n 2 python benchmarks/profile_halo.py [--shape 4 8 23 90] [--repeats 21]
 

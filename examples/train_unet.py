@@ -113,26 +113,26 @@ def era5_like(samples: int, lat: int, lon: int, seed: int) -> torch.Tensor:
 
 
 def check_layout(plan, lat: int, domain: int) -> None:
-    """ValueError unless the skip connection joins equal bands: ``up``'s output bands must be ``enc``'s.
+    """ValueError unless describe()'s plan says the UNet runs exactly on this layout, naming the first refused row.
 
-    The stride-2 conv and the transposed conv give back the input's band
-    layout only when the latitude count is even and every band offset is a
-    multiple of 2; otherwise ``torch.cat`` would fail on some ranks only
-    (and the others would wait in the next collective). Decided from the
-    plan, which every rank computes alike without MPI.
+    Uneven bands are fine: where the stride-2 conv and the transposed conv do
+    not give back the input's bands (band offsets not multiples of 2), the
+    skip connection's ``torch.cat`` re-bands ``up``'s output to ``enc``'s.
+    What is refused is a band too thin for a layer (fewer rows than its
+    stride or its halo). Decided from the plan, which every rank computes
+    alike without MPI: the same verdict everywhere, before the first step.
     """
-    rows = {row.path: row for row in plan.rows}
-    if not plan.exact or rows["up"].bands_out != rows["enc.1"].bands_out:
-        raise ValueError(
-            f"--lat {lat} on {domain} band(s): the skip connection joins bands {list(rows['enc.1'].bands_out)} "
-            f"with {list(rows['up'].bands_out)}; {fitting(lat, domain)}"
-        )
+    refused = [row for row in plan.rows if not row.exact]
+    if refused:
+        row = refused[0]
+        raise ValueError(f"--lat {lat} on {domain} band(s): layer {row.path} ({row.kind}) does not run exactly "
+                         f"on bands {list(row.bands_in)}: {row.note}; {fitting(lat, domain)}")
 
 
 def fitting(lat: int, domain: int) -> str:
-    """What latitude counts the UNet runs on with ``domain`` bands."""
-    fits = 2 * domain * max(1, math.ceil(lat / (2 * domain)))
-    return f"the UNet needs an even latitude count cut at even band offsets, e.g. --lat {fits} (a multiple of {2 * domain})"
+    """What latitude counts the UNet runs on with ``domain`` bands: even (the skip joins 2 x (lat / 2) rows), 2 per band."""
+    fits = max(2 * domain, lat + lat % 2)
+    return f"the UNet needs an even latitude count of at least {2 * domain} (2 rows per band), e.g. --lat {fits}"
 
 
 def latitudes(lat: int) -> np.ndarray:

@@ -132,7 +132,7 @@ def _script(name: str):
 def test_per_call_benchmark_scripts_run(capsys):
     """bench_percall (every method's result checked against the others) and profile_halo run, briefly.
 
-    The README's per-call tables come from these scripts: a rename inside
+    docs/performance.rst's per-call tables come from these scripts: a rename inside
     credit_mpi must not leave them broken (bench_percall once was, unnoticed).
     """
     pytest.importorskip("torch")

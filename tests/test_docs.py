@@ -422,10 +422,10 @@ INTERNAL = ("credit_mpi.partition", "credit_mpi.validation", "credit_mpi.transpo
 
 
 def test_guide_pages_do_not_send_users_to_internal_names():
-    """README's architecture section describes the internals; the guide pages name only public things."""
+    """docs/architecture.rst describes the internals (for contributors); the guide pages name only public things."""
     offending = [
         f"{path.name}:{number}: {name}"
-        for path in sorted((ROOT / "docs").glob("*.rst")) if path.name not in ("changelog.rst", "api.rst")
+        for path in sorted((ROOT / "docs").glob("*.rst")) if path.name not in ("changelog.rst", "api.rst", "architecture.rst")
         for number, line in enumerate(path.read_text().splitlines(), 1)
         for name in INTERNAL if name in line
     ]

@@ -39,10 +39,19 @@ def example():
 
 
 def layout(size: int) -> list[str]:
-    """2 bands x 2 groups on 4 ranks; 24 latitudes on 3 ranks (band offsets that the stride-2 skip needs)."""
+    """2 bands x 2 groups on 4 ranks; 24 latitudes on 3 ranks (band offsets even: no re-band at the skip's join,
+    which moves float32/float64 only, and --bf16 joins bf16 bands; the defaults' test re-bands)."""
     dp = 2 if size == 4 else 1
     lat = 24 if size == 3 else 16
     return ["--data-parallel", str(dp), "--lat", str(lat), "--lon", "16"]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_example_runs_at_its_defaults(capsys):
+    """No layout option at all (--lat 32 on 3 ranks: bands 11/11/10, a join of bands of two layouts), a few steps."""
+    assert example().main(["--steps", "2"]) == 0
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert "loss curves equal (data from memory)" in capsys.readouterr().out
 
 
 @pytest.mark.mpi(min_size=1)
@@ -86,10 +95,17 @@ def test_example_make_store_needs_a_path(capsys):
 
 @pytest.mark.mpi(min_size=1)
 def test_example_refuses_a_layout_its_skip_connection_cannot_join():
-    """16 latitudes on 3 bands (6/5/5, offset 11), 15 on any: one ValueError on every rank before the first step."""
+    """15 latitudes (odd: the join cannot match, on any layout): one ValueError on every rank before the first step."""
+    with pytest.raises(ValueError, match=r"--lat 15[ :].*the UNet needs an even latitude count"):
+        example().main(["--data-parallel", "1", "--lat", "15", "--lon", "16", "--steps", "1"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_example_names_the_first_layer_a_thin_band_refuses():
+    """2 (size - 1) latitudes on ``size`` bands: the last band of one row gets no row of the stride-2 conv."""
     size = MPI.COMM_WORLD.Get_size()
-    lat = "16" if size == 3 else "15"
-    with pytest.raises(ValueError, match=rf"--lat {lat}[ :].*the UNet needs an even latitude count"):
+    lat = str(2 * size - 2)
+    with pytest.raises(ValueError, match=rf"--lat {lat} on {size} band\(s\): layer down.0 \(Conv2d\).*at least {2 * size}"):
         example().main(["--data-parallel", "1", "--lat", lat, "--lon", "16", "--steps", "1"])
 
 

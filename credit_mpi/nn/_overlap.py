@@ -14,7 +14,7 @@ anything else takes the plain path.
 
 MPICH (and Open MPI without a progress thread) moves a message larger than
 its eager limit only inside an MPI call, so the overlap is real for small
-halos and partial for large ones: see the README's Performance section.
+halos and partial for large ones: see docs/performance.rst.
 """
 
 from __future__ import annotations
