@@ -10,7 +10,7 @@ CREDIT writes loads (strict) into the unconverted model.
 RTOL = 2e-6: float32 (unit round-off 6e-8). Each rank sums its band's squared errors and CREDIT's
 report averages the band means, and the GroupNorm statistics and the windows are summed band by band:
 the same numbers added in another order, a few ulps apart (4e-7 measured); CREDIT's own domain
-parallel is 1e-2 off one process on the same kind of run.
+parallel is 2-6 % off one process on this run (docs/credit_trainer.rst).
 """
 
 from __future__ import annotations
