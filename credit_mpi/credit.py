@@ -130,13 +130,17 @@ def rendezvous_environment(comm) -> None:
     """
     if comm.Get_size() == 1:
         return
-    hosts = comm.allgather(socket.gethostname())
-    chosen = None
-    if comm.Get_rank() == 0:
+    from .validation import allgather_or_raise
+
+    hosts = allgather_or_raise(comm, socket.gethostname)
+
+    def choose() -> tuple[str, str] | None:
+        if comm.Get_rank() != 0:
+            return None
         addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1 else socket.gethostname())
-        port = os.environ.get("MASTER_PORT") or str(_free_port(addr))
-        chosen = addr, port
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = comm.bcast(chosen, root=0)
+        return addr, os.environ.get("MASTER_PORT") or str(_free_port(addr))
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = allgather_or_raise(comm, choose)[0]  # rank 0's, everywhere
     if not any(name in os.environ for name in LAUNCHER_VARIABLES):
         os.environ["RANK"] = str(comm.Get_rank())
 
