@@ -35,7 +35,8 @@ $(VENV)/.demo-installed: pyproject.toml
 # Everything else: torch (see TORCH / TORCH_INDEX above), the test, io, plot and credit extras, and NCAR
 # CREDIT's models without their requirements (tests/test_credit_models.py; they would swap the torch build),
 # with timm and segmentation-models-pytorch for FuXi and the smp UNet, also without theirs (torchvision:
-# the tests stand in for the parts they import and never use).
+# the tests stand in for the parts they import and never use). The credit extra also brings what CREDIT's
+# gen-2 trainer imports (optuna) for `credit-mpi credit train`.
 $(VENV)/.installed: $(VENV)/.demo-installed
 	$(PY) -m pip install "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e ".[$(EXTRAS)]"

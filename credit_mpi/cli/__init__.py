@@ -1,4 +1,4 @@
-"""The ``credit-mpi`` command: ``info``, ``demo`` and ``bench``.
+"""The ``credit-mpi`` command: ``info``, ``demo``, ``bench`` and ``credit`` (:mod:`credit_mpi.credit`).
 
 Run it under your MPI launcher, e.g.::
 
@@ -30,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import __version__
+from .. import credit as credit_mod
 from . import demo as demo_mod
 from .common import _mismatch_hint
 
@@ -99,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: mpiexec -n 4 credit-mpi info -d 2",
     )
     parser.add_argument("--version", action="version", version=f"credit_mpi {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{info,demo,bench}", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="{info,demo,bench,credit}", required=True)
 
     info = sub.add_parser("info", help="MPI library, threads, CUDA-awareness, GPUs per node, the rank layout")
     info.add_argument("-d", "--domain-size", type=_positive, default=None, help="show the layout for this domain size")
@@ -129,12 +130,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="FILE.png", default=None,
                        help="draw each op's time as a ratio to raw, with its spread (needs matplotlib)")
     bench.set_defaults(func=cmd_bench)
+    # `credit-mpi credit ...` is handed to credit_mpi.credit.main by main(); its parser here for --help and the docs
+    credit = sub.add_parser("credit", help="run NCAR CREDIT's own trainer on credit_mpi (credit-mpi credit train -c "
+                                           "config.yml)", description=credit_mod.DESCRIPTION, epilog=credit_mod.EPILOG)
+    credit_mod.add_arguments(credit)
     return parser
 
 
 def main(argv: Sequence[str] | None = None, comm: MPI.Comm | None = None) -> int:
     """Entry point of the ``credit-mpi`` console script; returns the exit status."""
     comm = MPI.COMM_WORLD if comm is None else comm
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["credit"]:
+        from ..credit import main as credit_main
+
+        return credit_main(argv[1:])
     args = _parse_on_rank0(build_parser(), argv, comm)
     say = _rank0_printer(comm)
     try:

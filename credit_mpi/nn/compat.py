@@ -19,7 +19,12 @@ layers are the wrapped classes themselves (a ``DomainParallelConv2d`` *is* an
   (``ZeroPad2d`` + ``Conv2d``) whose padding of the latitude is the field's edges only;
 * :func:`credit_modules` / :func:`credit_alias`: ``credit.domain_parallel`` and its
   submodules as modules of these names, so code written for CREDIT (its own tests
-  included) imports credit_mpi unchanged.
+  included) imports credit_mpi unchanged;
+* CREDIT's trainer mode (``credit_alias(torch_groups=True)``, what
+  :mod:`credit_mpi.credit` runs CREDIT's trainer under): the manager CREDIT's code gets is a
+  :class:`CreditManager`, whose ``domain_group`` / ``data_parallel_group`` are torch process
+  groups (CREDIT's ``gather_spatial`` and gradient averaging call ``torch.distributed`` on
+  them), while credit_mpi's layers and collectives keep the MPI communicators.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from .exchange import HaloExchange
 __all__ = [
     "DomainParallelConv2d", "DomainParallelConv3d", "DomainParallelConvTranspose2d", "DomainParallelConvTranspose3d",
     "DomainParallelGroupNorm", "DomainParallelPeriodicConv2d", "DomainParallelCrossEmbedBranch",
-    "DomainParallelInterpolate", "convert_to_domain_parallel", "credit_modules", "credit_alias",
+    "DomainParallelInterpolate", "convert_to_domain_parallel", "credit_modules", "credit_alias", "CreditManager",
 ]
 
 
@@ -175,8 +180,92 @@ def convert_to_domain_parallel(model: nn.Module, manager: Any = None, shard_dim:
     return convert(model, manager, shard_dim, custom_converters=custom_converters)
 
 
-def credit_modules() -> dict[str, types.ModuleType]:
-    """``credit.domain_parallel`` and its submodules, as modules whose names are credit_mpi's (for ``sys.modules``)."""
+class CreditManager:
+    """The manager CREDIT's trainer sees: a :class:`~credit_mpi.DomainParallelManager` whose groups are torch's.
+
+    CREDIT's own code calls ``torch.distributed`` on ``manager.domain_group`` (``gather_spatial``
+    between rollout steps, ``sync_domain_gradients``); here those are the torch groups that
+    :func:`~credit_mpi.init_torch_distributed` made with the same ranks as the MPI communicators
+    (``domain_group`` / ``data_parallel_group``). Every other attribute is the MPI manager's
+    (``mpi_manager``), which credit_mpi's layers and collectives use: the aliased functions
+    (``shard_tensor``, ``convert_to_domain_parallel``, ...) take either.
+    """
+
+    def __init__(self, mpi_manager: DomainParallelManager) -> None:
+        if mpi_manager.torch_domain_group is None:
+            raise ValueError("CreditManager needs a manager with torch groups: call "
+                             "credit_mpi.init_torch_distributed(manager) first")
+        self.mpi_manager = mpi_manager
+
+    @property
+    def domain_group(self) -> Any:
+        """The torch process group of this rank's domain group."""
+        return self.mpi_manager.torch_domain_group
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The torch process group of this rank's data-parallel group."""
+        return self.mpi_manager.torch_data_parallel_group
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "mpi_manager":  # before __init__ has set it (copy, pickle)
+            raise AttributeError(name)
+        return getattr(self.mpi_manager, name)
+
+    def __repr__(self) -> str:
+        return f"CreditManager({self.mpi_manager!r}, torch groups)"
+
+
+def _mpi_manager(manager: Any) -> Any:
+    """The MPI manager behind a :class:`CreditManager` (any other manager as it is)."""
+    return manager.mpi_manager if isinstance(manager, CreditManager) else manager
+
+
+def _torch_mode_names() -> dict[str, Any]:
+    """CREDIT's manager and sharding names where the manager CREDIT's code holds is a :class:`CreditManager`."""
+    import credit_mpi
+
+    from ..torch_bridge import init_torch_distributed
+
+    views: dict[int, CreditManager] = {}
+
+    def view(manager: DomainParallelManager | None) -> CreditManager | None:
+        if manager is None:
+            return None
+        if id(manager) not in views or views[id(manager)].mpi_manager is not manager:
+            views[id(manager)] = CreditManager(manager)
+        return views[id(manager)]
+
+    def initialize(world_size: int | None, domain_parallel_size: int, shard_dim: int = -2, **kwargs: Any):
+        """CREDIT's ``initialize_domain_parallel``, then the torch groups (reusing CREDIT's torch.distributed)."""
+        manager = initialize_domain_parallel(world_size, domain_parallel_size, shard_dim, **kwargs)
+        init_torch_distributed(manager)
+        return view(manager)
+
+    def unwrapping(function):
+        def call(*args, **kwargs):
+            args = tuple(_mpi_manager(a) for a in args)
+            return function(*args, **{k: _mpi_manager(v) for k, v in kwargs.items()})
+
+        call.__name__, call.__doc__ = function.__name__, function.__doc__
+        return call
+
+    def convert(model, manager=None, shard_dim=-2, custom_converters=None):
+        return convert_to_domain_parallel(model, _mpi_manager(manager), shard_dim, custom_converters)
+
+    return {
+        "manager": {"initialize_domain_parallel": initialize,
+                    "get_domain_parallel_manager": lambda: view(get_domain_parallel_manager())},
+        "sharding": {n: unwrapping(getattr(credit_mpi, n)) for n in ("shard_tensor", "gather_tensor", "shard_batch")},
+        "convert": {"convert_to_domain_parallel": convert},
+    }
+
+
+def credit_modules(torch_groups: bool = False) -> dict[str, types.ModuleType]:
+    """``credit.domain_parallel`` and its submodules, as modules whose names are credit_mpi's (for ``sys.modules``).
+
+    ``torch_groups=True``: CREDIT's trainer mode (see :func:`credit_alias`).
+    """
     import credit_mpi
 
     from .validate import validate_sharding_constraints
@@ -197,6 +286,9 @@ def credit_modules() -> dict[str, types.ModuleType]:
         "convert": {"convert_to_domain_parallel": convert_to_domain_parallel,
                     "validate_sharding_constraints": validate_sharding_constraints, **layers},
     }
+    if torch_groups:
+        for name, names in _torch_mode_names().items():
+            parts[name].update(names)
     modules = {}
     package = types.ModuleType("credit.domain_parallel", "credit_mpi's names under CREDIT's (credit_mpi.nn.compat)")
     package.__path__ = []
@@ -212,9 +304,17 @@ def credit_modules() -> dict[str, types.ModuleType]:
 
 
 @contextlib.contextmanager
-def credit_alias():
-    """Within: ``import credit.domain_parallel...`` gives credit_mpi's names (the previous modules restored after)."""
-    modules = credit_modules()
+def credit_alias(torch_groups: bool = False):
+    """Within: ``import credit.domain_parallel...`` gives credit_mpi's names (the previous modules restored after).
+
+    ``torch_groups=True`` is CREDIT's trainer mode: ``initialize_domain_parallel`` also calls
+    :func:`~credit_mpi.init_torch_distributed` (reusing the torch.distributed that CREDIT's setup
+    started, or starting one from the MPI job), and it and ``get_domain_parallel_manager`` give a
+    :class:`CreditManager`, whose ``domain_group`` / ``data_parallel_group`` are torch process
+    groups, since CREDIT's trainer calls ``torch.distributed`` on them. credit_mpi's layers and
+    collectives keep the MPI communicators: the aliased functions take either manager.
+    """
+    modules = credit_modules(torch_groups)
     try:
         import credit  # noqa: F401 - CREDIT installed: its other modules (the models) stay importable
     except ImportError:
