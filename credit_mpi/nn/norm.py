@@ -87,24 +87,29 @@ def global_mean_var(x: torch.Tensor, dims: list[int], comm) -> tuple[torch.Tenso
     return _combine(allgather_stats(torch.stack([torch.full_like(mean, float(count)), mean, var * count]), comm))
 
 
-def _band_stats(xa: torch.Tensor, groups: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """This band's mean, biased variance and count: torch's group-norm moments kernel (one stable pass per group).
+def _band_moments(xa: torch.Tensor, groups: int | None, eps: float):
+    """This band normalised with its own statistics, and those statistics: torch's group-norm kernel, one stable pass.
 
-    ``xa`` is ``(N, C, S)``; ``groups`` None: per channel over the samples
-    (shape ``(1, C)``: each sample's moments combined as the ranks' are),
-    else per sample and group of ``C / groups`` consecutive channels
-    (shape ``(N, groups)``). The kernel's ``1/sqrt(var + 0)`` gives the
-    variance back to round-off (its normalised output is not used).
+    ``xa`` is ``(N, C, S)``; the statistics are per sample and group of
+    channels (``groups`` None: per sample and channel), shape ``(N, G)``:
+    ``(xhat, mean, var, count)`` with ``xhat = (xa - mean) / sqrt(var + eps)``.
+    The variance comes back from the kernel's ``1/sqrt(var + eps)``, exact
+    to round-off relative to ``var + eps`` (all the normalisation uses).
     """
     n, c, s = xa.shape
     g = c if groups is None else groups
-    _, mean, rstd = torch.native_group_norm(xa.contiguous(), None, None, n, c, s, g, 0.0)  # a band view: a copy
-    mean, var = mean.reshape(n, g), rstd.reshape(n, g).pow(-2)
-    if groups is None and n > 1:
-        counts = torch.full_like(mean, float(s))
-        mean, var, _ = _combine(torch.stack([counts, mean, var * s], 1))
-        return mean.reshape(1, c), var.reshape(1, c), n * s
-    return mean, var, c // g * s
+    xhat, mean, rstd = torch.native_group_norm(xa.contiguous(), None, None, n, c, s, g, eps)  # a band view: a copy
+    var = (rstd.reshape(n, g).pow(-2) - eps).clamp_min_(0.0)
+    return xhat, mean.reshape(n, g), var, c // g * s
+
+
+def _band_stats(mean: torch.Tensor, var: torch.Tensor, count: int, groups: int | None):
+    """The statistics this band contributes: per group, or (BatchNorm) per channel, the samples combined as the ranks are."""
+    if groups is not None or mean.shape[0] == 1:
+        return mean, var, count
+    counts = torch.full_like(mean, float(count))
+    mean, var, _ = _combine(torch.stack([counts, mean, var * count], 1))
+    return mean.reshape(1, -1), var.reshape(1, -1), count * counts.shape[0]
 
 
 def _per_channel(t: torch.Tensor, channels: int) -> torch.Tensor:
@@ -169,8 +174,8 @@ class _BandNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ew, eb, groups, eps, comm, on_stats):
         acc = _acc(x.dtype)
-        xa = x.to(acc)
-        mean, var, count = _band_stats(xa, groups)
+        y, mean_l, var_l, count = _band_moments(x.to(acc), groups, eps)
+        mean, var, count = _band_stats(mean_l, var_l, count, groups)
         every = allgather_stats(torch.stack([torch.full_like(mean, float(count)), mean, var * count]), comm)
         mean, var, total = _combine(every)
         if on_stats is not None:
@@ -178,13 +183,15 @@ class _BandNorm(torch.autograd.Function):
         rstd = torch.rsqrt(var + eps)
         c = x.shape[1]
         mean_c, rstd_c = _per_channel(mean, c), _per_channel(rstd, c)
+        mean_l, rstd_l = _per_channel(mean_l, c), _per_channel(torch.rsqrt(var_l + eps), c)
+        # the band's own normalisation rescaled in place: (x - m) r w + b = xhat_l (r / r_l) w + ((m_l - m) r w + b)
         scale = rstd_c if weight is None else rstd_c * weight.to(acc)
-        shift = -mean_c * scale if bias is None else bias.to(acc) - mean_c * scale
-        y = torch.addcmul(shift.unsqueeze(-1), xa, scale.unsqueeze(-1))
+        shift = (mean_l - mean_c) * scale if bias is None else bias.to(acc) + (mean_l - mean_c) * scale
+        y = torch.addcmul(shift.unsqueeze(-1), y, (scale / rstd_l).unsqueeze(-1), out=y)
         if ew is not None:
-            y = y * _flat(ew, acc) if eb is None else torch.addcmul(_flat(eb, acc), y, _flat(ew, acc))
+            y = y.mul_(_flat(ew, acc)) if eb is None else y.mul_(_flat(ew, acc)).add_(_flat(eb, acc))
         elif eb is not None:
-            y = y + _flat(eb, acc)
+            y = y.add_(_flat(eb, acc))
         ctx.save_for_backward(x, weight, ew, mean, rstd)
         ctx.groups, ctx.comm, ctx.count = groups, comm, float(total.reshape(-1)[0])
         ctx.eb = None if eb is None else (eb.shape, eb.dtype)
