@@ -29,6 +29,7 @@ def _norms(h: int) -> dict:
         "groupnorm": lambda: nn.GroupNorm(2, 4),
         "instancenorm": lambda: nn.InstanceNorm2d(4, affine=True),
         "layernorm": lambda: nn.LayerNorm((4, h, 5), bias=False),
+        "batchnorm": lambda: nn.BatchNorm2d(4),
     }
 
 

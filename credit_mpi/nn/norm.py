@@ -4,10 +4,11 @@ GroupNorm / InstanceNorm / LayerNorm (when the sharded dim is among the
 normalised ones) and BatchNorm compute each rank's count, mean and centred
 sum of squares (``M2``) of its band, share them in ONE allgather (float64
 for float64 input, float32 otherwise), and combine them exactly (Chan et
-al.'s pairwise formula: stable, true counts, any band sizes). Group,
-Instance and LayerNorm run as one autograd Function (:func:`band_norm`) that
-keeps for backward what torch's own kernel keeps on one process (the input,
-the weight, the per-group mean and 1/std: no normalised copy), and whose
+al.'s pairwise formula: stable, true counts, any band sizes). All four run
+as one autograd Function (:func:`band_norm`) on torch's fused CPU kernels
+(the band's moments in one pass, the output in one pass) that keeps for
+backward what torch's own kernel keeps on one process (the input, the
+weight, the per-group mean and 1/std: no normalised copy), and whose
 backward gathers the two per-group sums it needs across the bands in one
 allgather; the input and parameter gradients are those of one process
 (after :func:`credit_mpi.reduce_gradients`). Once differentiable.
@@ -64,6 +65,15 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _combine(every: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global mean, biased variance and count from every rank's ``(count, mean, M2)`` rows (Chan et al., in rank order)."""
+    counts, means, m2 = every[:, 0], every[:, 1], every[:, 2]
+    total = counts.sum(0)
+    g_mean = (counts * means).sum(0) / total
+    g_m2 = (m2 + counts * (means - g_mean) ** 2).sum(0)
+    return g_mean, g_m2 / total, total
+
+
 def global_mean_var(x: torch.Tensor, dims: list[int], comm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean, biased variance and count of ``x`` over ``dims`` on every rank of ``comm`` together (differentiable).
 
@@ -74,103 +84,182 @@ def global_mean_var(x: torch.Tensor, dims: list[int], comm) -> tuple[torch.Tenso
     for d in dims:
         count *= x.shape[d]
     var, mean = torch.var_mean(xa, dim=dims, unbiased=False)
-    stats = torch.stack([torch.full_like(mean, float(count)), mean, var * count])
-    every = allgather_stats(stats, comm)  # (ranks, 3, ...)
-    counts, means, m2 = every[:, 0], every[:, 1], every[:, 2]
-    total = counts.sum(0)
-    g_mean = (counts * means).sum(0) / total
-    g_m2 = (m2 + counts * (means - g_mean) ** 2).sum(0)
-    return g_mean, g_m2 / total, total
+    return _combine(allgather_stats(torch.stack([torch.full_like(mean, float(count)), mean, var * count]), comm))
 
 
-def _normalize(x, mean, var, eps, shape):
-    """``(x - mean) / sqrt(var + eps)`` in the statistics' dtype (float32 for bf16/fp16 input).
+def _band_moments(xa: torch.Tensor, groups: int | None, eps: float):
+    """This band normalised with its own statistics, and those statistics: torch's group-norm kernel, one stable pass.
 
-    The affine step runs in that dtype too and the layer casts its output
-    back to ``x.dtype`` last (:func:`_out`), as torch's native norms do under
-    autocast: a bf16 input gives a bf16 output, not a float32 one promoted
-    by the float32 weight.
+    ``xa`` is ``(N, C, S)``; the statistics are per sample and group of
+    channels (``groups`` None: per sample and channel), shape ``(N, G)``:
+    ``(xhat, mean, var, count)`` with ``xhat = (xa - mean) / sqrt(var + eps)``.
+    The variance comes back from the kernel's ``1/sqrt(var + eps)``, exact
+    to round-off relative to ``var + eps`` (all the normalisation uses).
     """
-    xa = x.to(mean.dtype)
-    return (xa - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + eps)
+    n, c, s = xa.shape
+    g = c if groups is None else groups
+    xhat, mean, rstd = torch.native_group_norm(xa.contiguous(), None, None, n, c, s, g, eps)  # a band view: a copy
+    var = (rstd.reshape(n, g).pow(-2) - eps).clamp_min_(0.0)
+    return xhat, mean.reshape(n, g), var, c // g * s
 
 
-def _out(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The layer's output in the input's dtype (a no-op for float32/float64 input)."""
-    return y.to(x.dtype)
+def _band_stats(mean: torch.Tensor, var: torch.Tensor, count: int, groups: int | None):
+    """The statistics this band contributes: per group, or (BatchNorm) per channel, the samples combined as the ranks are."""
+    if groups is not None or mean.shape[0] == 1:
+        return mean, var, count
+    counts = torch.full_like(mean, float(count))
+    mean, var, _ = _combine(torch.stack([counts, mean, var * count], 1))
+    return mean.reshape(1, -1), var.reshape(1, -1), count * counts.shape[0]
+
+
+def _per_channel(t: torch.Tensor, channels: int) -> torch.Tensor:
+    """A per-group statistic ``(N | 1, G)`` repeated over each group's channels: ``(N | 1, C)``."""
+    return t if t.shape[1] == channels else t.repeat_interleave(channels // t.shape[1], dim=1)
+
+
+def _per_group(t: torch.Tensor, groups: int | None) -> torch.Tensor:
+    """Per ``(sample, channel)`` sums ``(N | 1, C)`` added over each group: the statistics' shape."""
+    if groups is None:
+        return t.sum(0, keepdim=True)
+    return t.reshape(t.shape[0], groups, -1).sum(-1)
+
+
+def _channel_sums(gh: torch.Tensor, xa: torch.Tensor, mean_c: torch.Tensor, rstd_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per ``(sample | 1, channel)``: the sums of ``gh`` and of ``gh * (xa - mean) * rstd`` (one fused pass, torch's kernel).
+
+    ``mean_c`` / ``rstd_c`` of shape ``(1, C)`` give per-channel sums over
+    the samples too (BatchNorm); of shape ``(N, C)``, per sample and channel.
+    """
+    n, c, s = xa.shape
+    rows = mean_c.numel()
+    view = (1, rows, -1) if mean_c.shape[0] == n and n > 1 else (n, c, s)
+    _, dsx, db = torch.ops.aten.native_batch_norm_backward(
+        gh.reshape(view), xa.reshape(view), None, mean_c.reshape(-1), rstd_c.reshape(-1).pow(-2), None, None,
+        False, 0.0, [False, True, True])
+    return db.reshape(mean_c.shape), dsx.reshape(mean_c.shape)
+
+
+def _flat(p: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """An elementwise weight or bias (this band's part, maybe a view of the parameter) as ``(1, 1, S)`` in ``acc``."""
+    return p.to(acc).reshape(1, 1, -1)
 
 
 class _BandNorm(torch.autograd.Function):
-    """Normalise over ``dims`` with the statistics of every band, then the affine step: what backward needs, nothing more.
+    """Normalise ``x`` (``(N, C, S)``) with the statistics of every band, then the affine step: torch's arithmetic and memory.
 
-    Saved for backward: the input, the weight and the per-group mean and
-    ``1/sqrt(var + eps)`` (what torch's own ``native_group_norm`` keeps on
-    one process); the normalised value is recomputed in backward rather
-    than kept (composing the step from autograd ops would keep it, the
-    centred input and the affine product: ~3x the input per layer).
-    The backward's cross-band sums (of the gradient and of the gradient
-    times the normalised value, per group) are one ``Allgather`` of every
-    rank's partial sums added in rank order: the forward's pattern, the
-    same bits on every rank. The weight and bias gradients are this band's
-    share (summed over the ranks by :func:`credit_mpi.reduce_gradients`, as
-    every parameter's). Once differentiable.
+    The statistics are per channel over the samples (``groups`` None:
+    BatchNorm) or per sample and group of channels (Group, Instance and
+    LayerNorm, the last as ``(rows, 1, normalised)``); ``weight`` / ``bias``
+    are per channel, ``ew`` / ``eb`` a weight and bias of ``S`` elements
+    (LayerNorm's, this band's part). Each band's mean and variance is one
+    fused pass (torch's batch-norm statistics kernel), every rank's
+    ``(count, mean, M2)`` one ``Allgather`` combined in rank order (Chan et
+    al.: exact on uneven bands, the same bits on every rank); the output is
+    one pass ``x * scale + shift`` per channel (as torch's CPU Batch and
+    GroupNorm compute it). Saved for backward: the input, the weight and the
+    per-group mean and ``1/sqrt(var + eps)`` (what torch's own kernels keep
+    on one process). The backward's per-channel sums of the gradient and of
+    the gradient times the normalised value are one fused pass (torch's
+    batch-norm backward kernel); their per-group totals one ``Allgather``
+    added in rank order; the input gradient two passes
+    (``x * b + c``, then ``+ g * a``, per-channel ``a``, ``b``, ``c``).
+    torch's fused SyncBatchNorm kernels (``batch_norm_stats``,
+    ``batch_norm_elemt``, ``batch_norm_backward_reduce`` / ``_elemt``) are
+    CUDA-only: these are the CPU kernels that do the same passes. The weight and bias gradients are this band's
+    share (summed over the ranks by :func:`credit_mpi.reduce_gradients`).
+    ``on_stats(mean, var, count)`` (BatchNorm's running statistics) sees
+    the global statistics. Once differentiable.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dims, eps, comm):
-        mean, var, total = global_mean_var(x, dims, comm)
-        keep = [1 if d in dims else s for d, s in enumerate(x.shape)]
-        mean = mean.reshape(keep)
-        rstd = torch.rsqrt(var.reshape(keep) + eps)
-        y = _affine((x.to(mean.dtype) - mean) * rstd, weight, bias)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.dims, ctx.comm, ctx.count = dims, comm, float(total.reshape(-1)[0])
-        ctx.bias = None if bias is None else (bias.shape, bias.dtype)
-        return _out(y, x)
+    def forward(ctx, x, weight, bias, ew, eb, groups, eps, comm, on_stats):
+        acc = _acc(x.dtype)
+        y, mean_l, var_l, count = _band_moments(x.to(acc), groups, eps)
+        mean, var, count = _band_stats(mean_l, var_l, count, groups)
+        every = allgather_stats(torch.stack([torch.full_like(mean, float(count)), mean, var * count]), comm)
+        mean, var, total = _combine(every)
+        if on_stats is not None:
+            on_stats(mean, var, total)
+        rstd = torch.rsqrt(var + eps)
+        c = x.shape[1]
+        mean_c, rstd_c = _per_channel(mean, c), _per_channel(rstd, c)
+        mean_l, rstd_l = _per_channel(mean_l, c), _per_channel(torch.rsqrt(var_l + eps), c)
+        # the band's own normalisation rescaled in place: (x - m) r w + b = xhat_l (r / r_l) w + ((m_l - m) r w + b)
+        scale = rstd_c if weight is None else rstd_c * weight.to(acc)
+        shift = (mean_l - mean_c) * scale if bias is None else bias.to(acc) + (mean_l - mean_c) * scale
+        y = torch.addcmul(shift.unsqueeze(-1), y, (scale / rstd_l).unsqueeze(-1), out=y)
+        if ew is not None:
+            y = y.mul_(_flat(ew, acc)) if eb is None else y.mul_(_flat(ew, acc)).add_(_flat(eb, acc))
+        elif eb is not None:
+            y = y.add_(_flat(eb, acc))
+        ctx.save_for_backward(x, weight, ew, mean, rstd)
+        ctx.groups, ctx.comm, ctx.count = groups, comm, float(total.reshape(-1)[0])
+        ctx.eb = None if eb is None else (eb.shape, eb.dtype)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.to(x.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         check_backward_thread()
-        x, weight, mean, rstd = ctx.saved_tensors
-        xhat = (x.to(mean.dtype) - mean) * rstd
-        g = grad.to(mean.dtype)
-        gx = gw = gb = None
-        if weight is not None and ctx.needs_input_grad[1]:
-            gw = (g * xhat).sum_to_size(weight.shape).to(weight.dtype)
-        if ctx.bias is not None and ctx.needs_input_grad[2]:
-            gb = g.sum_to_size(ctx.bias[0]).to(ctx.bias[1])
+        x, weight, ew, mean, rstd = ctx.saved_tensors
+        acc, c = mean.dtype, x.shape[1]
+        xa, g = x.to(acc), grad.to(acc)
+        mean_c, rstd_c = _per_channel(mean, c), _per_channel(rstd, c)
+        gx = gw = gb = gew = geb = None
+        if ew is not None and ctx.needs_input_grad[3]:
+            xhat = (xa - mean_c.unsqueeze(-1)) * rstd_c.unsqueeze(-1)
+            gew = (g * xhat).sum((0, 1)).reshape(ew.shape).to(ew.dtype)
+        if ctx.eb is not None and ctx.needs_input_grad[4]:
+            geb = g.sum((0, 1)).reshape(ctx.eb[0]).to(ctx.eb[1])
+        gh = g if ew is None else g * _flat(ew, acc)
+        need_w = weight is not None and ctx.needs_input_grad[1]
+        need_b = ctx.needs_input_grad[2]
+        if not (need_w or need_b or ctx.needs_input_grad[0]):
+            return gx, gw, gb, gew, geb, None, None, None, None
+        db, dsx = _channel_sums(gh, xa, mean_c, rstd_c)
+        if need_w:
+            gw = dsx.sum(0).to(weight.dtype)
+        if need_b:
+            gb = db.sum(0).to(ctx.bias_dtype)
         if ctx.needs_input_grad[0]:  # x.requires_grad is agreed by the layer: every rank gathers or none
-            gh = g if weight is None else g * weight
-            mine = torch.stack([gh.sum(ctx.dims, keepdim=True), (gh * xhat).sum(ctx.dims, keepdim=True)])
+            w = 1.0 if weight is None else weight.to(acc)
+            mine = torch.stack([_per_group(db * w, ctx.groups), _per_group(dsx * w, ctx.groups)])
             sums = allgather_stats(mine, ctx.comm).sum(0) / ctx.count
-            gx = (rstd * (gh - sums[0] - xhat * sums[1])).to(x.dtype)
-        return gx, gw, gb, None, None, None
+            s1, s2 = _per_channel(sums[0], c), _per_channel(sums[1], c)
+            b = -rstd_c * rstd_c * s2  # gx = rstd * (w g - s1 - xhat s2) as a * gh + b * x + shift, one pass each
+            shift = rstd_c * (mean_c * rstd_c * s2 - s1)
+            gx = torch.addcmul(shift.unsqueeze(-1), xa, b.unsqueeze(-1)).addcmul_(gh, (rstd_c * w).unsqueeze(-1))
+            gx = gx.to(x.dtype)
+        return gx, gw, gb, gew, geb, None, None, None, None
 
 
 @_eager
-def band_norm(x: torch.Tensor, weight, bias, dims: list[int], eps: float, comm) -> torch.Tensor:
-    """``(x - mean) / sqrt(var + eps) * weight + bias`` with the statistics over ``dims`` of every rank of ``comm``.
+def band_norm(x: torch.Tensor, weight, bias, groups: int | None, eps: float, comm, elementwise=(None, None), on_stats=None) -> torch.Tensor:
+    """Normalise ``x`` ``(N, C, *rest)`` with the statistics of every rank of ``comm``, then the affine step.
 
-    ``weight`` / ``bias`` (or None) broadcast against ``x`` (this band's
-    rows of them); the result has ``x``'s dtype, the arithmetic is in the
-    statistics' (float32 for bf16/fp16 input). Collective over ``comm``,
-    in the backward too (when ``x`` requires grad). See :class:`_BandNorm`
+    ``groups`` None: per channel over the samples and ``rest`` (BatchNorm);
+    else per sample and group of ``C / groups`` consecutive channels.
+    ``weight`` / ``bias`` (or None) are per channel; ``elementwise`` a
+    weight and bias (or None) shaped like ``rest`` (this band's part). The
+    result has ``x``'s dtype and shape, the arithmetic is in the
+    statistics' (float32 for bf16/fp16 input). Collective over ``comm``, in
+    the backward too (when ``x`` requires grad). See :class:`_BandNorm`
     for what it keeps for backward.
     """
-    return _BandNorm.apply(x, weight, bias, sorted(d % x.ndim for d in dims), float(eps), comm)
-
-
-def _affine(y: torch.Tensor, weight, bias) -> torch.Tensor:
-    if weight is not None:
-        y = y * weight
-    if bias is not None:
-        y = y + bias
-    return y
-
+    n, c = x.shape[0], x.shape[1]
+    ew, eb = elementwise
+    y = _BandNorm.apply(x.reshape(n, c, -1), weight, bias, ew, eb, groups, float(eps), comm, on_stats)
+    return y.reshape(x.shape)
 
 
 _GLOBAL_STATS = RowGeometry(note="global statistics: one allgather")  # the bands kept, the statistics over all of them
+
+
+def _layer_norm(x: torch.Tensor, k: int, weight, bias, eps: float, comm) -> torch.Tensor:
+    """LayerNorm over the last ``k`` dims on bands: one group per leading index, the (narrowed) affine elementwise."""
+    rows = math.prod(x.shape[: x.ndim - k])
+    return band_norm(x.reshape(rows, 1, -1), None, None, 1, eps, comm, elementwise=(weight, bias)).reshape(x.shape)
 
 
 def _group_traffic(n: int, groups: int, dtype: torch.dtype, grad: bool):
@@ -206,11 +295,8 @@ class DomainParallelGroupNorm(DomainParallelModule, nn.GroupNorm):
             return self.dp_spatial_axis(t, t.ndim - 2, "GroupNorm")
 
         _no_empty(self.dp_path, _agreed_sizes(self, x, axis_of))
-        n, c, g = x.shape[0], x.shape[1], self.num_groups
-        xs = x.reshape(n, g, c // g, *x.shape[2:])
-        shape = [1, g, c // g] + [1] * (x.ndim - 2)
-        w, b = (self.weight.reshape(shape), self.bias.reshape(shape)) if self.affine else (None, None)
-        return band_norm(xs, w, b, list(range(2, xs.ndim)), self.eps, manager.domain_group).reshape(x.shape)
+        w, b = (self.weight, self.bias) if self.affine else (None, None)
+        return band_norm(x, w, b, self.num_groups, self.eps, manager.domain_group)
 
 
 class _InstanceNormMixin(DomainParallelModule):
@@ -240,9 +326,8 @@ class _InstanceNormMixin(DomainParallelModule):
             return self.dp_spatial_axis(t, nd, f"InstanceNorm{nd}d")
 
         _no_empty(self.dp_path, _agreed_sizes(self, x, axis_of))
-        shape = [1, x.shape[1]] + [1] * nd
-        w, b = (self.weight.reshape(shape), self.bias.reshape(shape)) if self.affine else (None, None)
-        return band_norm(x, w, b, list(range(2, x.ndim)), self.eps, manager.domain_group)
+        w, b = (self.weight, self.bias) if self.affine else (None, None)
+        return band_norm(x, w, b, x.shape[1], self.eps, manager.domain_group)
 
 
 @layer_rule(nn.InstanceNorm1d, grid=False, refuses=_running_stats)
@@ -319,7 +404,7 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
             )
         rows = (bands.start, bands.sizes[bands.rank])
         w, b = (None if p is None else p.narrow(sd, *rows) for p in (self.weight, self.bias))
-        return band_norm(x, w, b, list(range(x.ndim - k, x.ndim)), self.eps, manager.domain_group)
+        return _layer_norm(x, k, w, b, self.eps, manager.domain_group)
 
     def _grid_forward(self, x: torch.Tensor) -> torch.Tensor:
         """On a 2-D grid: statistics over the whole grid when latitude and longitude are both normalised."""
@@ -350,7 +435,7 @@ class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
             )
         h, wd = x.shape[-2], x.shape[-1]
         w, b = (None if p is None else p.narrow(k - 2, blocks.y0, h).narrow(k - 1, blocks.x0, wd) for p in (self.weight, self.bias))
-        return band_norm(x, w, b, list(range(x.ndim - k, x.ndim)), self.eps, manager.domain_group)
+        return _layer_norm(x, k, w, b, self.eps, manager.domain_group)
 
 
 class _BatchNormMixin(DomainParallelModule):
@@ -400,21 +485,21 @@ class _BatchNormMixin(DomainParallelModule):
         agree_cached(comm, "layer", key, local, lambda plan, rows: _no_empty(self.dp_path, rows), explain=explain)
         if not use_batch:
             return super().forward(x)  # the running statistics: a pointwise map
+        on_stats = None
         if self.training and self.track_running_stats:
             self.num_batches_tracked.add_(1)
-        dims = [0] + list(range(2, x.ndim))
-        mean, var, total = global_mean_var(x, dims, comm)  # every rank of the manager: domain x data parallel
-        if self.training and self.track_running_stats:
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-            with torch.no_grad():
-                unbiased = var * (total / (total - 1))
-                self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
-                self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
-        shape = [1, -1] + [1] * (x.ndim - 2)
-        y = _normalize(x, mean, var, self.eps, shape)
-        if self.affine:
-            y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
-        return _out(y, x)
+            on_stats = self._update_running_stats
+        w, b = (self.weight, self.bias) if self.affine else (None, None)
+        return band_norm(x, w, b, None, self.eps, comm, on_stats=on_stats)  # every rank of the manager: domain x data parallel
+
+    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, total: torch.Tensor) -> None:
+        """torch's update from the global batch statistics: the unbiased variance from the global count."""
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        with torch.no_grad():
+            mean, var, total = mean.reshape(-1), var.reshape(-1), total.reshape(-1)
+            unbiased = var * (total / (total - 1))
+            self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+            self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
 
 
 @layer_rule(nn.BatchNorm1d)
