@@ -216,7 +216,7 @@ class _ConvMixin(DomainParallelModule):
 
     def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
         """A halo of the input's rows forward; its gradients home backward (the input requires grad)."""
-        return halo_rule(n, width, row_bytes(shape_in, axis, dtype.itemsize), _BOUNDARY[self.padding_mode], grad)
+        return halo_rule(n, width, row_bytes(shape_in, axis, dtype.itemsize), _BOUNDARY[self.padding_mode], grad, quiet=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp_local(x):
@@ -227,7 +227,8 @@ class _ConvMixin(DomainParallelModule):
         overlap = bool(OVERLAP)  # agreed with the input: it decides the exchange's MPI calls
         edge = self.__dict__.get("dp_edge_rows")
         bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path,
-                      extra=lambda: ("overlap", overlap, edge), mode=self.dp_mode())
+                      extra=lambda: ("overlap", overlap, edge), mode=self.dp_mode(),
+                      quiet=lambda b: self.dp_no_halo(b.sizes, b.axis - (x.ndim - nd)))
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         geo = self.dp_geometry(bands.sizes, sd)
@@ -326,7 +327,7 @@ class _ConvTransposeMixin(DomainParallelModule):
 
     def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
         """The overlap-add of the output's rows forward; back whenever the input or the weight requires grad."""
-        return halo_rule(n, width, row_bytes(shape_out, axis, dtype.itemsize), None, grad or weight_grad)
+        return halo_rule(n, width, row_bytes(shape_out, axis, dtype.itemsize), None, grad or weight_grad, quiet=True)
 
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         if self.dp_local(x):
@@ -342,7 +343,8 @@ class _ConvTransposeMixin(DomainParallelModule):
                 raise ValueError(f"{self.dp_path}: padding_mode={self.padding_mode!r} (torch supports only 'zeros')")
             return self.dp_spatial_axis(t, nd, type(self).__name__)
 
-        bands = agree(x, axis_of, manager.domain_group, self.dp_path, self._records, mode=self.dp_mode())
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path, self._records, mode=self.dp_mode(),
+                      quiet=lambda b: self.dp_no_halo(b.sizes, b.axis - (x.ndim - nd)))
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         lay = self.dp_geometry(bands.sizes, sd).layout
