@@ -335,11 +335,14 @@ class ForwardGuard:
 def _inputs_described(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     """What of a forward's inputs decides its layers' calls: every tensor's shape, dtype, device and autograd state,
     the other values' reprs, the grad mode and the root's training mode (:func:`forward_start` compares it)."""
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    grad = torch.is_grad_enabled()
-    return (grad, bool(module.training), tuple(
-        (tuple(t.shape), str(t.dtype), t.device.type, bool(grad and t.requires_grad)) if isinstance(t, torch.Tensor)
-        else repr(t) for t in leaves))
+    try:
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        grad = torch.is_grad_enabled()
+        return (grad, bool(module.training), tuple(
+            (tuple(t.shape), str(t.dtype), t.device.type, bool(grad and t.requires_grad)) if isinstance(t, torch.Tensor)
+            else repr(t) for t in leaves))
+    except Exception:  # noqa: BLE001 - an input without a repr: equal to nothing (every layer agrees this forward)
+        return (object(),)
 
 
 def _at_root(tracker: Any, module: torch.nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
