@@ -23,7 +23,9 @@ this module's names.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
+import threading
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
@@ -45,6 +47,9 @@ __all__ = [
     "forget_agreements",
     "on_forget",
     "remembered",
+    "quiet_forward",
+    "quiet_known",
+    "remember_quiet",
     "register_operation",
     "comm_label",
     "digest",
@@ -440,6 +445,67 @@ def remembered(comm: MPI.Comm, operation: str, key: Hashable | None, check: bool
     return entry
 
 
+class _Quiet(threading.local):
+    """The converted forward under way on this thread: None (none), ``"learn"`` or ``"skip"`` (:func:`quiet_forward`)."""
+
+    mode: str | None = None
+
+
+_QUIET = _Quiet()
+# per communicator: key -> result of an agreement after which its layer makes no MPI call (:func:`remember_quiet`)
+_QUIET_KNOWN: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+@contextlib.contextmanager
+def quiet_forward(comm: MPI.Comm, same: bool):
+    """Within: a converted forward on ``comm`` whose layers may skip the agreements of the calls that make no MPI call.
+
+    ``same`` must be agreed (the same on every rank): every rank's inputs to the forward are those of its
+    last forward. Then a layer call whose key and plan this rank remembered from an earlier forward as
+    making no MPI call (:func:`remember_quiet`) skips its agreement: every rank remembered the same calls
+    (what is remembered is decided by agreed plans, and forgotten on every rank of ``comm`` at once, when
+    ``same`` is False), so every rank skips the same ones, and the next agreement still meets every rank.
+    A rank whose call nevertheless differs (a shape that depends on the data) agrees while the others
+    skip: its agreement meets theirs of the next layer (or the forward's last one), and every rank raises
+    the same error (the ranks are in different steps of the model); a rank that raises alone inside a
+    skipped layer meets the next agreement with its failure, as before. Not across a change of inputs:
+    ``same`` False forgets what ``comm``'s forwards remembered and every layer agrees (and learns again).
+    """
+    if not same:
+        _QUIET_KNOWN.pop(id(comm), None)
+    before = _QUIET.mode
+    _QUIET.mode = "skip" if same else "learn"
+    try:
+        yield
+    finally:
+        _QUIET.mode = before
+
+
+def quiet_known(comm: MPI.Comm, key: Hashable | None) -> tuple[Any] | None:
+    """``(result,)`` of a call that makes no MPI call after its agreement, remembered on ``comm`` for ``key``,
+    when the converted forward under way may skip it (:func:`quiet_forward`); else None (agree). No MPI call."""
+    if _QUIET.mode != "skip" or key is None:
+        return None
+    known = _QUIET_KNOWN.get(id(comm))
+    if known is None or known[0]() is not comm:
+        return None
+    return known[1].get(key)
+
+
+def remember_quiet(comm: MPI.Comm, key: Hashable | None, result: Any) -> None:
+    """Remember that the call ``key`` on ``comm`` (agreed, with ``result``) makes no MPI call after its agreement.
+
+    Only inside a converted forward (:func:`quiet_forward`), and only from an agreed plan (the same
+    decision on every rank).
+    """
+    if _QUIET.mode is None or key is None:
+        return
+    known = _QUIET_KNOWN.get(id(comm))
+    if known is None or known[0]() is not comm:
+        known = _QUIET_KNOWN[id(comm)] = (weakref.ref(comm), {})
+    known[1][key] = (result,)
+
+
 def forget_agreements(comm: MPI.Comm | None = None) -> None:
     """Forget the remembered agreements on ``comm`` (default: all); the next call of each operation plans again.
 
@@ -451,7 +517,9 @@ def forget_agreements(comm: MPI.Comm | None = None) -> None:
         hook(comm)
     if comm is None:
         _AGREED.clear()
+        _QUIET_KNOWN.clear()
         return
+    _QUIET_KNOWN.pop(id(comm), None)
     for full in [full for full, entry in _AGREED.items() if entry.comm is None or entry.comm is comm]:
         del _AGREED[full]
 

@@ -191,3 +191,69 @@ def test_overlap_set_on_one_rank_only_raises_on_every_rank(make_manager, monkeyp
         message = same_error_everywhere(manager.domain_group, lambda m=model, x=x: m(x), ValueError)
         assert "overlap" in message
         monkeypatch.setattr(conv, "OVERLAP", False)
+
+
+class _Squeeze(nn.Module):
+    """A 3x3 conv, two 1x1 convs, and a 1x1 conv on the global mean (a replicated input): squeeze-excite's shape."""
+
+    def __init__(self, quiet: bool):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.quiet = nn.Sequential(nn.Conv2d(2, 2, 1), nn.Conv2d(2, 2, 1), nn.ReLU()) if quiet else nn.Identity()
+        self.excite = nn.Conv2d(2, 2, 1) if quiet else nn.Identity()
+
+    def forward(self, x):
+        y = self.quiet(self.conv(x))
+        return y * torch.sigmoid(self.excite(y.mean((2, 3), keepdim=True)))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_layers_that_make_no_mpi_call_skip_their_agreement_in_a_repeated_step(make_manager):
+    """1x1 convs and a conv on a replicated mean agree on the first step only: a repeated step makes as many agreements
+    as the model without them (the 3x3 conv's and the mean's, the forward's first and last); the step stays exact."""
+    from credit_mpi.nn import convert_to_domain_parallel
+
+    from .nn_reference import assert_same, run_both
+
+    for d, manager, x in _domains(make_manager):
+        counts = []
+        for quiet in (False, True):
+            model = convert_to_domain_parallel(_Squeeze(quiet).double(), manager)
+            first = _agreements(lambda m=model, x=x: m(x).sum().backward())
+            counts.append(_agreements(lambda m=model, x=x: m(x).sum().backward()))
+            if quiet:
+                assert first == counts[1] + 3, (first, counts)  # the two 1x1 convs and the conv on the replicated mean
+        assert counts[0] == counts[1] == 4, counts  # forward start, the 3x3 conv, the mean, forward done
+        assert_same(run_both(lambda: _Squeeze(True), (1, 2, 4 * d + d - 1, 5), manager, seed=d, steps=2))
+
+
+class _Trim(nn.Module):
+    """A 1x1 conv, then (on one rank, when ``odd`` is set) a column less, then another 1x1 conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.odd = nn.Conv2d(2, 2, 1), nn.Conv2d(2, 2, 1), False
+
+    def forward(self, x):
+        y = self.a(x)
+        return self.b(y[..., :-1] if self.odd else y)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_whose_skipped_layer_sees_another_input_raises_on_every_rank(make_manager):
+    """A shape that changes on one rank only inside the forward (its inputs unchanged): that rank agrees where the
+    others skip, the agreements meet, and every rank raises (no wait)."""
+    from credit_mpi.nn import convert_to_domain_parallel
+    from credit_mpi.validation import DomainParallelError
+
+    from .nn_reference import same_error_everywhere
+
+    for d, manager, x in _domains(make_manager):
+        model = convert_to_domain_parallel(_Trim().double(), manager)
+        model(x), model(x)  # learned: both convs make no MPI call
+        model.odd = manager.domain_rank == d - 1
+        message = same_error_everywhere(manager.domain_group, lambda m=model, x=x: m(x), DomainParallelError)
+        # the rank that agreed names the steps, the others the calls that met theirs (forward done)
+        assert "different steps of the model" in message or "made different calls" in message, message
+        model.odd = False
+        model(x)  # and the next forward runs again (what was remembered is consistent on every rank)

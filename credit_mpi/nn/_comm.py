@@ -29,6 +29,7 @@ import torch
 from mpi4py import MPI
 
 from .._printing import settled_comm
+from ..agreement import quiet_known, remember_quiet
 from ..blocks import decode_block, encode_block, grid_comm
 from ..engine import Op, agreed_plan, apply_agreed
 from ..grid import grid_coords, grid_of
@@ -82,7 +83,7 @@ class Bands:
 
 @_eager
 def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Comm, path: str, extra: Callable[[], Any] | None = None,
-          *, mode: tuple = (True, "")) -> Bands:
+          *, mode: tuple = (True, ""), quiet: Callable[[Bands], bool] | None = None) -> Bands:
     """Every rank's rows of ``x`` along ``axis_of(x)`` (collective over ``comm``).
 
     ``axis_of`` runs the layer's local checks and returns the sharded axis;
@@ -98,6 +99,11 @@ def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Com
     a call shape seen before is remembered, so a layer called with the same
     shapes step after step does not plan again. A change on any rank is
     still seen by every rank (its header differs).
+
+    ``quiet(bands)``: True when the layer makes no MPI call with these (agreed) bands (a 1x1 conv, a
+    pooling whose windows stay in the band). Inside a converted forward whose inputs are the last
+    one's on every rank, such a call seen before skips its agreement
+    (:func:`credit_mpi.agreement.quiet_forward` says why every rank skips the same calls).
     """
 
     def describe(axis: int) -> tuple:
@@ -124,7 +130,13 @@ def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Com
         hash(key)
     except Exception:  # noqa: BLE001 - local() raises it again inside the agreement, on every rank
         key = None
-    return agree_cached(comm, "layer", key, local, finish, explain=explain)
+    known = quiet_known(comm, key) if quiet is not None else None
+    if known is not None:
+        return known[0]
+    bands = agree_cached(comm, "layer", key, local, finish, explain=explain)
+    if quiet is not None and quiet(bands):
+        remember_quiet(comm, key, bands)
+    return bands
 
 
 def agreed_already(exc: BaseException) -> bool:
@@ -163,6 +175,15 @@ def share_failure(comm: MPI.Comm, exc: Exception) -> NoReturn:
     if str(shared) == f"{exc} [on rank(s) {everyone} of {comm_label(comm)}]":
         raise exc
     raise shared from exc
+
+
+@_eager
+def forward_start(comm: MPI.Comm, mine: tuple, last: tuple | None) -> bool:
+    """The first agreement of a converted forward (one fixed-size ``Allgather``): True on every rank when every
+    rank's inputs (``mine``: their description) are those of its last forward (``last``), so the layers that
+    make no MPI call may skip their agreements (:func:`credit_mpi.agreement.quiet_forward`)."""
+    _, counts = agree_once(comm, "layer", lambda: Local(None, ("forward start",), (), int(mine == last)))
+    return all(counts)
 
 
 @_eager

@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
+from ..agreement import quiet_forward, quiet_known, remember_quiet
 from ..grid import grid_of
 from ..manager import DomainParallelManager
 from ..partition import normalize_dim
 from ..validation import Local
 from ..validation import agree as agree_once
-from ._comm import ConversionError, forward_done, share_failure
+from ._comm import ConversionError, forward_done, forward_start, share_failure
 from .geometry import RowGeometry
 from .replicated import is_replicated
 
@@ -112,8 +113,9 @@ class DomainParallelModule:
     dp_shard_dim: int
     dp_path: str
 
-    #: Agreements of one call on a replicated input (a global mean's): the layer's own agreement, one.
-    dp_local_agreements = 1
+    #: Agreements of one repeated call on a replicated input (a global mean's): none (the first call's one agreement
+    #: is remembered: the layer makes no MPI call, :func:`credit_mpi.agreement.quiet_forward`).
+    dp_local_agreements = 0
 
     #: The layer's spatial dims (a conv's, a pooling's: its kernel's), None: every dim after ``(N, C)``.
     _nd: int | None = None
@@ -130,6 +132,13 @@ class DomainParallelModule:
         global rows, where the layer needs them): the one place its forward, ``describe()`` and the traffic count
         read it. The default: the output keeps the input's bands (a pointwise layer)."""
         return RowGeometry()
+
+    def dp_no_halo(self, sizes: list[int], sd: int) -> bool:
+        """True when a call on bands ``sizes`` (agreed) reads and writes no row of another band (a 1x1 conv, a pooling
+        whose windows stay in the band): a windowed layer whose layout has no halo makes no MPI call after its
+        agreement, so a repeat of it may skip that (:func:`credit_mpi.agreement.quiet_forward`)."""
+        lay = self.dp_geometry(sizes, sd).layout
+        return lay is not None and not lay.problem and not lay.width
 
     def dp_traffic(self, shape_in: tuple[int, ...], shape_out: tuple[int, ...], dtype: torch.dtype, axis: int, n: int,
                    width: int, grad: bool, weight_grad: bool) -> Callable[[int], Any] | None:
@@ -180,8 +189,11 @@ class DomainParallelModule:
             return True
         if not is_replicated(x):
             return False
-        shape, dtype = tuple(x.shape), str(x.dtype)
-        agree_once(self.dp_manager.domain_group, "layer", lambda: Local(("replicated", shape), ("replicated", shape, dtype)))
+        shape, dtype, comm = tuple(x.shape), str(x.dtype), self.dp_manager.domain_group
+        key = ("replicated", self.dp_path, shape, dtype)  # the layer then makes no MPI call: skipped once known
+        if quiet_known(comm, key) is None:
+            agree_once(comm, "layer", lambda: Local(("replicated", shape), ("replicated", shape, dtype)))
+            remember_quiet(comm, key, True)
         return True
 
     def dp_mode(self) -> tuple[bool, str]:
@@ -281,6 +293,7 @@ class ForwardGuard:
 
     def __init__(self, module: torch.nn.Module, ref: ManagerRef, shard_dim: int = -2) -> None:
         self.module, self.ref, self.shard_dim = module, ref, shard_dim
+        self._last_inputs: tuple | None = None  # this rank's inputs to the last forward (forward_start compares them)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, manager = self.module, self.ref.manager
@@ -294,8 +307,11 @@ class ForwardGuard:
         """The judged, shared forward; under ``torch.compile`` this frame stays eager (the judge and the
         agreements must run every call), the model's own forward below it is still compiled."""
         comm = manager.domain_group
+        mine = _inputs_described(module, args, kwargs)
+        same = forward_start(comm, mine, self._last_inputs)
+        self._last_inputs = mine
         try:
-            with judged(module, self.shard_dim, manager, (args, kwargs)) as tracker:
+            with quiet_forward(comm, same), judged(module, self.shard_dim, manager, (args, kwargs)) as tracker:
                 out = _at_root(tracker, module, forward, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - raised again on every rank
             share_failure(comm, exc)
@@ -314,6 +330,19 @@ class ForwardGuard:
 
     def __reduce__(self):
         return (ForwardGuard, (self.module, self.ref, self.shard_dim))
+
+
+def _inputs_described(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """What of a forward's inputs decides its layers' calls: every tensor's shape, dtype, device and autograd state,
+    the other values' reprs, the grad mode and the root's training mode (:func:`forward_start` compares it)."""
+    try:
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        grad = torch.is_grad_enabled()
+        return (grad, bool(module.training), tuple(
+            (tuple(t.shape), str(t.dtype), t.device.type, bool(grad and t.requires_grad)) if isinstance(t, torch.Tensor)
+            else repr(t) for t in leaves))
+    except Exception:  # noqa: BLE001 - an input without a repr: equal to nothing (every layer agrees this forward)
+        return (object(),)
 
 
 def _at_root(tracker: Any, module: torch.nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:

@@ -22,6 +22,8 @@ their overlap to the neighbouring blocks, corners included.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,8 +45,10 @@ __all__ = [
     "DomainParallelConvTranspose2d",
     "DomainParallelConvTranspose3d",
     "DomainParallelPeriodicConv2d",
+    "ConvSpec",
     "conv_paddings",
     "fold_edge_rows",
+    "halo_conv",
 ]
 
 #: Overlap a band convolution's halo exchange with its interior rows (:mod:`credit_mpi.nn._overlap`).
@@ -118,6 +122,91 @@ def transposed_layout(module: nn.Module, sizes: list[int], sd: int) -> geometry.
     )
 
 
+class ConvSpec(NamedTuple):
+    """The settings of a band convolution's kernel call (the sharded dim unpadded: its halo rows are fetched)."""
+
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+
+
+class _EdgeRows(torch.autograd.Function):
+    """Copies of the first ``top`` and last ``bottom`` rows of ``rows`` along ``axis`` (the fetched halo rows).
+
+    What a band convolution keeps of its padded input besides the band itself: the padded tensor is not
+    kept (its storage is freed after the forward). Backward: the rows' gradients in place, zeros between;
+    it runs in a second backward only (:class:`_HaloConv` sends the first one's gradient to ``rows``).
+    """
+
+    @staticmethod
+    def forward(ctx, rows, axis, top, bottom):
+        n = rows.shape[axis]
+        ctx.axis, ctx.shape = axis, rows.shape
+        ctx.set_materialize_grads(False)
+        return rows.narrow(axis, 0, top).clone(), rows.narrow(axis, n - bottom, bottom).clone()
+
+    @staticmethod
+    def backward(ctx, g_top, g_bottom):
+        if g_top is None and g_bottom is None:
+            return None, None, None, None
+        shape = list(ctx.shape)
+        if g_top is None:
+            g_top = g_bottom.new_zeros([0 if d == ctx.axis else s for d, s in enumerate(shape)])
+        if g_bottom is None:
+            g_bottom = g_top.new_zeros([0 if d == ctx.axis else s for d, s in enumerate(shape)])
+        shape[ctx.axis] -= g_top.shape[ctx.axis] + g_bottom.shape[ctx.axis]
+        return torch.cat([g_top, g_top.new_zeros(shape), g_bottom], ctx.axis), None, None, None
+
+
+class _HaloConv(torch.autograd.Function):
+    """``conv(rows)`` that keeps ``top``, ``mid`` and ``bottom`` (``rows`` = their concatenation along ``axis``) for backward.
+
+    ``mid`` is a view of the band, which the unconverted convolution keeps too; ``top`` and ``bottom`` are
+    the halo rows (:class:`_EdgeRows`). Backward rebuilds ``rows`` and runs torch's own convolution
+    backward (``aten.convolution_backward``: the kernel ``F.conv*``'s backward runs, so the numbers are
+    the same); the input gradient goes to ``rows`` (on to the halo exchange's adjoint, as the plain
+    convolution's does). Twice differentiable: the backward is torch ops on the saved pieces, which are
+    joined to ``x`` (``mid`` a view of it, the halo rows through the exchange).
+    """
+
+    @staticmethod
+    def forward(ctx, rows, top, mid, bottom, weight, bias, axis, spec):
+        ctx.axis, ctx.spec, ctx.bias_sizes = axis, spec, None if bias is None else list(bias.shape)
+        ctx.save_for_backward(top, mid, bottom, weight)
+        return _CONV[weight.ndim - 2](rows, weight, bias, spec.stride, spec.padding, spec.dilation, spec.groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        top, mid, bottom, weight = ctx.saved_tensors
+        spec, axis = ctx.spec, ctx.axis
+        need = ctx.needs_input_grad
+        rows = torch.cat([top, mid, bottom], axis)
+        g_in, g_w, g_b = torch.ops.aten.convolution_backward(
+            grad, rows, weight, ctx.bias_sizes, list(spec.stride), list(spec.padding), list(spec.dilation), False,
+            [0] * len(spec.stride), spec.groups, [need[0], need[4], need[5] and ctx.bias_sizes is not None])
+        return g_in, None, None, None, g_w, g_b, None, None
+
+
+def halo_conv(x: torch.Tensor, rows: torch.Tensor, first: int, axis: int, weight: torch.Tensor,
+              bias: torch.Tensor | None, spec: ConvSpec) -> torch.Tensor:
+    """The convolution of ``rows`` (the band ``x`` with its fetched halo: ``rows``' row ``i`` is the band's row ``first + i``).
+
+    The output is ``conv(rows)``'s, and autograd keeps what the unconverted convolution keeps on the band
+    (a view of ``x``) plus the halo rows, not the padded copy. The kernel of a band convolution, callable
+    on its own (the function-level rules run ``F.conv*`` on bands through it).
+    """
+    n, m = rows.shape[axis], x.shape[axis]
+    lo, hi = max(first, 0), min(first + n, m)
+    recorded = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad
+                                            or (bias is not None and bias.requires_grad))
+    if hi <= lo or not recorded or torch.is_autocast_enabled(x.device.type):  # nothing kept, or autocast's casts
+        return _CONV[weight.ndim - 2](rows, weight, bias, spec.stride, spec.padding, spec.dilation, spec.groups)
+    top = lo - first
+    top_rows, bottom_rows = _EdgeRows.apply(rows, axis, top, n - top - (hi - lo))
+    return _HaloConv.apply(rows, top_rows, x.narrow(axis, lo, hi - lo), bottom_rows, weight, bias, axis, spec)
+
+
 class _ConvMixin(DomainParallelModule):
     _nd = 2
 
@@ -127,7 +216,7 @@ class _ConvMixin(DomainParallelModule):
 
     def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
         """A halo of the input's rows forward; its gradients home backward (the input requires grad)."""
-        return halo_rule(n, width, row_bytes(shape_in, axis, dtype.itemsize), _BOUNDARY[self.padding_mode], grad)
+        return halo_rule(n, width, row_bytes(shape_in, axis, dtype.itemsize), _BOUNDARY[self.padding_mode], grad, quiet=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp_local(x):
@@ -138,7 +227,8 @@ class _ConvMixin(DomainParallelModule):
         overlap = bool(OVERLAP)  # agreed with the input: it decides the exchange's MPI calls
         edge = self.__dict__.get("dp_edge_rows")
         bands = agree(x, lambda t: self.dp_spatial_axis(t, nd, type(self).__name__), manager.domain_group, self.dp_path,
-                      extra=lambda: ("overlap", overlap, edge), mode=self.dp_mode())
+                      extra=lambda: ("overlap", overlap, edge), mode=self.dp_mode(),
+                      quiet=lambda b: self.dp_no_halo(b.sizes, b.axis - (x.ndim - nd)))
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         geo = self.dp_geometry(bands.sizes, sd)
@@ -158,7 +248,10 @@ class _ConvMixin(DomainParallelModule):
                 return overlapped_conv(x, conv, axis, lay.width, band.in_lo - (bands.start - lay.width),
                                        band.out_stop - band.out_start, self.stride[sd], span,
                                        manager.domain_group, neighbours, every[bands.rank])
-        return conv(fetch_rows(x, bands, band.in_lo, band.in_hi, lay.width, manager, boundary))
+        rows = fetch_rows(x, bands, band.in_lo, band.in_hi, lay.width, manager, boundary)
+        if not lay.width or not conv.plain:  # the rows are x's own (a view), or padded again in another dim (as torch's)
+            return conv(rows)
+        return halo_conv(x, rows, band.in_lo - bands.start, axis, self.weight, self.bias, conv.spec)
 
     def _band_conv(self, sd: int):
         """The convolution of fetched rows (the sharded dim's halo in, no padding along it): the other dims padded like the module."""
@@ -179,6 +272,8 @@ class _ConvMixin(DomainParallelModule):
                 rows = F.pad(rows, pad[0], mode=pad[1])
             return _CONV[nd](rows, self.weight, self.bias, self.stride, conv_padding, self.dilation, self.groups)
 
+        conv.plain = pad is None  # type: ignore[attr-defined]
+        conv.spec = ConvSpec(tuple(self.stride), tuple(conv_padding), tuple(self.dilation), self.groups)  # type: ignore[attr-defined]
         return conv
 
     def _grid_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,7 +327,7 @@ class _ConvTransposeMixin(DomainParallelModule):
 
     def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
         """The overlap-add of the output's rows forward; back whenever the input or the weight requires grad."""
-        return halo_rule(n, width, row_bytes(shape_out, axis, dtype.itemsize), None, grad or weight_grad)
+        return halo_rule(n, width, row_bytes(shape_out, axis, dtype.itemsize), None, grad or weight_grad, quiet=True)
 
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         if self.dp_local(x):
@@ -248,7 +343,8 @@ class _ConvTransposeMixin(DomainParallelModule):
                 raise ValueError(f"{self.dp_path}: padding_mode={self.padding_mode!r} (torch supports only 'zeros')")
             return self.dp_spatial_axis(t, nd, type(self).__name__)
 
-        bands = agree(x, axis_of, manager.domain_group, self.dp_path, self._records, mode=self.dp_mode())
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path, self._records, mode=self.dp_mode(),
+                      quiet=lambda b: self.dp_no_halo(b.sizes, b.axis - (x.ndim - nd)))
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         lay = self.dp_geometry(bands.sizes, sd).layout

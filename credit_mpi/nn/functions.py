@@ -1670,11 +1670,11 @@ def _rows_and_target(tr, x, p, target, path: str) -> tuple[tuple[int, ...], tupl
     """Every band's rows of ``x`` and of an interpolation's target read from a band: agreed at run time, the layouts in
     the dry run (``x``'s own or its height's; the target's from its :class:`Extent`)."""
     if tr.manager is not None:
-        from ..ops.reband import agree_rows
+        from ..ops.reband import agree_rows, one_layout
 
         with torch._C.DisableTorchFunction():
             mine, theirs = agree_rows([x.shape[p.dim], int(target)], [x], p.dim, tr.manager.domain_group,
-                                      f"{path}: interpolate(size=)")
+                                      f"{path}: interpolate(size=)", quiet=one_layout)  # moves nothing: skipped
         return mine, theirs
     mine = tuple(tr.band_sizes(x.shape[p.dim]))
     bands = getattr(target, "bands", None)

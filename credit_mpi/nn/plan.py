@@ -116,13 +116,14 @@ class Plan:
 
     @property
     def traffic(self) -> tuple[Traffic, ...] | None:
-        """What each rank sends in one forward and backward (every layer, and the forward's last agreement).
+        """What each rank sends in one repeated forward and backward (every layer, and the forward's first and last
+        agreements; a layer that makes no MPI call skips its agreement in a repeated step).
 
         None when a layer has no traffic rule (or on a refused layer).
         """
         if any(r.traffic is None for r in self.rows):
             return None
-        end = Traffic(agreements=1) if self.domain_size > 1 else Traffic()
+        end = Traffic(agreements=2) if self.domain_size > 1 else Traffic()
         total = [end] * self.domain_size
         for r in self.rows:
             total = [a + b for a, b in zip(total, r.traffic, strict=True)]

@@ -113,9 +113,10 @@ def _rows_layout(module, sizes: list[int], w: torch.Tensor) -> geometry.Layout:
     return geometry.resample_layout(sizes, w.shape[0], _support(w), stored_size_bands(module, len(sizes), w.shape[0]))
 
 
-def _input_halo(shape_in, dtype, axis: int, n: int, width: int, grad: bool):
-    """The traffic of a halo of the input's rows (zero edges), back when the input requires grad."""
-    return halo_rule(n, width, row_bytes(shape_in, axis, dtype.itemsize), "zero", grad)
+def _input_halo(shape_in, dtype, axis: int, n: int, width: int, grad: bool, quiet: bool = False):
+    """The traffic of a halo of the input's rows (zero edges), back when the input requires grad (``quiet``: see
+    :func:`credit_mpi.nn.traffic.halo_rule`)."""
+    return halo_rule(n, width, row_bytes(shape_in, axis, dtype.itemsize), "zero", grad, quiet)
 
 
 def _apply_rows(module, x, bands, w: torch.Tensor):
@@ -152,7 +153,7 @@ class _InterpolateMixin(DomainParallelModule):
 
     def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
         """A halo of the input's rows."""
-        return _input_halo(shape_in, dtype, axis, n, width, grad)
+        return _input_halo(shape_in, dtype, axis, n, width, grad, quiet=True)
 
     def _interp(self, x, size, scale_factor, mode, align_corners, recompute, antialias=False):
         nd = x.ndim - 2
@@ -167,12 +168,21 @@ class _InterpolateMixin(DomainParallelModule):
                 raise ValueError(f"{self.dp_path}: give exactly one of size and scale_factor")
             return self.dp_spatial_axis(t, nd, "interpolate")
 
-        bands = agree(x, axis_of, manager.domain_group, self.dp_path, lambda: (size, scale_factor, mode, align_corners),
-                      mode=self.dp_mode())
-        sd = bands.axis - 2
         sizes, scales = _per_dim(size, nd), _per_dim(scale_factor, nd)
-        w = resample_matrix(mode, bands.total, sizes[sd], None if scale_factor is None else float(scales[sd]),
-                            align_corners, recompute)
+
+        def matrix(b):
+            sd = b.axis - 2
+            return resample_matrix(mode, b.total, sizes[sd], None if scale_factor is None else float(scales[sd]),
+                                   align_corners, recompute)
+
+        def quiet(b) -> bool:  # no halo row (nearest by an integer factor on bands of whole cells): no MPI call
+            lay = _rows_layout(self, b.sizes, matrix(b))
+            return not lay.problem and not lay.width
+
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path, lambda: (size, scale_factor, mode, align_corners),
+                      mode=self.dp_mode(), quiet=quiet)
+        sd = bands.axis - 2
+        w = matrix(bands)
         y = _apply_rows(self, x, bands, w)
         kw = {"mode": mode}
         if mode in ("linear", "bilinear", "bicubic", "trilinear"):
@@ -242,7 +252,7 @@ class _PoolMixin(DomainParallelModule):
 
     def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
         """A halo of the input's rows."""
-        return _input_halo(shape_in, dtype, axis, n, width, grad)
+        return _input_halo(shape_in, dtype, axis, n, width, grad, quiet=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp_local(x):
@@ -254,7 +264,8 @@ class _PoolMixin(DomainParallelModule):
                 raise ValueError(f"{self.dp_path}: return_indices=True has no rule on bands (the indices would be local)")
             return self.dp_spatial_axis(t, nd, type(self).__name__)
 
-        bands = agree(x, axis_of, manager.domain_group, self.dp_path, mode=self.dp_mode())
+        bands = agree(x, axis_of, manager.domain_group, self.dp_path, mode=self.dp_mode(),
+                      quiet=lambda b: self.dp_no_halo(b.sizes, b.axis - (x.ndim - nd)))
         axis = bands.axis
         sd = axis - (x.ndim - nd)
         k, s, p, d = self._windows()

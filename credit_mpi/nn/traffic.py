@@ -90,7 +90,7 @@ def layer_traffic(mod, shape_in: tuple[int, ...], shape_out: tuple[int, ...], dt
 
     ``width`` is the layer's agreed halo (its layout's), ``grad`` whether its
     input requires grad, ``weight_grad`` whether its weight does, ``local``
-    a layer that runs on a replicated input (one agreement, no data).
+    a layer that runs on a replicated input (no data; its agreement skipped in a repeated step).
     """
     if n <= 1:
         return [Traffic()] * n
@@ -100,13 +100,15 @@ def layer_traffic(mod, shape_in: tuple[int, ...], shape_out: tuple[int, ...], dt
     return None if rule is None else [rule(r) for r in range(n)]
 
 
-def halo_rule(n: int, width: int, rows_bytes: int, boundary: str | None, backward: bool):
+def halo_rule(n: int, width: int, rows_bytes: int, boundary: str | None, backward: bool, quiet: bool = False):
     """``rank -> Traffic`` of a layer that exchanges a halo of ``width`` rows (its own agreement; the same back when
-    ``backward``)."""
+    ``backward``). ``quiet``: the layer skips its agreement in a repeated step when it has no halo (it makes no
+    MPI call then: :func:`credit_mpi.agreement.quiet_forward`)."""
+    agreements = 0 if quiet and not width else 1
 
     def at(rank: int) -> Traffic:
         b, m = _halo(rank, n, width, rows_bytes, boundary)
-        return Traffic(b, m, *((b, m) if backward else (0, 0)), 1)
+        return Traffic(b, m, *((b, m) if backward else (0, 0)), agreements)
 
     return at
 
@@ -168,7 +170,9 @@ def join_traffic(parts, dim: int, sizes: list[list[int]], target: list[int], n: 
     """
     from ..ops.reband import join_agreements, plan_moves
 
-    out = [Traffic(agreements=join_agreements(len(parts)))] * n
+    # a repeated step: a join that moves nothing skips its agreements (credit_mpi.agreement.quiet_forward)
+    still = all(list(layout) == list(target) for layout in sizes)
+    out = [Traffic(agreements=0 if still else join_agreements(len(parts)))] * n
     for t, layout in zip(parts, sizes, strict=True):
         if layout == target:
             continue

@@ -41,7 +41,7 @@ from ..transport.moves import transport_name, transport_of
 from ..validation import Local
 
 __all__ = ["reband", "rebanded", "whole_windows", "move_rows", "plan_moves", "RowMoves", "check_float", "check_band",
-           "transport_key", "join_layouts", "agree_rows", "join_moved", "join_agreements"]
+           "transport_key", "join_layouts", "agree_rows", "one_layout", "join_moved", "join_agreements"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -274,23 +274,36 @@ def join_layouts(parts: list[torch.Tensor], dim: int, comm: MPI.Comm, path: str)
     (:func:`credit_mpi.engine.run_agreed`) with no agreement of their own.
     """
     dim = normalize_dim(dim, parts[0].ndim)
-    return agree_rows([int(t.shape[dim]) for t in parts], parts, dim, comm, path)
+    return agree_rows([int(t.shape[dim]) for t in parts], parts, dim, comm, path, quiet=one_layout)
+
+
+def one_layout(counts: list[tuple[int, ...]]) -> bool:
+    """True when every part has one layout (every rank's rows the same in each): the join moves nothing."""
+    return all(c == counts[0] for c in counts)
 
 
 @torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
-def agree_rows(rows: list[int], tensors: list[torch.Tensor], dim: int, comm: MPI.Comm, path: str) -> list[tuple[int, ...]]:
+def agree_rows(rows: list[int], tensors: list[torch.Tensor], dim: int, comm: MPI.Comm, path: str,
+               quiet: Any = None) -> list[tuple[int, ...]]:
     """Every rank's ``rows`` (a few row counts of this rank's bands), agreed with ``tensors``' other dims, dtypes,
     devices and autograd states (collective: :func:`join_agreements` ``(len(rows))`` fixed-size agreements).
 
     Up to :data:`JOIN_PER_AGREEMENT` counts travel in one agreement's count; a call seen before is one
     ``Allgather`` of the header per agreement (:func:`credit_mpi.agreement.agree_cached`). Returns, per
-    count, every rank's value.
+    count, every rank's value. ``quiet(counts)``: True when the caller makes no MPI call with these
+    (agreed) counts; then a repeat inside a converted forward whose inputs are the last one's skips the
+    agreements (:func:`credit_mpi.agreement.quiet_forward`).
     """
+    from ..agreement import quiet_known, remember_quiet
     from ..engine import records_grad
     from ..validation import agree_cached
 
     described = tuple((tuple(t.shape[:dim]) + tuple(t.shape[dim + 1 :]), str(t.dtype), t.device.type, records_grad(t))
                       for t in tensors)
+    whole = (path, dim, tuple(rows), described)
+    known = quiet_known(comm, whole) if quiet is not None else None
+    if known is not None:
+        return known[0]
     out: list[tuple[int, ...]] = []
     for first in range(0, len(rows), JOIN_PER_AGREEMENT):
         group = [int(r) for r in rows[first : first + JOIN_PER_AGREEMENT]]
@@ -305,6 +318,8 @@ def agree_rows(rows: list[int], tensors: list[torch.Tensor], dim: int, comm: MPI
             return tuple(tuple((int(c) >> (_JOIN_BITS * i)) & JOIN_MOST_ROWS for c in counts) for i in range(len(group)))
 
         out += agree_cached(comm, "layer", (path, dim, first, tuple(group), described), local, finish)
+    if quiet is not None and quiet(out):
+        remember_quiet(comm, whole, out)
     return out
 
 
