@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import credit_mpi  # noqa: E402
+from credit_mpi.layout import offsets  # noqa: E402
 from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe, geometry, keep_local  # noqa: E402
 
 from .halo_reference import prefix_managers  # noqa: E402
@@ -356,7 +357,7 @@ def test_transposed_geometry_matches_torch(k, s, d, p, op):
         y = F.conv_transpose2d(torch.zeros(1, 1, h, 1), torch.zeros(1, 1, k, 1), stride=(s, 1), padding=(p, 0),
                                output_padding=(op, 0), dilation=(d, 1))
         assert lay.out_size == y.shape[2] == sum(lay.out_sizes)
-        assert [b.out_start for b in lay.bands] == [0] + [s * a for a in geometry.offsets_of(sizes)[1:]]
+        assert [b.out_start for b in lay.bands] == [0] + [s * a for a in offsets(sizes)[1:]]
 
 
 def test_state_dict_and_parameters_are_shared():

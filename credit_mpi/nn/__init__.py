@@ -15,7 +15,6 @@ Importing this subpackage imports torch (``import credit_mpi`` does not).
 """
 
 from . import judge  # noqa: F401 - registers the judge's rules for custom forwards
-from ._comm import ConversionError
 from .checkpoint import load_checkpoint, save_checkpoint
 from .conv import (
     DomainParallelConv1d,
@@ -28,6 +27,7 @@ from .conv import (
 )
 from .convert import convert_to_domain_parallel, keep_local
 from .dropout import DomainParallelAlphaDropout, DomainParallelDropout
+from .errors import ConversionError
 from .exchange import HaloExchange
 from .norm import (
     DomainParallelBatchNorm1d,

@@ -251,7 +251,7 @@ class Tracker(TorchFunctionMode):
         # heights as plain ints: an Extent (a size read from a band) hashes apart from its int; in the dry run
         # the layout a tensor has (a rule's held tensors, :meth:`layout_of`) before the layout of its height
         self.band_sizes = None if band_sizes is None else (
-            lambda rows: self._here.get(int(rows)) or band_sizes(int(rows)))
+            lambda rows: self._layouts_in_rule.get(int(rows)) or band_sizes(int(rows)))
         self.adopt_layout = None if adopt_layout is None else (
             lambda rows, sizes: adopt_layout(int(rows), [int(v) for v in sizes]))
         self.paths = {id(m): (name or "<root>") for name, m in root.named_modules()}
@@ -261,7 +261,7 @@ class Tracker(TorchFunctionMode):
         self.records: dict[int, Placement] = {}  # one per tensor the forward placed, by id (checked by its ref)
         self._births = 0
         self.own_layouts = 0  # the dry run: how many tensors have a layout of their own (none: nothing to inherit)
-        self._here: dict[int, list[int]] = {}  # while a rule runs: the layouts of its held tensors, by their rows
+        self._layouts_in_rule: dict[int, list[int]] = {}  # while a rule runs: the layouts of its held tensors, by their rows
         self._locals: list = []
         self._folded: list[torch.nn.Module | None] = []  # per open layer call: the conv whose edge rows were folded
         self._leaves: dict[int, list[Callable[[Any], Any]]] = {}  # per module: how its module rule ends (a stack)
@@ -528,7 +528,7 @@ class Tracker(TorchFunctionMode):
             raise conversion_error(self.stack[-1][0], f"{op}()", str(why)) from None
         finally:
             if here is not None:
-                self._here = here
+                self._layouts_in_rule = here
 
     # -- the dry run's layouts per tensor ----------------------------------------------------------
 
@@ -539,7 +539,7 @@ class Tracker(TorchFunctionMode):
         whose layouts differ meet in an op that is not a join: the run fails on the ranks whose rows
         differ (``on_conflict``, set by describe(): a row that is not exact).
         """
-        before, own = self._here, []
+        before, own = self._layouts_in_rule, []
         for t, p in held:
             rows, sizes = t.shape[p.dim] // (p.outer * p.inner), self.layout_of(t)
             own.append((rows, sizes if sizes is not None and sum(sizes) == rows else None))
@@ -556,7 +556,7 @@ class Tracker(TorchFunctionMode):
                 if seen.setdefault(rows, sizes) != sizes:
                     self.on_conflict(self.stack[-1][0], f"{op}()", rows, seen[rows], sizes)
                     break
-        self._here = mine
+        self._layouts_in_rule = mine
         return before
 
     def _inherit(self, out: Any, held: list) -> None:
