@@ -163,7 +163,7 @@ def _gather(tr, t: torch.Tensor, dim: int) -> torch.Tensor:
 def _report_gather(tr, t: torch.Tensor, dim: int) -> None:
     """In the dry run: the gather of a product's operand (a hand-written ``q k^T``, ``a v``, nn.MultiheadAttention's
     key and value) as a row of describe()'s plan, with its traffic (``tr.on_move``, set by describe)."""
-    on_move, p = getattr(tr, "on_move", None), tr.get(t)
+    on_move, p = tr.on_move, tr.get(t)
     if on_move is None or p is None:
         return
     from ..traffic import gather_traffic
@@ -177,7 +177,7 @@ def _report_gather(tr, t: torch.Tensor, dim: int) -> None:
 def _report_counts(tr, ranks: int) -> None:
     """In the dry run: :func:`_counts`' gather of every rank's token count (the offsets of a mask in the field's
     coordinates), one float64 per rank, as a row of describe()'s plan."""
-    on_move = getattr(tr, "on_move", None)
+    on_move = tr.on_move
     if on_move is None or ranks <= 1:
         return
     from ..traffic import gather_traffic

@@ -168,7 +168,7 @@ def _rows_and_target(tr, x, p, target, path: str) -> tuple[tuple[int, ...], tupl
 
 def _report_size(tr, path: str, t: torch.Tensor, dim: int, sizes: list[int], target: list[int]) -> None:
     """The dry run: the agreement of an interpolation to a band's size, and its re-band when ``sizes`` is not ``target``."""
-    on_join = getattr(tr, "on_join", None) if tr.manager is None else None
+    on_join = tr.on_join if tr.manager is None else None
     if on_join is not None:
         on_join(path, [t], dim, [sizes], target, "interpolate(size=)")
 

@@ -87,7 +87,7 @@ _DOMAIN_REDUCE = frozenset("sum mean nansum nanmean".split())
 def _grid_columns(tr: Tracker) -> int:
     """The domain grid's columns: the run's manager's, or in the dry run describe()'s ``domain_grid`` (1 on bands)."""
     if tr.manager is None:
-        return (getattr(tr, "grid", None) or (1, 1))[1]
+        return (tr.grid or (1, 1))[1]
     return grid_columns(tr.manager)
 
 
@@ -170,7 +170,7 @@ def _domain_reduction(tr: Tracker, func, args: tuple, kwargs: dict, op: str, p: 
 
 def _report_domain_sum(tr: Tracker, op: str, x: torch.Tensor, p: Sharded, shape: tuple, dtype: torch.dtype) -> None:
     """In the dry run: the domain sum of a reduction as a row of describe()'s plan, with its traffic (``tr.on_move``)."""
-    on_move = getattr(tr, "on_move", None)
+    on_move = tr.on_move
     if on_move is None:
         return
     from ..traffic import domain_sum_traffic

@@ -167,7 +167,7 @@ def report_move(tr: Tracker, path: str, kind: str, t: torch.Tensor, dim: int, si
                 moves: bool = True) -> None:
     """In the dry run: a row move of ``t`` along ``dim`` (``moves_of(rank)``: that rank's RowMoves) for describe()'s plan
     (``tr.on_move``, set by :func:`credit_mpi.nn.describe`; absent elsewhere)."""
-    on_move = getattr(tr, "on_move", None)
+    on_move = tr.on_move
     if on_move is None:
         return
     from ..traffic import move_traffic, row_bytes
@@ -342,7 +342,7 @@ def _enter_dry_run(tr: Tracker, bands: list, window: int, path: str) -> Callable
         layout = layout or (sizes_out, sizes_in)
         report_move(tr, path, "reband()", b, q.dim, sizes_in, sizes_out, _identity_moves(sizes_in, sizes_out),
                     sizes_in != sizes_out)
-    empty, rows_before = _empty_bands(layout[0]), len(getattr(tr, "plan_rows", ()))
+    empty, rows_before = _empty_bands(layout[0]), len(tr.plan_rows)
     new = [s or window for s in new] if empty else new  # the run: an empty band runs one phantom window
 
     def sizes_of(h: int) -> list[int]:
@@ -356,7 +356,7 @@ def _enter_dry_run(tr: Tracker, bands: list, window: int, path: str) -> Callable
 
     def leave(out: Any) -> Any:
         tr.band_sizes = old
-        if empty and any(_communicates(r) for r in getattr(tr, "plan_rows", ())[rows_before:]):
+        if empty and any(_communicates(r) for r in tr.plan_rows[rows_before:]):
             raise _communicating_with_empty_bands(path, window, layout, p.inner)
         return _map_bands(tr, out, _as_moved_back)
 

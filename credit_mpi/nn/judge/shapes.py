@@ -260,7 +260,7 @@ def _joined_dry(tr: Tracker, parts: list, places: list, bands: list[int], dim: i
     finally:
         tr._layouts_in_rule = here
     target = sizes[first]
-    on_join = getattr(tr, "on_join", None)
+    on_join = tr.on_join
     if on_join is not None:
         on_join(path, [parts[i] for i in bands], dim, sizes, target)
     return parts, target

@@ -268,6 +268,12 @@ class Tracker(TorchFunctionMode):
         self._hooks: list = []
         # fields a product contracted over the domain: tokens -> (inner, this band's rows) (None: two differ)
         self.fields: dict[int, tuple | None] = {}
+        # describe()'s dry run sets these (credit_mpi.nn.plan): where the rules report their moves, joins, conflicts
+        self.on_move: Callable | None = None
+        self.on_join: Callable | None = None
+        self.on_conflict: Callable | None = None
+        self.plan_rows: list = []  # the plan's rows so far (a module rule asks what its forward communicated)
+        self.grid: tuple[int, int] | None = None  # the dry run's domain grid (None: latitude bands)
 
     # -- placements ------------------------------------------------------------------------------
 
@@ -549,7 +555,7 @@ class Tracker(TorchFunctionMode):
                 mine.setdefault(rows, sizes)
         if len(mine) == len(before):
             return before
-        if not getattr(rule, "joins", False) and len(own) > 1 and getattr(self, "on_conflict", None) is not None:
+        if not getattr(rule, "joins", False) and len(own) > 1 and self.on_conflict is not None:
             seen: dict[int, list[int]] = {}
             for rows, sizes in own:
                 sizes = sizes if sizes is not None else self.band_sizes(rows)
