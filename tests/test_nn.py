@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import credit_mpi  # noqa: E402
+from credit_mpi.layout import offsets  # noqa: E402
 from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe, geometry, keep_local  # noqa: E402
 
 from .halo_reference import prefix_managers  # noqa: E402
@@ -286,7 +287,7 @@ def test_refusals_raise_on_every_rank(make_manager):
         def forward(self, x):
             return x.flip(-2)
 
-    # a module without a rule is judged by what its forward does (credit_mpi.nn.functions), when it runs
+    # a module without a rule is judged by what its forward does (credit_mpi.nn.judge), when it runs
     # (on a domain of one rank the band is the whole field: nothing to judge, the forward is exact)
     x = torch.randn(1, 1, 2, 3, dtype=torch.float64)
     for model, where, op in ((nn.Sequential(nn.ReLU(), Mystery()), "1 (Mystery)", "flip()"),
@@ -356,7 +357,7 @@ def test_transposed_geometry_matches_torch(k, s, d, p, op):
         y = F.conv_transpose2d(torch.zeros(1, 1, h, 1), torch.zeros(1, 1, k, 1), stride=(s, 1), padding=(p, 0),
                                output_padding=(op, 0), dilation=(d, 1))
         assert lay.out_size == y.shape[2] == sum(lay.out_sizes)
-        assert [b.out_start for b in lay.bands] == [0] + [s * a for a in geometry.offsets_of(sizes)[1:]]
+        assert [b.out_start for b in lay.bands] == [0] + [s * a for a in offsets(sizes)[1:]]
 
 
 def test_state_dict_and_parameters_are_shared():

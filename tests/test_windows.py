@@ -246,7 +246,7 @@ def test_a_mask_of_the_global_size_is_refused_on_every_rank(make_manager):
 @pytest.mark.mpi(min_size=2)
 def test_a_band_left_with_one_window_is_exact(make_manager):
     """4 d - 2 rows: re-banded to whole windows of 2, the last band holds one window; the window count is read
-    from the band (an Extent, credit_mpi.nn.functions), so one window is told apart from whole rows: exact."""
+    from the band (an Extent, credit_mpi.nn.judge), so one window is told apart from whole rows: exact."""
     manager = make_manager()
     h = 4 * manager.domain_parallel_size - 2
     plan = verdict_is_the_run("one_window", swin(2), (1, 2, h, 4), manager, same_op=False)

@@ -14,11 +14,7 @@ checkpoints that resume bit for bit (``save_checkpoint``,
 Importing this subpackage imports torch (``import credit_mpi`` does not).
 """
 
-from . import (
-    attention_rules,  # noqa: F401 - registers the attention rules with functions' judge
-    window_rules,  # noqa: F401 - registers torch.roll across bands and whole windows (function rules)
-)
-from ._comm import ConversionError
+from . import judge  # noqa: F401 - registers the judge's rules for custom forwards
 from .checkpoint import load_checkpoint, save_checkpoint
 from .conv import (
     DomainParallelConv1d,
@@ -31,6 +27,7 @@ from .conv import (
 )
 from .convert import convert_to_domain_parallel, keep_local
 from .dropout import DomainParallelAlphaDropout, DomainParallelDropout
+from .errors import ConversionError
 from .exchange import HaloExchange
 from .norm import (
     DomainParallelBatchNorm1d,

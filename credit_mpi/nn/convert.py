@@ -22,14 +22,14 @@ Policy (every module of the model, the root included, is visited once):
    ``nn.PixelShuffle``, ``nn.Flatten``, a subclass of an activation) is kept
    and its children converted; its own ``forward`` is judged function by
    function while the converted model runs and in ``describe()``'s dry run
-   (:mod:`credit_mpi.nn.functions`): what leaves the sharded dim alone
+   (:mod:`credit_mpi.nn.judge`): what leaves the sharded dim alone
    passes, what mixes rows along it raises ``ConversionError`` naming the
    module's path and the op.
 5. Refused here, on every rank, naming the module's path and
    ``custom_converters``: ``nn.Linear`` when ``shard_dim`` is the last dim,
    channel dropout, adaptive max pooling. (Attention, ``nn.MultiheadAttention``
    and ``nn.Transformer*``, is judged by its forward as in 4.: exact,
-   :mod:`credit_mpi.nn.attention_rules`.)
+   :mod:`credit_mpi.nn.judge.attention`.)
 
 On a 2-D latitude x longitude domain grid of more than one column
 (``domain_grid=(rows, cols)``, ``cols > 1``) the last two dims of every layer
@@ -53,48 +53,12 @@ from torch import nn
 from ..grid import grid_of
 from ..manager import DomainParallelManager, get_domain_parallel_manager
 from ..validation import check_int
-from . import conv, dropout, functions, norm, resample  # noqa: F401 - the layers register their rules; functions the judge
-from ._comm import ConversionError
+from . import conv, dropout, judge, norm, resample  # noqa: F401 - the layers register their rules; judge the custom forwards
 from .base import DomainParallelModule, adopt, guard_forward
-from .rules import BANDS_ONLY, RULES, refusal_of
+from .errors import ConversionError
+from .rules import BANDS_ONLY, RULES, local_rule, refusal_of
 
-__all__ = ["convert_to_domain_parallel", "keep_local", "ConversionError", "RULES", "POINTWISE"]
-
-
-# act on every element (or every row of the last dim) on its own: exact on bands as they are
-POINTWISE: tuple[type, ...] = (
-    nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
-    nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink,
-    nn.Threshold, nn.LogSigmoid,
-)
-
-_REFUSED_WHY = {
-    nn.Dropout2d: "it drops whole channels, and every band would draw its own mask",
-    nn.Dropout3d: "it drops whole channels, and every band would draw its own mask",
-    nn.AdaptiveMaxPool1d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
-    nn.AdaptiveMaxPool2d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
-    nn.AdaptiveMaxPool3d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
-}
-
-
-_PADS = tuple(
-    getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant", "Circular", "Reflection", "Replication") for n in (1, 2, 3)
-    if hasattr(nn, f"{kind}Pad{n}d")
-)
-
-
-# constant padding of the sharded dim: the field's edges, on the first and last band (credit_mpi.nn.functions)
-_CONSTANT_PADS = tuple(getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant") for n in (1, 2, 3)
-                       if hasattr(nn, f"{kind}Pad{n}d"))
-
-
-def _pads_sharded_dim(module: nn.Module, shard_dim: int) -> bool:
-    """True unless the padding module leaves the sharded dim alone (``padding`` lists (before, after) from the last dim)."""
-    pad = tuple(module.padding)
-    if shard_dim >= 0:
-        return True  # which dim the padding hits depends on the input's ndim: refuse
-    pair = -shard_dim - 1
-    return 2 * pair + 1 < len(pad) and (pad[2 * pair] != 0 or pad[2 * pair + 1] != 0)
+__all__ = ["convert_to_domain_parallel", "keep_local", "ConversionError", "RULES"]
 
 
 def keep_local(module: nn.Module, manager: Any, shard_dim: int) -> nn.Module:
@@ -201,36 +165,16 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
             _refuse(module, label, f"it has no exact rule on a {grid[0]}x{grid[1]} latitude x longitude domain grid yet "
                                    f"(use latitude bands: domain_grid=None or ({grid[0] * grid[1]}, 1))")
         return adopt(RULES[kind], module, manager, shard_dim, label)
-    if kind in POINTWISE:
+    why = local_rule(module, shard_dim, grid)  # a type kept as it is (credit_mpi.nn.rules), or refused
+    if why:
+        _refuse(module, label, why)
+    if why is not None:
         return module
-    if kind in _PADS:
-        if _pads_sharded_dim(module, shard_dim) and (grid or kind not in _CONSTANT_PADS):
-            _refuse(module, label, "it pads the sharded dim (only the global edges may be padded: use the conv's own padding)")
-        if grid and _pads_sharded_dim(module, -1):
-            _refuse(module, label, f"it pads the longitude (the last dim), which the {grid[0]}x{grid[1]} domain grid "
-                                   f"splits (use the conv's own padding, e.g. padding_mode='circular')")
-        return module
-    if kind is nn.Linear:
-        if shard_dim == -1:
-            _refuse(module, label, "nn.Linear acts on the last dim, which is the sharded one")
-        if grid:
-            _refuse(module, label, f"nn.Linear acts on the last dim, the longitude, which the {grid[0]}x{grid[1]} "
-                                   f"domain grid splits")
-        return module
-    if kind in _REFUSED_WHY:
-        _refuse(module, label, _REFUSED_WHY[kind])
     for name, child in list(module.named_children()):
         new = _convert(child, f"{path}.{name}" if path else name, manager, shard_dim, custom)
         if new is not child:
             module._modules[name] = new
-    return module  # its own forward is judged function by function while it runs (credit_mpi.nn.functions)
-
-
-_NO_GRID_RULE: tuple[type, ...] = (
-    nn.Conv1d, nn.ConvTranspose1d, nn.InstanceNorm1d, nn.Upsample,
-    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
-    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
-)
+    return module  # its own forward is judged function by function while it runs (credit_mpi.nn.judge)
 
 
 def _grid_with_columns(manager: Any) -> tuple[int, int] | None:

@@ -30,13 +30,16 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..grid import check_grid, grid_of
+from ..layout import offsets
 from ..partition import band_sizes, check_halo_width, normalize_dim
-from . import attention_rules, geometry
-from ._comm import ConversionError
-from .attention_rules import sdpa_path
 from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
-from .functions import VALUE_CALLS, Tracker, _Why
+from .errors import ConversionError
+from .judge import attention
+from .judge.attention import sdpa_path
+from .judge.pointwise import VALUE_CALLS
+from .judge.registry import Refusal
+from .judge.tracker import Tracker
 from .replicated import is_replicated, replicated
 from .traffic import (
     AGREEMENT_BYTES,
@@ -51,7 +54,7 @@ from .traffic import (
 
 __all__ = ["describe", "Plan", "PlanRow", "GridPlan"]
 
-# The layouts of attention across bands (credit_mpi.nn.attention_rules.sdpa_path): what describe() says, its traffic.
+# The layouts of attention across bands (credit_mpi.nn.judge.attention.sdpa_path): what describe() says, its traffic.
 _ATTENTION_LAYOUTS = {
     "gather": ("K and V gathered (allgather_along)", gather_traffic),
     "alltoall": ("all-to-all to heads and back (ops.alltoall)", alltoall_traffic),
@@ -59,7 +62,7 @@ _ATTENTION_LAYOUTS = {
 }
 
 
-# What describe() says of each row move of the rules (credit_mpi.nn.window_rules, attention_rules).
+# What describe() says of each row move of the rules (credit_mpi.nn.judge.rows, credit_mpi.nn.judge.attention).
 _MOVES = {
     "reband()": "re-banded to whole windows (ops.reband)",
     "roll_along()": "the field's cyclic shift across bands (ops.roll)",
@@ -259,127 +262,163 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
     dry = guard_forward(_convert(copy.deepcopy(model, _memo(model, manager)), "", None, shard_dim, custom), None)
     dry = dry.to("meta")
     axis = normalize_dim(shard_dim, len(input_shape))
-    layouts = {input_shape[axis]: band_sizes(input_shape[axis], domain_size, uneven=True)}
-    plan = Plan(domain_size, tuple(input_shape))
-    _halo_rows(dry, plan, lambda rows: sizes_of(rows), grid)
-
-    def record(mod, args, out):
-        x = args[0]
-        ax = _layer_axis(mod, x.ndim)
-        whole = is_replicated(x)
-        if whole:  # a replicated input (a global mean's, on every rank): the layer computes on it locally
-            h_in, h_out = x.shape[ax], out.shape[ax]
-            traffic = None if grid else _tuple(layer_traffic(mod, (), (), x.dtype, 0, domain_size, 0, False, False, local=True))
-            plan.rows.append(PlanRow(mod.dp_path, type(mod).__name__.replace("DomainParallel", ""), h_in, h_out,
-                                     (h_in,) * domain_size, (h_out,) * domain_size, 0, 0, 1, 0, True,
-                                     "replicated input: computed locally", traffic))
-            return None
-
-        def traffic_of(width: int) -> tuple[Traffic, ...] | None:
-            return _tuple(layer_traffic(mod, tuple(x.shape), tuple(out.shape), x.dtype, normalize_dim(shard_dim, x.ndim),
-                                        domain_size, width, x.requires_grad,
-                                        bool(getattr(getattr(mod, "weight", None), "requires_grad", False))))
-
-        own = tracker.layout_of(x)
-        row = _row(mod, tuple(x.shape), tuple(out.shape), layouts, domain_size, grid,
-                   None if grid else traffic_of, own if own is not None and sum(own) == x.shape[ax] else None)
-        plan.rows.append(row)
-        if _replicates(mod, x.shape, out.shape, ax):
-            return replicated(out)  # as the run: what is computed from it alone is replicated too
-        for t in tree_flatten(out)[0]:  # its own layout (a join re-bands it where an earlier tensor of its height differs)
-            if isinstance(t, torch.Tensor) and row.bands_out:
-                tracker.keep_layout(t, list(row.bands_out))
-        return None
-
-    def sizes_of(rows: int) -> list[int]:
-        return list(layouts.get(rows) or band_sizes(rows, domain_size, uneven=True))
-
-    def adopt(rows: int, sizes: list[int]) -> bool:
-        return list(layouts.setdefault(rows, list(sizes))) == list(sizes)
-
-    def gathered(tracker, q, k, v, gqa=False):
-        """Attention over every band's tokens (the run gathers K and V): a row of its own, in the calling module."""
-        places = [tracker.get(t) for t in (q, k, v)]
-        if grid or domain_size == 1 or tracker.trusted or any(p is None or p.dim != t.ndim - 2 for t, p in zip((q, k, v), places, strict=True)):
-            return  # inside a trusted module (not judged), windows in the batch dim (no gather); the rule refuses the rest
-        p = places[1]
-        counts = [p.inner * s for s in sizes_of(k.shape[-2] // p.inner)]
-        path = tracker.stack[-1][0].rsplit(" (", 1)[0]  # "path (Type)": the module's path, as the layers' rows
-        layout = sdpa_path(q, k, v, domain_size, gqa, attention_rules.SDPA_PATH)  # as the run decides it
-        how, traffic = _ATTENTION_LAYOUTS[layout]
-        if layout == "gather":
-            moved = traffic((k,) if v is k else (k, v), counts, domain_size)
-        else:
-            moved = traffic(q, k, v, counts, domain_size)
-        plan.rows.append(PlanRow(path, "scaled_dot_product_attention()", k.shape[-2], q.shape[-2],
-                                 tuple(counts), tuple(counts), 0, 0, 1, 1, True, how, tuple(moved)))
-
-    def joined(path: str, parts: list, dim: int, sizes: list, target: list, kind: str = "cat()") -> None:
-        """A join of band parts (the run agrees their layouts, re-bands each that differs), or an interpolation to a
-        band's size re-banded to that band's layout: a row of its own."""
-        differ = [k for k, s in enumerate(sizes) if s != target]
-        if grid and differ:  # the run keeps the local check on a latitude x longitude grid (no re-band there yet)
-            raise _Why(f"it joins bands of {parts[0].shape[dim]} rows in different layouts ({sizes}), which has no "
-                       f"re-band rule on a latitude x longitude domain grid yet")
-        note = _MOVES[kind if kind != "cat()" else "cat() re-band" if differ else "cat()"]
-        traffic = None if grid else tuple(join_traffic(parts, dim, sizes, target, domain_size))
-        plan.rows.append(PlanRow(path.rsplit(" (", 1)[0], kind, parts[0].shape[dim], parts[0].shape[dim],
-                                 tuple(sizes[differ[0]] if differ else target), tuple(target), 0, 0, 1, 0, True, note,
-                                 traffic))
-
-    def conflict(path: str, kind: str, rows: int, one: list, other: list) -> None:
-        """An op (not a join) of two bands of one height in different layouts: the run fails where their rows differ."""
-        plan.rows.append(PlanRow(path.rsplit(" (", 1)[0], kind, rows, rows, tuple(one), tuple(other), 0, 0, 1, 0, False,
-                                 f"it combines bands of {rows} rows in different layouts ({one} and {other}): only a "
-                                 f"join (torch.cat, torch.stack) re-bands them; the run fails on the ranks whose rows "
-                                 f"differ"))
-
-    def moved(path: str, kind: str, rows: int, sizes_in, sizes_out, traffic) -> None:
-        """A row move or gather of a rule (re-band, roll, group layout, a product's operand): a row of its own."""
-        plan.rows.append(PlanRow(path.rsplit(" (", 1)[0], kind, rows, rows, tuple(sizes_in), tuple(sizes_out), 0, 0, 1,
-                                 0, True, _MOVES.get(kind.split()[0], ""), None if grid else tuple(traffic)))
-
-    def value(tracker, op: str, t) -> object:
-        """A value read from a tensor every rank holds whole (the run reads the same on each, exact): a row saying
-        the dry run could not see it, and a stand-in (zeros) to go on with."""
-        path = tracker.stack[-1][0].rsplit(" (", 1)[0]
-        what = "a replicated tensor" if is_replicated(t) else "a tensor that is not a band"
-        got = _stand_in(op, t)
-        plan.rows.append(PlanRow(path, f"{op}()", 0, 0, (), (), 0, 0, 1, 0, True,
-                                 f"reads a value of {what} {tuple(t.shape)} (the same on every rank in the run): not "
-                                 f"seen on the meta device, the dry run went on with "
-                                 f"{repr(got) if isinstance(got, (bool, int, float, complex)) else 'zeros'} "
-                                 f"(a branch on it may differ)", None if grid else (Traffic(),) * domain_size))
-        return got
-
-    try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.functions)
-        # grad on (meta tensors: no memory, no compute): a layer sees whether its input requires grad
-        with torch.enable_grad(), Tracker(dry, shard_dim, None, sizes_of, record, judge=domain_size > 1,
-                                          adopt_layout=adopt) as tracker, _DryRun(tracker, gathered, value):
-            dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
-            x = torch.empty(input_shape, device="meta", dtype=dtype, requires_grad=requires_grad)
-            tracker.on_move = moved  # the rules' row moves and gathers (window_rules, attention_rules)
-            tracker.grid = grid  # the domain grid (the rules without one on a grid refuse it in the dry run too)
-            tracker.on_join, tracker.on_conflict = joined, conflict  # joins of bands; bands of two layouts combined
-            tracker.plan_rows = plan.rows  # what a module's forward communicated (window_rules: a band of no window)
-            tracker.mark_inputs(x)
-            dry(x)
+    rec = _Recorder(Plan(domain_size, tuple(input_shape)), shard_dim, grid,
+                    {input_shape[axis]: band_sizes(input_shape[axis], domain_size, uneven=True)})
+    _halo_rows(dry, rec.plan, rec.sizes_of, grid)
+    try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.judge)
+        _dry_forward(dry, input_shape, requires_grad, rec)
     except ConversionError as exc:  # a function without a rule: the run raises this on every rank
         if not hasattr(exc, "refused"):
             raise
         path, op, why = exc.refused
-        plan.rows.append(PlanRow(path, op, 0, 0, (), (), 0, 0, 1, 0, False, f"refused: {why}"))
+        rec.add(path, op, 0, 0, (), (), exact=False, note=f"refused: {why}", traffic=None)
     except Exception as exc:
-        reads = [f"{r.path} ({r.kind})" for r in plan.rows if r.kind.rstrip("()") in VALUE_CALLS]
-        if not reads:
+        unseen = _unseen_values_error(rec.plan, exc)
+        if unseen is None:
             raise
-        raise ConversionError(
-            f"describe(): the forward raised {type(exc).__name__}: {exc} after reading {len(reads)} value(s) that the "
-            f"dry run (the meta device: shapes, no data) cannot see: {', '.join(reads)}; it went on with zeros (False "
-            f"for bool, True for torch.equal / allclose). The run reads the real values; to plan this forward, let "
-            f"the check pass on a meta tensor (e.g. skip it when t.is_meta) or make it outside forward"
-        ) from exc
-    return plan
+        raise unseen from exc
+    return rec.plan
+
+
+def _dry_forward(dry: nn.Module, input_shape: tuple[int, ...], requires_grad: bool, rec: _Recorder) -> None:
+    """The converted copy's forward on the meta device, under a :class:`Tracker` whose hooks are ``rec``'s."""
+    # grad on (meta tensors: no memory, no compute): a layer sees whether its input requires grad
+    with torch.enable_grad(), Tracker(dry, rec.shard_dim, None, rec.sizes_of, rec.layer, judge=rec.n > 1,
+                                      adopt_layout=rec.adopt) as tracker, _DryRun(tracker, rec.attention, rec.value):
+        rec.tracker = tracker
+        dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        x = torch.empty(input_shape, device="meta", dtype=dtype, requires_grad=requires_grad)
+        tracker.on_move = rec.moved  # the rules' row moves and gathers (credit_mpi.nn.judge.rows, .attention)
+        tracker.grid = rec.grid  # the domain grid (the rules without one on a grid refuse it in the dry run too)
+        tracker.on_join, tracker.on_conflict = rec.joined, rec.conflict  # joins of bands; bands of two layouts combined
+        tracker.plan_rows = rec.plan.rows  # what a module's forward communicated (judge.rows: a band of no window)
+        tracker.mark_inputs(x)
+        dry(x)
+
+
+def _unseen_values_error(plan: Plan, exc: Exception) -> ConversionError | None:
+    """The forward raised in the dry run after reading values it could not see (zeros stood in): the error that says
+    so (None when it read none)."""
+    reads = [f"{r.path} ({r.kind})" for r in plan.rows if r.kind.rstrip("()") in VALUE_CALLS]
+    if not reads:
+        return None
+    return ConversionError(
+        f"describe(): the forward raised {type(exc).__name__}: {exc} after reading {len(reads)} value(s) that the "
+        f"dry run (the meta device: shapes, no data) cannot see: {', '.join(reads)}; it went on with zeros (False "
+        f"for bool, True for torch.equal / allclose). The run reads the real values; to plan this forward, let "
+        f"the check pass on a meta tensor (e.g. skip it when t.is_meta) or make it outside forward"
+    )
+
+
+def _module_path(path: str) -> str:
+    """"path (Type)" (a tracker's stack entry): the module's path, as the layers' rows name it."""
+    return path.rsplit(" (", 1)[0]
+
+
+class _Recorder:
+    """The rows of one dry run: the tracker's hooks (a layer's call, a rule's move, a join, an attention, a value read)
+    each append what the run does there, and the band layout of every height seen so far (``layouts``)."""
+
+    def __init__(self, plan: Plan, shard_dim: int, grid: tuple[int, int] | None, layouts: dict[int, list[int]]) -> None:
+        self.plan, self.n, self.shard_dim, self.grid, self.layouts = plan, plan.domain_size, shard_dim, grid, layouts
+        self.tracker: Tracker | None = None
+
+    def add(self, path: str, kind: str, rows_in: int, rows_out: int, bands_in, bands_out, *, exact: bool, note: str,
+            traffic, min_rows: int = 0) -> None:
+        """A row with no halo and no stride (a rule's move, a join, a refusal, a replicated input)."""
+        self.plan.rows.append(PlanRow(path=path, kind=kind, rows_in=rows_in, rows_out=rows_out, bands_in=tuple(bands_in),
+                                      bands_out=tuple(bands_out), halo_before=0, halo_after=0, stride=1,
+                                      min_rows=min_rows, exact=exact, note=note, traffic=traffic))
+
+    def sizes_of(self, rows: int) -> list[int]:
+        return list(self.layouts.get(rows) or band_sizes(rows, self.n, uneven=True))
+
+    def adopt(self, rows: int, sizes: list[int]) -> bool:
+        return list(self.layouts.setdefault(rows, list(sizes))) == list(sizes)
+
+    def layer(self, mod, args, out):
+        """A layer's call: its row (halo, layouts, traffic); its output's layout kept (or replicated, as the run)."""
+        x = args[0]
+        ax = _layer_axis(mod, x.ndim)
+        if is_replicated(x):  # a replicated input (a global mean's, on every rank): the layer computes on it locally
+            self._replicated_input(mod, x, out, ax)
+            return None
+        own = self.tracker.layout_of(x)
+        row = _row(mod, tuple(x.shape), tuple(out.shape), self.layouts, self.n, self.grid,
+                   None if self.grid else self._traffic_of(mod, x, out),
+                   own if own is not None and sum(own) == x.shape[ax] else None)
+        self.plan.rows.append(row)
+        if _replicates(mod, x.shape, out.shape, ax):
+            return replicated(out)  # as the run: what is computed from it alone is replicated too
+        for t in tree_flatten(out)[0]:  # its own layout (a join re-bands it where an earlier tensor of its height differs)
+            if isinstance(t, torch.Tensor) and row.bands_out:
+                self.tracker.keep_layout(t, list(row.bands_out))
+        return None
+
+    def _replicated_input(self, mod, x, out, ax: int) -> None:
+        h_in, h_out = x.shape[ax], out.shape[ax]
+        traffic = None if self.grid else _tuple(layer_traffic(mod, (), (), x.dtype, 0, self.n, 0, False, False, local=True))
+        self.add(mod.dp_path, type(mod).__name__.replace("DomainParallel", ""), h_in, h_out, (h_in,) * self.n,
+                 (h_out,) * self.n, exact=True, note="replicated input: computed locally", traffic=traffic)
+
+    def _traffic_of(self, mod, x, out):
+        """``traffic(width)``: what each rank sends in this layer call for a halo of ``width`` rows."""
+        def traffic(width: int) -> tuple[Traffic, ...] | None:
+            return _tuple(layer_traffic(mod, tuple(x.shape), tuple(out.shape), x.dtype, normalize_dim(self.shard_dim, x.ndim),
+                                        self.n, width, x.requires_grad,
+                                        bool(getattr(getattr(mod, "weight", None), "requires_grad", False))))
+
+        return traffic
+
+    def attention(self, tracker, q, k, v, gqa=False):
+        """Attention over every band's tokens (the run gathers K and V): a row of its own, in the calling module."""
+        places = [tracker.get(t) for t in (q, k, v)]
+        if self.grid or self.n == 1 or tracker.trusted or any(
+                p is None or p.dim != t.ndim - 2 for t, p in zip((q, k, v), places, strict=True)):
+            return  # inside a trusted module (not judged), windows in the batch dim (no gather); the rule refuses the rest
+        p = places[1]
+        counts = [p.inner * s for s in self.sizes_of(k.shape[-2] // p.inner)]
+        layout = sdpa_path(q, k, v, self.n, gqa, attention.SDPA_PATH)  # as the run decides it
+        how, traffic = _ATTENTION_LAYOUTS[layout]
+        moved = traffic((k,) if v is k else (k, v), counts, self.n) if layout == "gather" else traffic(q, k, v, counts, self.n)
+        self.add(_module_path(tracker.stack[-1][0]), "scaled_dot_product_attention()", k.shape[-2], q.shape[-2], counts,
+                 counts, exact=True, note=how, traffic=tuple(moved), min_rows=1)
+
+    def joined(self, path: str, parts: list, dim: int, sizes: list, target: list, kind: str = "cat()") -> None:
+        """A join of band parts (the run agrees their layouts, re-bands each that differs), or an interpolation to a
+        band's size re-banded to that band's layout: a row of its own."""
+        differ = [k for k, s in enumerate(sizes) if s != target]
+        if self.grid and differ:  # the run keeps the local check on a latitude x longitude grid (no re-band there yet)
+            raise Refusal(f"it joins bands of {parts[0].shape[dim]} rows in different layouts ({sizes}), which has no "
+                          f"re-band rule on a latitude x longitude domain grid yet")
+        note = _MOVES[kind if kind != "cat()" else "cat() re-band" if differ else "cat()"]
+        traffic = None if self.grid else tuple(join_traffic(parts, dim, sizes, target, self.n))
+        rows = parts[0].shape[dim]
+        self.add(_module_path(path), kind, rows, rows, sizes[differ[0]] if differ else target, target, exact=True,
+                 note=note, traffic=traffic)
+
+    def conflict(self, path: str, kind: str, rows: int, one: list, other: list) -> None:
+        """An op (not a join) of two bands of one height in different layouts: the run fails where their rows differ."""
+        self.add(_module_path(path), kind, rows, rows, one, other, exact=False, traffic=None,
+                 note=f"it combines bands of {rows} rows in different layouts ({one} and {other}): only a join "
+                      f"(torch.cat, torch.stack) re-bands them; the run fails on the ranks whose rows differ")
+
+    def moved(self, path: str, kind: str, rows: int, sizes_in, sizes_out, traffic) -> None:
+        """A row move or gather of a rule (re-band, roll, group layout, a product's operand): a row of its own."""
+        self.add(_module_path(path), kind, rows, rows, sizes_in, sizes_out, exact=True,
+                 note=_MOVES.get(kind.split()[0], ""), traffic=None if self.grid else tuple(traffic))
+
+    def value(self, tracker, op: str, t) -> object:
+        """A value read from a tensor every rank holds whole (the run reads the same on each, exact): a row saying
+        the dry run could not see it, and a stand-in (zeros) to go on with."""
+        what = "a replicated tensor" if is_replicated(t) else "a tensor that is not a band"
+        got = _stand_in(op, t)
+        shown = repr(got) if isinstance(got, (bool, int, float, complex)) else "zeros"
+        self.add(_module_path(tracker.stack[-1][0]), f"{op}()", 0, 0, (), (), exact=True,
+                 note=f"reads a value of {what} {tuple(t.shape)} (the same on every rank in the run): not seen on the "
+                      f"meta device, the dry run went on with {shown} (a branch on it may differ)",
+                 traffic=None if self.grid else (Traffic(),) * self.n)
+        return got
 
 
 def _halo_rows(dry: nn.Module, plan: Plan, sizes_of, grid) -> None:
@@ -397,8 +436,10 @@ def _halo_rows(dry: nn.Module, plan: Plan, sizes_of, grid) -> None:
         counted = mod.boundary in ("zero", "periodic", "reflect")  # "earth" crosses the poles: no rule here yet
         traffic = None if grid or problem or not counted else tuple(
             halo_traffic(tuple(x.shape), x.dtype, ax, n, w, mod.boundary == "periodic", x.requires_grad) if n > 1 else ())
-        plan.rows.append(PlanRow(path, "HaloExchange", x.shape[ax], out.shape[ax], tuple(sizes), tuple(s + 2 * w for s in sizes),
-                                 w, w, 1, w, problem is None, problem or f"a halo of {w} row(s) (its own agreement)", traffic))
+        plan.rows.append(PlanRow(path=path, kind="HaloExchange", rows_in=x.shape[ax], rows_out=out.shape[ax],
+                                 bands_in=tuple(sizes), bands_out=tuple(s + 2 * w for s in sizes), halo_before=w,
+                                 halo_after=w, stride=1, min_rows=w, exact=problem is None,
+                                 note=problem or f"a halo of {w} row(s) (its own agreement)", traffic=traffic))
 
     def padded(mod, x):  # the shape of the one-rank padding (its rows' values do not matter on meta)
         ax = normalize_dim(mod.dim, x.ndim)
@@ -519,11 +560,13 @@ def _row(mod, shape_in, shape_out, layouts, n, grid=None, traffic=None, sizes=No
     note += geo.note
     refused = mod.dp_refusal(n, grid)
     if refused:
-        return PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(sizes), 0, 0, 1, 1, False, refused)
+        return PlanRow(path=mod.dp_path, kind=kind, rows_in=h_in, rows_out=h_out, bands_in=tuple(sizes),
+                       bands_out=tuple(sizes), halo_before=0, halo_after=0, stride=1, min_rows=1, exact=False, note=refused)
     if lay is None:
         exact = all(s > 0 for s in sizes)
-        row = PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(out_sizes), 0, 0, 1, 1, exact, note,
-                      traffic(0) if exact and traffic else None)
+        row = PlanRow(path=mod.dp_path, kind=kind, rows_in=h_in, rows_out=h_out, bands_in=tuple(sizes),
+                      bands_out=tuple(out_sizes), halo_before=0, halo_after=0, stride=1, min_rows=1, exact=exact,
+                      note=note, traffic=traffic(0) if exact and traffic else None)
     else:
         out_sizes = lay.out_sizes
         before = max(max(b.before for b in lay.bands), 0)
@@ -532,10 +575,12 @@ def _row(mod, shape_in, shape_out, layouts, n, grid=None, traffic=None, sizes=No
         exact = problem is None
         if not exact:
             note += problem
-        elif stride > 1 and any(o % stride for o in geometry.offsets_of(sizes)):
-            note += f"offsets {geometry.offsets_of(sizes)} not multiples of {stride}: exact, but a transposed layer will not restore them"
-        row = PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(out_sizes), before, after, stride,
-                      lay.min_rows, exact, note, traffic(lay.width) if exact and traffic else None)
+        elif stride > 1 and any(o % stride for o in offsets(sizes)):
+            note += f"offsets {offsets(sizes)} not multiples of {stride}: exact, but a transposed layer will not restore them"
+        row = PlanRow(path=mod.dp_path, kind=kind, rows_in=h_in, rows_out=h_out, bands_in=tuple(sizes),
+                      bands_out=tuple(out_sizes), halo_before=before, halo_after=after, stride=stride,
+                      min_rows=lay.min_rows, exact=exact, note=note,
+                      traffic=traffic(lay.width) if exact and traffic else None)
     if mod.dp_replicated(h_in, h_out):
         return row  # replicated, not a band layout
     if h_out in layouts and layouts[h_out] != list(out_sizes) and h_out != 1:

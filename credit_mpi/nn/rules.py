@@ -5,7 +5,10 @@ definition, the torch module type it replaces (exact types: a subclass with
 its own forward is judged by what that forward does), whether it runs on a
 latitude x longitude grid of several columns too, and which arguments of
 the original it refuses (a function of the module giving the reason, "" when
-it converts). :func:`credit_mpi.nn.convert_to_domain_parallel`,
+it converts). The module types kept as they are (pointwise activations,
+padding of other dims, ``nn.Linear`` over the longitude) and those refused
+by type have their rule here too (:func:`local_rule`).
+:func:`credit_mpi.nn.convert_to_domain_parallel`,
 :func:`~credit_mpi.nn.describe` and the grid check read :data:`RULES` and
 :data:`BANDS_ONLY`; adding a layer is its class, its rule and a test file.
 """
@@ -16,7 +19,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-__all__ = ["RULES", "BANDS_ONLY", "layer_rule", "refusal_of"]
+__all__ = ["RULES", "BANDS_ONLY", "POINTWISE", "REFUSED", "layer_rule", "refusal_of", "local_rule"]
 
 #: original module type -> the credit_mpi layer that replaces it
 RULES: dict[type, type] = {}
@@ -51,3 +54,71 @@ def refusal_of(module: nn.Module) -> str:
     """Why ``module``'s rule refuses its arguments ("" when it converts, or has no rule)."""
     refuses = _REFUSES.get(type(module))
     return refuses(module) if refuses is not None else ""
+
+
+# -- module types kept as they are (no layer), or refused by type ------------------------------------
+
+#: act on every element (or every row of the last dim) on its own: exact on bands as they are
+POINTWISE: tuple[type, ...] = (
+    nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
+    nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink,
+    nn.Threshold, nn.LogSigmoid,
+)
+
+#: module types with no exact rule on bands, and why
+REFUSED: dict[type, str] = {
+    nn.Dropout2d: "it drops whole channels, and every band would draw its own mask",
+    nn.Dropout3d: "it drops whole channels, and every band would draw its own mask",
+    nn.AdaptiveMaxPool1d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
+    nn.AdaptiveMaxPool2d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
+    nn.AdaptiveMaxPool3d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
+}
+
+_PADS = tuple(
+    getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant", "Circular", "Reflection", "Replication") for n in (1, 2, 3)
+    if hasattr(nn, f"{kind}Pad{n}d")
+)
+
+# constant padding of the sharded dim: the field's edges, on the first and last band (credit_mpi.nn.judge)
+_CONSTANT_PADS = tuple(getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant") for n in (1, 2, 3)
+                       if hasattr(nn, f"{kind}Pad{n}d"))
+
+
+def _pads_sharded_dim(module: nn.Module, shard_dim: int) -> bool:
+    """True unless the padding module leaves the sharded dim alone (``padding`` lists (before, after) from the last dim)."""
+    pad = tuple(module.padding)
+    if shard_dim >= 0:
+        return True  # which dim the padding hits depends on the input's ndim: refuse
+    pair = -shard_dim - 1
+    return 2 * pair + 1 < len(pad) and (pad[2 * pair] != 0 or pad[2 * pair + 1] != 0)
+
+
+def _padding_rule(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) -> str:
+    if _pads_sharded_dim(module, shard_dim) and (grid or type(module) not in _CONSTANT_PADS):
+        return "it pads the sharded dim (only the global edges may be padded: use the conv's own padding)"
+    if grid and _pads_sharded_dim(module, -1):
+        return (f"it pads the longitude (the last dim), which the {grid[0]}x{grid[1]} domain grid "
+                f"splits (use the conv's own padding, e.g. padding_mode='circular')")
+    return ""
+
+
+def _linear_rule(shard_dim: int, grid: tuple[int, int] | None) -> str:
+    if shard_dim == -1:
+        return "nn.Linear acts on the last dim, which is the sharded one"
+    if grid:
+        return f"nn.Linear acts on the last dim, the longitude, which the {grid[0]}x{grid[1]} domain grid splits"
+    return ""
+
+
+def local_rule(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) -> str | None:
+    """The rule of a module type kept as it is: "" when ``module`` is kept, the reason when it is refused, None
+    when its type has no such rule (a layer's, or none: its forward is judged). ``grid``: the domain grid's
+    ``(rows, cols)`` when it has more than one column, else None."""
+    kind = type(module)
+    if kind in POINTWISE:
+        return ""
+    if kind in _PADS:
+        return _padding_rule(module, shard_dim, grid)
+    if kind is nn.Linear:
+        return _linear_rule(shard_dim, grid)
+    return REFUSED.get(kind)

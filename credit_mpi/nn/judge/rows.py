@@ -1,6 +1,9 @@
-"""Rules for windows across bands: ``torch.roll`` along the sharded dim, and whole windows for a windowed module.
+"""Row moves: ``torch.roll`` along the sharded dim, whole windows for a windowed module, the group layout.
 
-Rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
+Rules of the judge (:mod:`credit_mpi.nn.judge`) that move rows:
+
+* ``torch.flip`` and its kin along the sharded dim are refused (the rows
+  move across bands); along other dims they pass.
 
 * ``torch.roll`` of a band along the sharded dim is the cyclic shift of the
   whole field (:func:`credit_mpi.ops.roll.roll_along`: a band's new rows come
@@ -43,7 +46,7 @@ Rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
   dim from the batch's; the module's output is then taken in its own layout
   (one unit covers the whole tensor either way), as for a band of one window.
 
-Importing this module registers the rules (:mod:`credit_mpi.nn` imports it).
+Importing this module registers the rules (:mod:`credit_mpi.nn.judge` imports it).
 """
 
 from __future__ import annotations
@@ -53,22 +56,32 @@ from typing import Any
 
 import torch
 
-from ..grid import grid_of
-from . import functions
-from .functions import Sharded, Tracker, _arg, _rule, _Why, refusal
+from ...grid import grid_of
+from .registry import Refusal, argument, conversion_error, dims_of, module_rule, op_name, rule
+from .tracker import Sharded, Tracker
 
 __all__ = ["window_rows", "strided_rows", "STRIDED_WINDOWS"]
 
 
-@_rule("roll")
+@rule("flip", "fliplr", "flipud", "rot90")
+def _flip(tr, func, args, kwargs, held):
+    op = op_name(func)
+    x, p = args[0], tr.get(args[0])
+    dims = dims_of(argument(args, kwargs, 1, "dims"), x.ndim)
+    if op in ("fliplr", "flipud", "rot90") or dims is None or p.dim in dims:
+        raise Refusal("it moves rows along the sharded dim (it reverses the sharded dim)")
+    return tr.run(func, args, kwargs, p)
+
+
+@rule("roll")
 def _roll(tr: Tracker, func, args, kwargs, held):
     """Along the sharded dim: the field's cyclic shift across bands; along other dims: local."""
     x, p = args[0], tr.get(args[0])
     if p is None:
-        raise _Why("a band as the shifts")
-    shifts, dims = _arg(args, kwargs, 1, "shifts"), _arg(args, kwargs, 2, "dims")
+        raise Refusal("a band as the shifts")
+    shifts, dims = argument(args, kwargs, 1, "shifts"), argument(args, kwargs, 2, "dims")
     if dims is None or (isinstance(dims, (tuple, list)) and not dims):
-        raise _Why("torch.roll without dims shifts the flattened tensor (every band's rows mixed with the others')")
+        raise Refusal("torch.roll without dims shifts the flattened tensor (every band's rows mixed with the others')")
     shifts = list(shifts) if isinstance(shifts, (tuple, list)) else [shifts]
     dims = list(dims) if isinstance(dims, (tuple, list)) else [dims]
     if len(shifts) != len(dims):
@@ -77,16 +90,16 @@ def _roll(tr: Tracker, func, args, kwargs, held):
     rest = [(int(s), d) for s, d in zip(shifts, dims, strict=True) if d % x.ndim != p.dim]
     y = func(x, [s for s, _ in rest], [d for _, d in rest]) if rest else x
     if along and p.outer != 1:
-        raise _Why(f"it rolls a dim that holds the bands' rows merged with another dim ({p.describe()}: windows in "
+        raise Refusal(f"it rolls a dim that holds the bands' rows merged with another dim ({p.describe()}: windows in "
                    f"the batch); roll the field before the window partition")
     if along and tr.manager is not None:
         if grid_of(tr.manager, tr.manager.domain_parallel_size)[1] > 1:
-            raise _Why("torch.roll along the sharded dim has no rule on a latitude x longitude domain grid yet")
-        from ..ops.roll import roll_along
+            raise Refusal("torch.roll along the sharded dim has no rule on a latitude x longitude domain grid yet")
+        from ...ops.roll import roll_along
 
         y = roll_along(y, along, p.dim, tr.manager.domain_group, tr.stack[-1][0])
     elif along:  # the dry run: the field's own roll (the layout stays)
-        from ..ops.reband import plan_moves
+        from ...ops.reband import plan_moves
 
         sizes = dim_sizes(tr, y, p)
         total = sum(sizes)
@@ -99,35 +112,35 @@ def _roll(tr: Tracker, func, args, kwargs, held):
     return y
 
 
-@_rule("unfold")
+@rule("unfold")
 def _unfold(tr: Tracker, func, args, kwargs, held):
     """``F.unfold`` (every pixel's k x k neighbourhood: neighbourhood attention) through the halo; ``Tensor.unfold``
     along another dim passes, along the sharded dim it is refused (the neighbours' rows are missing)."""
     x, p = args[0], tr.get(args[0])
     if p is None:
-        raise _Why("a band as unfold's argument")
+        raise Refusal("a band as unfold's argument")
     if func is not torch.nn.functional.unfold:  # Tensor.unfold(dimension, size, step): a new last dim, the rest kept
-        if _arg(args, kwargs, 1, "dimension") % x.ndim == p.dim:
-            raise _Why("Tensor.unfold along the sharded dim reads the neighbours' rows (use F.unfold with padding: its "
+        if argument(args, kwargs, 1, "dimension") % x.ndim == p.dim:
+            raise Refusal("Tensor.unfold along the sharded dim reads the neighbours' rows (use F.unfold with padding: its "
                        "rule takes them from the halo)")
         return tr.run(func, args, kwargs, p)
-    kernel, dilation, padding, stride = (_pair(_arg(args, kwargs, i, n, d)) for i, n, d in
+    kernel, dilation, padding, stride = (_pair(argument(args, kwargs, i, n, d)) for i, n, d in
                                          ((1, "kernel_size", None), (2, "dilation", 1), (3, "padding", 0), (4, "stride", 1)))
     if x.ndim != 4 or p.dim != 2 or p.outer * p.inner != 1:
-        raise _Why(f"F.unfold of a tensor whose bands are along {p.describe()} has no rule (bands along the rows of "
+        raise Refusal(f"F.unfold of a tensor whose bands are along {p.describe()} has no rule (bands along the rows of "
                    f"a (batch, channels, rows, columns) tensor)")
     if stride[0] != 1 or 2 * padding[0] != dilation[0] * (kernel[0] - 1):
-        raise _Why(f"F.unfold with kernel {kernel[0]}, dilation {dilation[0]}, padding {padding[0]}, stride {stride[0]} "
+        raise Refusal(f"F.unfold with kernel {kernel[0]}, dilation {dilation[0]}, padding {padding[0]}, stride {stride[0]} "
                    f"along the sharded dim has no rule (only stride 1 and padding (dilation * (kernel - 1)) / 2: "
                    f"as many neighbourhoods as rows)")
     width = padding[0]
     if not tr.rows_ok(x.shape[p.dim], 1, width):
-        raise _Why(f"every band needs at least {width} rows for a halo of {width} rows")
+        raise Refusal(f"every band needs at least {width} rows for a halo of {width} rows")
     rest = {"kernel_size": tuple(kernel), "dilation": tuple(dilation), "stride": tuple(stride)}
     if tr.manager is not None and width:
         if grid_of(tr.manager, tr.manager.domain_parallel_size)[1] > 1:
-            raise _Why("F.unfold along the sharded dim has no rule on a latitude x longitude domain grid yet")
-        from ..halo import halo_exchange
+            raise Refusal("F.unfold along the sharded dim has no rule on a latitude x longitude domain grid yet")
+        from ...halo import halo_exchange
 
         x = halo_exchange(x, width, dim=2, manager=tr.manager, boundary="zero")  # the field's edges: zeros, as padding
         y = func(x, padding=(0, padding[1]), **rest)
@@ -154,10 +167,10 @@ def report_move(tr: Tracker, path: str, kind: str, t: torch.Tensor, dim: int, si
                 moves: bool = True) -> None:
     """In the dry run: a row move of ``t`` along ``dim`` (``moves_of(rank)``: that rank's RowMoves) for describe()'s plan
     (``tr.on_move``, set by :func:`credit_mpi.nn.describe`; absent elsewhere)."""
-    on_move = getattr(tr, "on_move", None)
+    on_move = tr.on_move
     if on_move is None:
         return
-    from .traffic import move_traffic, row_bytes
+    from ..traffic import move_traffic, row_bytes
 
     traffic = move_traffic(moves_of, len(sizes_in), row_bytes(tuple(t.shape), dim, t.element_size()), t.requires_grad,
                            moves)
@@ -218,13 +231,13 @@ def _enter(tr: Tracker, module: torch.nn.Module, args: tuple) -> tuple[tuple, Ca
     if not bands or any(p.dim == 0 or p.outer != 1 for _, _, p in bands):
         return None  # windows in the batch dim already (Swin's window attention), or rows that are not contiguous
     if tr.manager is None:
-        return args, _dry(tr, bands, window, tr._path(module))
+        return args, _enter_dry_run(tr, bands, window, tr._path(module))
     return _run_enter(tr, args, bands, window, tr._path(module))
 
 
 def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
-    from .. import watchdog
-    from ..ops.reband import rebanded
+    from ... import watchdog
+    from ...ops.reband import rebanded
 
     comm, new_args, layout = tr.manager.domain_group, list(args), None
     with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
@@ -233,7 +246,7 @@ def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
             layout = layout or (sizes_out, sizes_in)  # back= (moved, original)
             empty = _empty_bands(sizes_out)  # the same on every rank: the layouts are agreed
             if empty and sizes_out[comm.Get_rank()] == 0:
-                new_args[i] = _phantom(new_args[i], p, window)
+                new_args[i] = _with_phantom_window(new_args[i], p, window)
             tr.set(new_args[i], p)
     dim, seq = bands[0][2].dim, watchdog.STATE.seq
 
@@ -243,10 +256,10 @@ def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
             if watchdog.STATE.seq != seq:
                 raise _communicating_with_empty_bands(path, window, layout, bands[0][2].inner)
             if sizes_out[comm.Get_rank()] == 0:
-                out = _map_bands(tr, out, lambda t, q: _cut(tr, t, q))
+                out = _map_bands(tr, out, lambda t, q: _drop_phantom_window(tr, t, q))
         if layout[0] == layout[1]:  # whole windows already: nothing moved, nothing to move back
             return out
-        return _map_bands(tr, out, lambda t, q: _back(tr, t, q, layout, path))
+        return _map_bands(tr, out, lambda t, q: _move_back(tr, t, q, layout, path))
 
     return tuple(new_args), leave
 
@@ -256,16 +269,16 @@ def _empty_bands(sizes_out) -> list[int]:
     return [r for r, s in enumerate(sizes_out) if s == 0] if sum(sizes_out) else []
 
 
-def _phantom(t: torch.Tensor, p: Sharded, window: int) -> torch.Tensor:
+def _with_phantom_window(t: torch.Tensor, p: Sharded, window: int) -> torch.Tensor:
     """A band of no window extended by one window of zeros: the module's forward reads its window count from its
     input's shape (CREDIT's ``rearrange(..., h=height // wsz)`` divides by a count of 0), so it runs on one window
-    whose output :func:`_cut` drops. Joined to ``t`` by a ``cat`` so that the backward reaches the re-band's."""
+    whose output :func:`_drop_phantom_window` drops. Joined to ``t`` by a ``cat`` so that the backward reaches the re-band's."""
     shape = list(t.shape)
     shape[p.dim] = window * p.inner
     return torch.cat([t, t.new_zeros(shape)], dim=p.dim)
 
 
-def _cut(tr: Tracker, t: torch.Tensor, q: Sharded) -> torch.Tensor:
+def _drop_phantom_window(tr: Tracker, t: torch.Tensor, q: Sharded) -> torch.Tensor:
     """The phantom window's output dropped: a band of no rows (its parameters' gradients zero, not None)."""
     with torch._C.DisableTorchFunction():
         y = t.narrow(q.dim, 0, 0)
@@ -282,17 +295,17 @@ def _communicating_with_empty_bands(path: str, window: int, layout: tuple, inner
     """A module whose forward communicates cannot run with a band of no window: the phantom window's zeros would
     take part in its collectives (a roll across bands, a halo). The same refusal in describe()'s dry run."""
     moved, original = ([s // inner for s in sizes] for sizes in layout)
-    return refusal(path, "reband()", f"re-banded to whole windows of {window} rows, the bands {list(original)} become "
+    return conversion_error(path, "reband()", f"re-banded to whole windows of {window} rows, the bands {list(original)} become "
                    f"{list(moved)} (a band with no window), and its forward communicates across bands (a roll, a "
                    f"halo, a gather); use at most {sum(1 for s in moved if s)} rank(s), or a field of at least "
                    f"{len(moved)} windows")
 
 
-def _back(tr: Tracker, t: torch.Tensor, q: Sharded, layout: tuple, path: str) -> torch.Tensor:
-    from ..ops.reband import reband
+def _move_back(tr: Tracker, t: torch.Tensor, q: Sharded, layout: tuple, path: str) -> torch.Tensor:
+    from ...ops.reband import reband
 
     if q.outer != 1:
-        raise refusal(path, "its output", f"it returns the bands merged with another dim ({q.describe()}), "
+        raise conversion_error(path, "its output", f"it returns the bands merged with another dim ({q.describe()}), "
                       f"which cannot be moved back to its input's bands")
     with torch._C.DisableTorchFunction():
         y = reband(t, q.dim, tr.manager.domain_group, back=layout, path=f"{path}: back from whole windows")
@@ -314,10 +327,10 @@ def _map_bands(tr: Tracker, out: Any, fn: Callable) -> Any:
     return out
 
 
-def _dry(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], Any]:
+def _enter_dry_run(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], Any]:
     """The dry run: the module's forward sees the re-banded layout (at the input's height, and heights that divide it
     or are multiples of it); the way back restores the input's layout. Each move is reported as the run makes it."""
-    from ..ops.reband import whole_windows
+    from ...ops.reband import whole_windows
 
     _, a, p = bands[0]
     rows, old = a.shape[p.dim] // p.inner, tr.band_sizes
@@ -329,7 +342,7 @@ def _dry(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], An
         layout = layout or (sizes_out, sizes_in)
         report_move(tr, path, "reband()", b, q.dim, sizes_in, sizes_out, _identity_moves(sizes_in, sizes_out),
                     sizes_in != sizes_out)
-    empty, rows_before = _empty_bands(layout[0]), len(getattr(tr, "plan_rows", ()))
+    empty, rows_before = _empty_bands(layout[0]), len(tr.plan_rows)
     new = [s or window for s in new] if empty else new  # the run: an empty band runs one phantom window
 
     def sizes_of(h: int) -> list[int]:
@@ -343,7 +356,7 @@ def _dry(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], An
 
     def leave(out: Any) -> Any:
         tr.band_sizes = old
-        if empty and any(_communicates(r) for r in getattr(tr, "plan_rows", ())[rows_before:]):
+        if empty and any(_communicates(r) for r in tr.plan_rows[rows_before:]):
             raise _communicating_with_empty_bands(path, window, layout, p.inner)
         return _map_bands(tr, out, _as_moved_back)
 
@@ -364,7 +377,7 @@ def _dry(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], An
 
 
 def _identity_moves(sizes_in: list[int], sizes_out: list[int]) -> Callable[[int], Any]:
-    from ..ops.reband import plan_moves
+    from ...ops.reband import plan_moves
 
     return lambda r: plan_moves(tuple(sizes_in), tuple(sizes_out), lambda j: j, r)
 
@@ -381,13 +394,13 @@ def _enter_groups(tr: Tracker, module: torch.nn.Module, args: tuple, window: int
         return None  # not plain bands (the judge says what its forward does with them)
     path, new_args, layout = tr._path(module), list(args), None
     if tr.manager is not None and grid_of(tr.manager, tr.manager.domain_parallel_size)[1] > 1:
-        raise refusal(path, _LONG, "no rule on a latitude x longitude domain grid yet")
+        raise conversion_error(path, _LONG, "no rule on a latitude x longitude domain grid yet")
     for i, a, p in bands:
         if tr.manager is None:
-            from ..ops.group_rows import group_layout_problem
+            from ...ops.group_rows import group_layout_problem
 
             if (why := group_layout_problem(a.shape[p.dim], window, len(tr.band_sizes(a.shape[p.dim])), 1)):
-                raise refusal(path, _LONG, why)
+                raise conversion_error(path, _LONG, why)
             layout = _dry_groups(tr, a, p, window, path)
             with torch._C.DisableTorchFunction():
                 new_args[i] = a.view_as(a)  # the dry run: the field's shape; the rows are now its groups
@@ -396,7 +409,7 @@ def _enter_groups(tr: Tracker, module: torch.nn.Module, args: tuple, window: int
         tr.set(new_args[i], Sharded(p.dim, window, 1))
     old, dim = tr.band_sizes, bands[0][2].dim
     if old is not None:  # the dry run: the groups split as the move splits them
-        from ..layout import split
+        from ...layout import split
 
         height = bands[0][1].shape[dim]
         n = len(old(height))
@@ -417,8 +430,8 @@ class _DryGroups(tuple):
 
 def _dry_groups(tr: Tracker, a: torch.Tensor, p: Sharded, window: int, path: str) -> _DryGroups:
     """The dry run's move of ``a`` to the group layout, reported; returns what the move back needs."""
-    from ..ops.group_rows import group_sizes, group_source
-    from ..ops.reband import plan_moves
+    from ...ops.group_rows import group_sizes, group_source
+    from ...ops.reband import plan_moves
 
     height = a.shape[p.dim]
     bands = tuple(tr.band_sizes(height))
@@ -430,13 +443,13 @@ def _dry_groups(tr: Tracker, a: torch.Tensor, p: Sharded, window: int, path: str
 
 
 def _to_groups(tr: Tracker, a: torch.Tensor, p: Sharded, window: int, path: str) -> tuple:
-    from ..ops.group_rows import NoGroupLayout, grouped
+    from ...ops.group_rows import NoGroupLayout, grouped
 
     try:
         with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
             return grouped(a, p.dim, window, tr.manager.domain_group, f"{path}: to the group layout", least=1)
     except NoGroupLayout as exc:  # raised on every rank alike, before data moves (the height is agreed first)
-        raise refusal(path, _LONG, exc.why) from None
+        raise conversion_error(path, _LONG, exc.why) from None
 
 
 def _one_unit(tr: Tracker, t: torch.Tensor, q: Sharded, dim: int, rows: int, placement: Sharded) -> torch.Tensor:
@@ -456,7 +469,7 @@ def _one_unit(tr: Tracker, t: torch.Tensor, q: Sharded, dim: int, rows: int, pla
 def _from_groups(tr: Tracker, t: torch.Tensor, q: Sharded, window: int, layout: tuple | None, path: str, dim: int):
     """An output of the module in the group layout moved back to the input's bands (the dry run: relabelled)."""
     if q != Sharded(dim, window, 1):
-        raise refusal(path, "its output", f"it returns bands along {q.describe()}, not in the group layout its "
+        raise conversion_error(path, "its output", f"it returns bands along {q.describe()}, not in the group layout its "
                       f"input had ({Sharded(dim, window, 1).describe()}), which cannot be moved back to its input's bands")
     with torch._C.DisableTorchFunction():
         if layout is None or isinstance(layout, _DryGroups):
@@ -465,11 +478,11 @@ def _from_groups(tr: Tracker, t: torch.Tensor, q: Sharded, window: int, layout: 
                 report_move(tr, path, "from_groups()", t, q.dim, groups, bands, lambda r: moves_of(r).inverse())
             y = t.view_as(t)
         else:
-            from ..ops.group_rows import from_groups
+            from ...ops.group_rows import from_groups
 
             y = from_groups(t, q.dim, window, layout, tr.manager.domain_group, f"{path}: back from the group layout")
     tr.set(y, Sharded(q.dim))
     return y
 
 
-functions._module_rule(_enter)
+module_rule(_enter)
