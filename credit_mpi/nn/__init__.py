@@ -16,6 +16,7 @@ Importing this subpackage imports torch (``import credit_mpi`` does not).
 
 from . import (
     attention_rules,  # noqa: F401 - registers the attention rules with functions' judge
+    conv_pool_rules,  # noqa: F401 - registers F.conv*/F.*pool* on the layers' band code (function rules)
     window_rules,  # noqa: F401 - registers torch.roll across bands and whole windows (function rules)
 )
 from ._comm import ConversionError
