@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from credit_mpi.nn import describe  # noqa: E402
-from credit_mpi.ops.reband import plan_moves, reband, whole_windows  # noqa: E402
-from credit_mpi.ops.roll import roll_along  # noqa: E402
+from credit_mpi.ops.reband import reband, whole_windows  # noqa: E402
+from credit_mpi.ops.rows import plan_moves, roll_along  # noqa: E402
 
 from .halo_reference import prefix_managers  # noqa: E402
 from .verdict_reference import verdict_is_the_run  # noqa: E402

@@ -3,7 +3,7 @@
 Rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
 
 * ``torch.roll`` of a band along the sharded dim is the cyclic shift of the
-  whole field (:func:`credit_mpi.ops.roll.roll_along`: a band's new rows come
+  whole field (:func:`credit_mpi.ops.rows.roll_along`: a band's new rows come
   from one or more other bands), along the other dims it passes; several
   dims at once are split into the two. This is the shift of shifted-window
   attention (Swin): exact with masks made from bands (a mask of every
@@ -82,11 +82,11 @@ def _roll(tr: Tracker, func, args, kwargs, held):
     if along and tr.manager is not None:
         if grid_of(tr.manager, tr.manager.domain_parallel_size)[1] > 1:
             raise _Why("torch.roll along the sharded dim has no rule on a latitude x longitude domain grid yet")
-        from ..ops.roll import roll_along
+        from ..ops.rows import roll_along
 
         y = roll_along(y, along, p.dim, tr.manager.domain_group, tr.stack[-1][0])
     elif along:  # the dry run: the field's own roll (the layout stays)
-        from ..ops.reband import plan_moves
+        from ..ops.rows import plan_moves
 
         sizes = dim_sizes(tr, y, p)
         total = sum(sizes)
@@ -364,7 +364,7 @@ def _dry(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], An
 
 
 def _identity_moves(sizes_in: list[int], sizes_out: list[int]) -> Callable[[int], Any]:
-    from ..ops.reband import plan_moves
+    from ..ops.rows import plan_moves
 
     return lambda r: plan_moves(tuple(sizes_in), tuple(sizes_out), lambda j: j, r)
 
@@ -418,7 +418,7 @@ class _DryGroups(tuple):
 def _dry_groups(tr: Tracker, a: torch.Tensor, p: Sharded, window: int, path: str) -> _DryGroups:
     """The dry run's move of ``a`` to the group layout, reported; returns what the move back needs."""
     from ..ops.group_rows import group_sizes, group_source
-    from ..ops.reband import plan_moves
+    from ..ops.rows import plan_moves
 
     height = a.shape[p.dim]
     bands = tuple(tr.band_sizes(height))
