@@ -1,4 +1,4 @@
-"""Exact full attention across bands (credit_mpi.nn.attention_rules, credit_mpi.ops.alltoall / ring).
+"""Exact full attention across bands (credit_mpi.nn.judge.attention, credit_mpi.ops.alltoall / ring).
 
 Every model flattens (lat, lon) into tokens and attends every token to every other one. Each
 case: describe()'s verdict is what the run does, and the run equals one process (float64:
@@ -14,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from credit_mpi.nn import ConversionError, attention_rules, convert_to_domain_parallel  # noqa: E402
+from credit_mpi.nn import ConversionError, convert_to_domain_parallel  # noqa: E402
+from credit_mpi.nn.judge import attention  # noqa: E402
 
 from .nn_reference import same_error_everywhere  # noqa: E402
 from .verdict_reference import verdict_is_the_run  # noqa: E402
@@ -173,7 +174,7 @@ def test_every_sdpa_layout_is_exact(path, mask, make_manager, monkeypatch):
     manager = make_manager()
     d = manager.domain_parallel_size
     heads = 4 if path != "alltoall" or 4 % d == 0 else d
-    monkeypatch.setattr(attention_rules, "SDPA_PATH", path)
+    monkeypatch.setattr(attention, "SDPA_PATH", path)
     for h in (2 * d, 2 * d + 1):
         build = lambda h=h: nn.Sequential(nn.Conv2d(2, 4 * heads // 2, 3, padding=1),  # noqa: E731
                                           Heads(c=4 * heads // 2, heads=heads, mask=mask, tokens=h * W))
@@ -184,7 +185,7 @@ def _moved(path: str, manager, heads: int, c: int, h: int, monkeypatch) -> int:
     from credit_mpi.ops import allgather_along, alltoall, ring
 
     counter = {"gather": allgather_along, "alltoall": alltoall, "ring": ring}[path]
-    monkeypatch.setattr(attention_rules, "SDPA_PATH", path)
+    monkeypatch.setattr(attention, "SDPA_PATH", path)
     model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, c, 1), Heads(c=c, heads=heads)).double(), manager)
     rows = h // manager.domain_parallel_size + (manager.domain_rank < h % manager.domain_parallel_size)
     x = torch.randn(1, 2, rows, W, dtype=torch.float64)

@@ -56,7 +56,7 @@ def test_validate_sharding_constraints_reports_a_module_without_a_rule():
             return x.flip(-2)
 
     problems = cnn.validate_sharding_constraints(torch.nn.Sequential(Odd()), input_shape=(1, 1, 8, 8), domain_size=2)
-    # judged by what its forward does (credit_mpi.nn.functions): the op and the module's path named
+    # judged by what its forward does (credit_mpi.nn.judge): the op and the module's path named
     assert len(problems) == 1 and "0 (Odd)" in problems[0] and "flip()" in problems[0], problems
 
 

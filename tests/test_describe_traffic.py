@@ -230,9 +230,9 @@ _EVEN = (_shifted_windows, _windows, _long_attention)
 ])
 def test_describe_traffic_equals_what_the_run_sends(build, requires_grad, sdpa, make_manager, monkeypatch):
     """Per layer (the rows of a module that moves rows itself, in total) and in total, forward and backward."""
-    from credit_mpi.nn import attention_rules
+    from credit_mpi.nn.judge import attention
 
-    monkeypatch.setattr(attention_rules, "SDPA_PATH", sdpa)
+    monkeypatch.setattr(attention, "SDPA_PATH", sdpa)
     with prefix_managers(make_manager) as managers:
         for d, manager in managers:
             if d == 1:

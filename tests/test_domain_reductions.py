@@ -1,4 +1,4 @@
-"""A sum or mean over the sharded dim (credit_mpi.nn.functions._domain_reduction): one sum over the domain, replicated.
+"""A sum or mean over the sharded dim (credit_mpi.nn.judge.reductions._domain_reduction): one sum over the domain, replicated.
 
 A squeeze-excite written with ``x.mean((2, 3), keepdim=True)`` (timm's SqueezeExcite), a
 coordinate attention whose latitude pool is ``x.mean(dim=2)`` (a replicated (B, C, 1, W)),

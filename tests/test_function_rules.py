@@ -1,4 +1,4 @@
-"""Rules at the function level (credit_mpi.nn.functions): custom forwards judged by what they do to the sharded dim.
+"""Rules at the function level (credit_mpi.nn.judge): custom forwards judged by what they do to the sharded dim.
 
 Every case: ``describe()``'s verdict (from its meta-device dry run) is what the run does: exact
 against one process (float64: forward, input gradient, parameter gradients) when the plan says
@@ -159,7 +159,7 @@ CASES = {
     "global_attention": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), GlobalAttention(4)), 2, 3, 1),
 }
 # what the run must do (True: exact wherever the plan says so; the verdict equals the run in every case)
-NEVER_EXACT = {"coord_attention"}  # the attention case runs exactly (credit_mpi.nn.attention_rules)
+NEVER_EXACT = {"coord_attention"}  # the attention case runs exactly (credit_mpi.nn.judge.attention)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -234,10 +234,10 @@ def test_einops_on_uneven_bands_raises_on_every_rank(make_manager):
 @pytest.mark.mpi(min_size=2)
 def test_global_attention_moves_what_the_theory_says(make_manager, monkeypatch):
     """K and V gathered: per rank 2 (N - N_rank) d elements received, 2 N d (P - 1) / P on even bands."""
-    from credit_mpi.nn import attention_rules
+    from credit_mpi.nn.judge import attention
     from credit_mpi.ops.allgather_along import received_elements
 
-    monkeypatch.setattr(attention_rules, "SDPA_PATH", "gather")  # tests/test_attention.py: every layout
+    monkeypatch.setattr(attention, "SDPA_PATH", "gather")  # tests/test_attention.py: every layout
     manager = make_manager()
     d = manager.domain_parallel_size
     b, c, h, w = 1, 4, 4 * d, 3

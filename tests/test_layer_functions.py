@@ -2,7 +2,7 @@
 
 ``F.conv*``, ``F.conv_transpose*``, ``F.max_pool*``, ``F.avg_pool*``, ``F.adaptive_avg_pool*`` and
 ``F.interpolate`` applied to a band run the converted layers' halo / overlap-add code
-(credit_mpi.nn.conv_pool_rules): exact against one process (float64: forward, input gradient,
+(credit_mpi.nn.judge.conv_pool): exact against one process (float64: forward, input gradient,
 parameter gradients) on 1..W ranks, even and uneven bands, and describe()'s verdict is the run's.
 What the layers cannot do exactly is refused by name on every rank.
 """

@@ -1,7 +1,7 @@
 """CrossFormer's long-distance attention across bands: the group layout (credit_mpi.ops.group_rows) at the module's boundary.
 
 The attention groups the rows ``i * (H / window) + j`` (a stride across the whole latitude); the
-window rule (credit_mpi.nn.window_rules) moves the input bands to the group layout before its forward
+window rule (credit_mpi.nn.judge.rows) moves the input bands to the group layout before its forward
 and the output back after. Exact against one process (forward, input gradient, parameter gradients)
 on even and uneven bands, uneven in groups too, wherever describe() says so (tests/verdict_reference.py).
 """

@@ -286,7 +286,7 @@ def test_refusals_raise_on_every_rank(make_manager):
         def forward(self, x):
             return x.flip(-2)
 
-    # a module without a rule is judged by what its forward does (credit_mpi.nn.functions), when it runs
+    # a module without a rule is judged by what its forward does (credit_mpi.nn.judge), when it runs
     # (on a domain of one rank the band is the whole field: nothing to judge, the forward is exact)
     x = torch.randn(1, 1, 2, 3, dtype=torch.float64)
     for model, where, op in ((nn.Sequential(nn.ReLU(), Mystery()), "1 (Mystery)", "flip()"),

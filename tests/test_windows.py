@@ -246,11 +246,33 @@ def test_a_mask_of_the_global_size_is_refused_on_every_rank(make_manager):
 @pytest.mark.mpi(min_size=2)
 def test_a_band_left_with_one_window_is_exact(make_manager):
     """4 d - 2 rows: re-banded to whole windows of 2, the last band holds one window; the window count is read
-    from the band (an Extent, credit_mpi.nn.functions), so one window is told apart from whole rows: exact."""
+    from the band (an Extent, credit_mpi.nn.judge), so one window is told apart from whole rows: exact."""
     manager = make_manager()
     h = 4 * manager.domain_parallel_size - 2
     plan = verdict_is_the_run("one_window", swin(2), (1, 2, h, 4), manager, same_op=False)
     assert plan.exact, str(plan)
+
+
+class Flipped(nn.Module):
+    """A conv, ``torch.flip`` of the sharded dim (and the longitude), a conv: the field upside down (a hemisphere swap)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        return self.b(torch.flip(self.a(x), (2, 3))) + torch.flipud(x.transpose(0, 2)).transpose(0, 2)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.one_domain_size
+def test_flip_along_the_sharded_dim_is_exact(make_manager):
+    """torch.flip / flipud of the sharded dim: the row map flip_along (one Alltoallv, the move back in backward)."""
+    for d, manager, h in band_cases(make_manager, 1):
+        plan = verdict_is_the_run("flip", Flipped, (2, 2, h, 3), manager)
+        moves = [row for row in plan.rows if row.kind == "flip_along()"]
+        assert plan.exact and len(moves) == (2 if d > 1 else 0), str(plan)
+        assert all("reversed" in row.note and row.bands_out == row.bands_in for row in moves), str(plan)
 
 
 def test_describe_names_the_refused_roll():

@@ -14,11 +14,7 @@ checkpoints that resume bit for bit (``save_checkpoint``,
 Importing this subpackage imports torch (``import credit_mpi`` does not).
 """
 
-from . import (
-    attention_rules,  # noqa: F401 - registers the attention rules with functions' judge
-    conv_pool_rules,  # noqa: F401 - registers F.conv*/F.*pool* on the layers' band code (function rules)
-    window_rules,  # noqa: F401 - registers torch.roll across bands and whole windows (function rules)
-)
+from . import judge  # noqa: F401 - registers the judge's rules for custom forwards
 from ._comm import ConversionError
 from .checkpoint import load_checkpoint, save_checkpoint
 from .conv import (

@@ -257,7 +257,7 @@ def _unjudged(root: torch.nn.Module, shard_dim: int, manager: Any, inputs: Any) 
 
 
 #: ``(root, shard_dim, manager, inputs) -> context`` in which a converted forward runs: set by
-#: :mod:`credit_mpi.nn.functions` (imported with the converter), whose tracker judges every torch
+#: :mod:`credit_mpi.nn.judge` (imported with the converter), whose tracker judges every torch
 #: function applied to a band (installed from above: that module builds on this one).
 judged: Callable[[torch.nn.Module, int, Any, Any], contextlib.AbstractContextManager] = _unjudged
 
@@ -273,7 +273,7 @@ class ForwardGuard:
     Backward is not covered (a rank-local error there still leaves the
     others waiting: the watchdog's case).
 
-    The forward runs under a :class:`~credit_mpi.nn.functions.Tracker`: every
+    The forward runs under a :class:`~credit_mpi.nn.judge.tracker.Tracker`: every
     torch function applied to a band outside the layers is judged by what
     it does to the sharded dim, and one without an exact rule raises
     ``ConversionError`` (shared like any other exception).

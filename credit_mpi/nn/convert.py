@@ -22,14 +22,14 @@ Policy (every module of the model, the root included, is visited once):
    ``nn.PixelShuffle``, ``nn.Flatten``, a subclass of an activation) is kept
    and its children converted; its own ``forward`` is judged function by
    function while the converted model runs and in ``describe()``'s dry run
-   (:mod:`credit_mpi.nn.functions`): what leaves the sharded dim alone
+   (:mod:`credit_mpi.nn.judge`): what leaves the sharded dim alone
    passes, what mixes rows along it raises ``ConversionError`` naming the
    module's path and the op.
 5. Refused here, on every rank, naming the module's path and
    ``custom_converters``: ``nn.Linear`` when ``shard_dim`` is the last dim,
    channel dropout, adaptive max pooling. (Attention, ``nn.MultiheadAttention``
    and ``nn.Transformer*``, is judged by its forward as in 4.: exact,
-   :mod:`credit_mpi.nn.attention_rules`.)
+   :mod:`credit_mpi.nn.judge.attention`.)
 
 On a 2-D latitude x longitude domain grid of more than one column
 (``domain_grid=(rows, cols)``, ``cols > 1``) the last two dims of every layer
@@ -53,7 +53,7 @@ from torch import nn
 from ..grid import grid_of
 from ..manager import DomainParallelManager, get_domain_parallel_manager
 from ..validation import check_int
-from . import conv, dropout, functions, norm, resample  # noqa: F401 - the layers register their rules; functions the judge
+from . import conv, dropout, judge, norm, resample  # noqa: F401 - the layers register their rules; judge the custom forwards
 from ._comm import ConversionError
 from .base import DomainParallelModule, adopt, guard_forward
 from .rules import BANDS_ONLY, RULES, refusal_of
@@ -83,7 +83,7 @@ _PADS = tuple(
 )
 
 
-# constant padding of the sharded dim: the field's edges, on the first and last band (credit_mpi.nn.functions)
+# constant padding of the sharded dim: the field's edges, on the first and last band (credit_mpi.nn.judge)
 _CONSTANT_PADS = tuple(getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant") for n in (1, 2, 3)
                        if hasattr(nn, f"{kind}Pad{n}d"))
 
@@ -223,7 +223,7 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
         new = _convert(child, f"{path}.{name}" if path else name, manager, shard_dim, custom)
         if new is not child:
             module._modules[name] = new
-    return module  # its own forward is judged function by function while it runs (credit_mpi.nn.functions)
+    return module  # its own forward is judged function by function while it runs (credit_mpi.nn.judge)
 
 
 _NO_GRID_RULE: tuple[type, ...] = (

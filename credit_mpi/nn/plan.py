@@ -31,12 +31,15 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..grid import check_grid, grid_of
 from ..partition import band_sizes, check_halo_width, normalize_dim
-from . import attention_rules, geometry
+from . import geometry
 from ._comm import ConversionError
-from .attention_rules import sdpa_path
 from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
-from .functions import VALUE_CALLS, Tracker, _Why
+from .judge import attention
+from .judge.attention import sdpa_path
+from .judge.pointwise import VALUE_CALLS
+from .judge.registry import Refusal
+from .judge.tracker import Tracker
 from .replicated import is_replicated, replicated
 from .traffic import (
     AGREEMENT_BYTES,
@@ -51,7 +54,7 @@ from .traffic import (
 
 __all__ = ["describe", "Plan", "PlanRow", "GridPlan"]
 
-# The layouts of attention across bands (credit_mpi.nn.attention_rules.sdpa_path): what describe() says, its traffic.
+# The layouts of attention across bands (credit_mpi.nn.judge.attention.sdpa_path): what describe() says, its traffic.
 _ATTENTION_LAYOUTS = {
     "gather": ("K and V gathered (allgather_along)", gather_traffic),
     "alltoall": ("all-to-all to heads and back (ops.alltoall)", alltoall_traffic),
@@ -59,8 +62,8 @@ _ATTENTION_LAYOUTS = {
 }
 
 
-# What describe() says of each gather and join of the rules (credit_mpi.nn.window_rules, attention_rules); a row
-# move's note is its row map's label (credit_mpi.ops.rows.ROW_MAPS, next to the map).
+# What describe() says of each gather and join of the rules (credit_mpi.nn.judge.rows, credit_mpi.nn.judge.attention);
+# a row move's note is its row map's label (credit_mpi.ops.rows.ROW_MAPS, next to the map).
 _MOVES = {
     "allgather_along()": "a product's operand gathered (every band's tokens)",
     "allgather_along(counts)": "every rank's token count (the offsets of a mask in the field's coordinates)",
@@ -301,7 +304,7 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         p = places[1]
         counts = [p.inner * s for s in sizes_of(k.shape[-2] // p.inner)]
         path = tracker.stack[-1][0].rsplit(" (", 1)[0]  # "path (Type)": the module's path, as the layers' rows
-        layout = sdpa_path(q, k, v, domain_size, gqa, attention_rules.SDPA_PATH)  # as the run decides it
+        layout = sdpa_path(q, k, v, domain_size, gqa, attention.SDPA_PATH)  # as the run decides it
         how, traffic = _ATTENTION_LAYOUTS[layout]
         if layout == "gather":
             moved = traffic((k,) if v is k else (k, v), counts, domain_size)
@@ -315,7 +318,7 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
         band's size re-banded to that band's layout: a row of its own."""
         differ = [k for k, s in enumerate(sizes) if s != target]
         if grid and differ:  # the run keeps the local check on a latitude x longitude grid (no re-band there yet)
-            raise _Why(f"it joins bands of {parts[0].shape[dim]} rows in different layouts ({sizes}), which has no "
+            raise Refusal(f"it joins bands of {parts[0].shape[dim]} rows in different layouts ({sizes}), which has no "
                        f"re-band rule on a latitude x longitude domain grid yet")
         note = _MOVES[kind if kind != "cat()" else "cat() re-band" if differ else "cat()"]
         traffic = None if grid else tuple(join_traffic(parts, dim, sizes, target, domain_size))
@@ -348,16 +351,16 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
                                  f"(a branch on it may differ)", None if grid else (Traffic(),) * domain_size))
         return got
 
-    try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.functions)
+    try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.judge)
         # grad on (meta tensors: no memory, no compute): a layer sees whether its input requires grad
         with torch.enable_grad(), Tracker(dry, shard_dim, None, sizes_of, record, judge=domain_size > 1,
                                           adopt_layout=adopt) as tracker, _DryRun(tracker, gathered, value):
             dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
             x = torch.empty(input_shape, device="meta", dtype=dtype, requires_grad=requires_grad)
-            tracker.on_move = moved  # the rules' row moves and gathers (window_rules, attention_rules)
+            tracker.on_move = moved  # the rules' row moves and gathers (credit_mpi.nn.judge.rows, .attention)
             tracker.grid = grid  # the domain grid (the rules without one on a grid refuse it in the dry run too)
             tracker.on_join, tracker.on_conflict = joined, conflict  # joins of bands; bands of two layouts combined
-            tracker.plan_rows = plan.rows  # what a module's forward communicated (window_rules: a band of no window)
+            tracker.plan_rows = plan.rows  # what a module's forward communicated (credit_mpi.nn.judge.rows: a band of no window)
             tracker.mark_inputs(x)
             dry(x)
     except ConversionError as exc:  # a function without a rule: the run raises this on every rank

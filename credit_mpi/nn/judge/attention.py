@@ -1,4 +1,4 @@
-"""Exact full attention across bands: the function rules of :mod:`credit_mpi.nn.functions` for attention.
+"""Exact full attention across bands: the function rules of :mod:`credit_mpi.nn.judge` for attention.
 
 Full attention over tokens flattened from (lat, lon) mixes every band with
 every other. These rules make it exact, whichever way a forward spells it:
@@ -48,9 +48,11 @@ from typing import Any
 
 import torch
 
-from ..layout import Layout
-from . import functions as fx
-from .functions import Sharded, _arg, _op_name, _rule, _tensors, _Why
+from ...layout import Layout
+from .pointwise import POINTWISE
+from .registry import Refusal, argument, op_name, rule, tensors_in, wraps
+from .shapes import PERMUTES, RESHAPES
+from .tracker import Sharded
 
 __all__ = ["SDPA_PATH", "global_dims", "sdpa_path"]
 
@@ -85,8 +87,8 @@ def _mark(tr, t: torch.Tensor, dims) -> None:
 
 def _carry_aligned(tr, func, args, kwargs, out) -> None:
     """Pointwise and softmax: a global dim stays global (dims aligned from the right, size kept)."""
-    ins = [(t, global_dims(tr, t)) for t in _tensors((args, kwargs))]
-    for o in _tensors(out):
+    ins = [(t, global_dims(tr, t)) for t in tensors_in((args, kwargs))]
+    for o in tensors_in(out):
         dims = set()
         for t, g in ins:
             for d in g:
@@ -122,45 +124,34 @@ def _carry_reshape(tr, func, args, kwargs, out) -> None:
     _mark(tr, out, dims)
 
 
-def _carrying(names, carry) -> None:
-    """Wrap the rules of ``names`` so that their outputs keep the global dims of their inputs."""
-    for name in names:
-        base = fx._RULES[name]
-
-        def rule(tr, func, args, kwargs, held, base=base):
-            try:
-                out = base(tr, func, args, kwargs, held)
-            except _Why as why:
-                if any(global_dims(tr, t) for t in _tensors((args, kwargs))):
-                    raise _Why(f"{why}; the scores' rows are this band's queries: a mask in the field's coordinates "
-                               f"is exact as attn_mask= of F.scaled_dot_product_attention") from None
-                raise
-            carry(tr, func, args, kwargs, out)
-            return out
-
-        rule.__doc__ = base.__doc__
-        _rule(name)(rule)
-
-
-_carrying(fx._POINTWISE + ["softmax", "log_softmax", "softmin", "dropout"], _carry_aligned)
-_carrying(fx._PERMUTES, _carry_permute)
-_carrying(fx._RESHAPES, _carry_reshape)
-
-
-def _forget_on_write(names) -> None:
-    """A write into part of a global dim (``__setitem__``) is not known to be the field's: its mark is dropped."""
-    for name in names:
-        base = fx._RULES[name]
-
-        def rule(tr, func, args, kwargs, held, base=base):
+def _carrying(carry):
+    """A wrapper of a rule whose outputs keep the global dims of its inputs (``carry`` marks them)."""
+    def wrapper(base, tr, func, args, kwargs, held):
+        try:
             out = base(tr, func, args, kwargs, held)
-            _mark(tr, args[0], ())
-            return out
+        except Refusal as why:
+            if any(global_dims(tr, t) for t in tensors_in((args, kwargs))):
+                raise Refusal(f"{why}; the scores' rows are this band's queries: a mask in the field's coordinates "
+                              f"is exact as attn_mask= of F.scaled_dot_product_attention") from None
+            raise
+        carry(tr, func, args, kwargs, out)
+        return out
 
-        _rule(name)(rule)
+    return wrapper
 
 
-_forget_on_write(["__setitem__"])
+wraps(*POINTWISE, "softmax", "log_softmax", "softmin", "dropout")(_carrying(_carry_aligned))
+wraps(*PERMUTES)(_carrying(_carry_permute))
+wraps(*RESHAPES)(_carrying(_carry_reshape))
+
+
+@wraps("__setitem__")
+def _forget_on_write(base, tr, func, args, kwargs, held):
+    """A write into part of a global dim (``__setitem__``) is not known to be the field's: its mark is dropped."""
+    out = base(tr, func, args, kwargs, held)
+    _mark(tr, args[0], ())
+    return out
+
 
 # -- gathering the operand of a product ------------------------------------------------------------
 
@@ -174,7 +165,7 @@ def _gather(tr, t: torch.Tensor, dim: int) -> torch.Tensor:
     if tr.manager is None:
         _report_gather(tr, t, dim)
         return t.view(t.shape)  # global shapes already; a new tensor object, not a band
-    from ..ops.allgather_along import allgather_along
+    from ...ops.allgather_along import allgather_along
 
     return allgather_along(t, dim, tr.manager.domain_group, _path(tr))
 
@@ -185,8 +176,8 @@ def _report_gather(tr, t: torch.Tensor, dim: int) -> None:
     on_move, p = getattr(tr, "on_move", None), tr.get(t)
     if on_move is None or p is None:
         return
-    from .traffic import gather_traffic
-    from .window_rules import dim_sizes
+    from ..traffic import gather_traffic
+    from .rows import dim_sizes
 
     counts = dim_sizes(tr, t, p)
     on_move(_path(tr), "allgather_along()", t.shape[dim], counts, [sum(counts)] * len(counts),
@@ -199,7 +190,7 @@ def _report_counts(tr, ranks: int) -> None:
     on_move = getattr(tr, "on_move", None)
     if on_move is None or ranks <= 1:
         return
-    from .traffic import gather_traffic
+    from ..traffic import gather_traffic
 
     counts = [1] * ranks
     on_move(_path(tr), "allgather_along(counts)", ranks, counts, [ranks] * ranks,
@@ -227,7 +218,7 @@ def _gathers(tr, specs: list[str], operands: list, out: str) -> tuple[list[tuple
             gather |= {i for i, (letter, _) in band.items() if i not in gather and letter != kept}
     for i in sorted(gather):
         if band[i][1].outer != 1:
-            raise _Why("the tokens to gather are merged windows (their bands' concatenation is not the field's "
+            raise Refusal("the tokens to gather are merged windows (their bands' concatenation is not the field's "
                        "order): attention across bands needs the tokens of whole rows")
     global_letters = glob | {band[i][0] for i in gather}
     return [(i, specs[i].index(band[i][0])) for i in sorted(gather)], {out.index(c) for c in global_letters if c in out}
@@ -240,40 +231,36 @@ def _product(tr, func, args, kwargs, positions, specs, out_spec, base):
     new = list(args)
     for i, dim in todo:
         new[positions[i]] = _gather(tr, operands[i], dim)
-    held = [(t, p) for t in _tensors((new, kwargs)) if (p := tr.get(t)) is not None]
+    held = [(t, p) for t in tensors_in((new, kwargs)) if (p := tr.get(t)) is not None]
     out = base(tr, func, tuple(new), kwargs, held) if held else func(*new, **kwargs)
     if isinstance(out, torch.Tensor):
         _mark(tr, out, marks)
     return out
 
 
-_BASE_MATMUL = fx._RULES["matmul"]
-_BASE_EINSUM = fx._RULES["einsum"]
-
-
-@_rule("matmul", "__matmul__", "__rmatmul__", "bmm", "mm")
-def _matmul(tr, func, args, kwargs, held):
-    """``a @ b``: keys' tokens gathered for ``q k^T``, values' for ``a v``; else :mod:`functions`' rule."""
-    a_at, b_at = (1, 0) if _op_name(func) == "__rmatmul__" else (0, 1)
+@wraps("matmul", "__matmul__", "__rmatmul__", "bmm", "mm")
+def _matmul(base, tr, func, args, kwargs, held):
+    """``a @ b``: keys' tokens gathered for ``q k^T``, values' for ``a v``; else the product's own rule (:mod:`credit_mpi.nn.judge.reductions`)."""
+    a_at, b_at = (1, 0) if op_name(func) == "__rmatmul__" else (0, 1)
     a, b = args[a_at], args[b_at]
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.ndim < 2 or b.ndim < 2:
-        return _BASE_MATMUL(tr, func, args, kwargs, held)
+        return base(tr, func, args, kwargs, held)
     batch = "ABCDEFGHIJ"[: max(a.ndim, b.ndim) - 2]
     specs = [batch[len(batch) - (a.ndim - 2):] + "mk", batch[len(batch) - (b.ndim - 2):] + "kn"]
-    return _product(tr, func, args, kwargs, [a_at, b_at], specs, batch + "mn", _BASE_MATMUL)
+    return _product(tr, func, args, kwargs, [a_at, b_at], specs, batch + "mn", base)
 
 
-@_rule("einsum")
-def _einsum(tr, func, args, kwargs, held):
+@wraps("einsum")
+def _einsum(base, tr, func, args, kwargs, held):
     """The same for ``einsum`` (``"bqd,bkd->bqk"``, ``"bqk,bkd->bqd"``): an equation without ``...``."""
     equation = args[0]
     if not isinstance(equation, str) or "..." in equation or "->" not in equation:
-        return _BASE_EINSUM(tr, func, args, kwargs, held)
+        return base(tr, func, args, kwargs, held)
     if len(args) == 2 and isinstance(args[1], (list, tuple)):
         args = (equation, *args[1])
     ins, out = equation.replace(" ", "").split("->")
     specs = ins.split(",")
-    return _product(tr, func, args, kwargs, list(range(1, len(args))), specs, out, _BASE_EINSUM)
+    return _product(tr, func, args, kwargs, list(range(1, len(args))), specs, out, base)
 
 
 # -- scaled_dot_product_attention --------------------------------------------------------------------
@@ -281,7 +268,7 @@ def _einsum(tr, func, args, kwargs, held):
 
 def _counts(tr, n: int) -> list[int]:
     """Every rank's token count along a band (one small agreed all-gather: the offsets of global masks)."""
-    from ..ops.allgather_along import allgather_along
+    from ...ops.allgather_along import allgather_along
 
     mine = torch.tensor([float(n)], dtype=torch.float64)
     return [int(c) for c in allgather_along(mine, 0, tr.manager.domain_group, _path(tr)).tolist()]
@@ -294,7 +281,7 @@ def _on(mask: Any, like: torch.Tensor) -> Any:
 
 def _check_mask(tr, mask: Any) -> None:
     if isinstance(mask, torch.Tensor) and tr.get(mask) is not None:
-        raise _Why("its attention mask holds bands (made from the band's rows): build the mask in the field's "
+        raise Refusal("its attention mask holds bands (made from the band's rows): build the mask in the field's "
                    "coordinates, over every token, the same on every rank")
 
 
@@ -323,7 +310,7 @@ def sdpa_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: int, gqa
     batch dims, else ``gather``; ``forced`` (``SDPA_PATH``) picks one where it applies.
     """
     if forced not in _PATHS:
-        raise ValueError(f"credit_mpi.nn.attention_rules.SDPA_PATH={forced!r}; valid: {', '.join(_PATHS)}")
+        raise ValueError(f"credit_mpi.nn.judge.attention.SDPA_PATH={forced!r}; valid: {', '.join(_PATHS)}")
     same = not gqa and q.ndim >= 3 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.shape[-1] == k.shape[-1]
     heads = same and q.shape[-3] % ranks == 0
     if forced == "alltoall" and heads or forced == "auto" and heads:
@@ -333,7 +320,7 @@ def sdpa_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: int, gqa
     return "gather"
 
 
-@_rule("scaled_dot_product_attention")
+@rule("scaled_dot_product_attention")
 def _sdpa(tr, func, args, kwargs, held):
     """Attention: windows in the batch dim pass; queries on token bands attend to every band's keys.
 
@@ -343,7 +330,7 @@ def _sdpa(tr, func, args, kwargs, held):
     """
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     defaults = (None, None, None, None, 0.0, False, None, False)
-    q, k, v, mask, dropout, causal, scale, gqa = (_arg(args, kwargs, i, n, dflt) for i, (n, dflt) in enumerate(zip(names, defaults, strict=True)))
+    q, k, v, mask, dropout, causal, scale, gqa = (argument(args, kwargs, i, n, dflt) for i, (n, dflt) in enumerate(zip(names, defaults, strict=True)))
     places = [tr.get(t) for t in (q, k, v)]
     _check_mask(tr, mask)
     if all(p is not None and p.dim < t.ndim - 2 for t, p in zip((q, k, v), places, strict=True)) and len(set(places)) == 1:
@@ -351,13 +338,13 @@ def _sdpa(tr, func, args, kwargs, held):
     memory = places[1] is None and places[2] is None  # keys and values without bands: the same on every rank
     if places[0] is None or places[0].dim != q.ndim - 2 or not memory and any(
             p is None or p.dim != t.ndim - 2 for t, p in zip((k, v), places[1:], strict=True)):
-        raise _Why("attention with bands in some of q, k, v only, or along their features, has no rule (the "
+        raise Refusal("attention with bands in some of q, k, v only, or along their features, has no rule (the "
                    "tokens, dim -2, of q and of k and v must hold the bands; or k and v none: a global memory)")
     if dropout:
-        raise _Why(f"dropout_p={dropout} draws its own mask on every band (not one process's draw)")
+        raise Refusal(f"dropout_p={dropout} draws its own mask on every band (not one process's draw)")
     if any(p is not None and p.outer != 1 for p in places) and (memory is False and (places[1].outer != 1 or places[2].outer != 1)
                                                               or mask is not None or causal):
-        raise _Why("attention across bands of merged windows (outer > 1) has no rule: the tokens of whole rows are needed")
+        raise Refusal("attention across bands of merged windows (outer > 1) has no rule: the tokens of whole rows are needed")
     rest = {"scale": scale} if scale is not None else {}
     if gqa:
         rest["enable_gqa"] = True
@@ -378,7 +365,7 @@ def _attend(tr, func, q, k, v, mask, causal, rest, memory=False):
     ranks, rank = comm.Get_size(), comm.Get_rank()
     layout = "memory" if memory else sdpa_path(q, k, v, ranks, bool(rest.get("enable_gqa")), SDPA_PATH)
     if layout == "alltoall":
-        from ..ops.alltoall import alltoall
+        from ...ops.alltoall import alltoall
 
         qh, kh = alltoall(q, -3, -2, comm, path=path), alltoall(k, -3, -2, comm, path=path)
         vh = kh if v is k else alltoall(v, -3, -2, comm, path=path)
@@ -388,7 +375,7 @@ def _attend(tr, func, q, k, v, mask, causal, rest, memory=False):
         out = func(qh, kh, vh, attn_mask=mask, is_causal=causal, **rest)
         return alltoall(out, -2, -3, comm, keep=q.shape[-2], path=path)
     if layout == "ring":
-        from ..ops.ring import ring_attention
+        from ...ops.ring import ring_attention
 
         return ring_attention(q, k, v, comm, attn_mask=mask, is_causal=causal, scale=rest.get("scale"), path=path)
     kg = k if memory else _gather(tr, k, k.ndim - 2)
@@ -409,10 +396,10 @@ def _mha_per_sample(tr, func, a: dict, p: Sharded):
     levels, C)``) mixes no rows: local, exact, as long as no mask is indexed by the batch.
     """
     if a["key_padding_mask"] is not None or (a["attn_mask"] is not None and a["attn_mask"].ndim == 3):
-        raise _Why("a key_padding_mask or a per-sample attn_mask with the bands in the batch has no rule (its rows are "
+        raise Refusal("a key_padding_mask or a per-sample attn_mask with the bands in the batch has no rule (its rows are "
                    "the field's samples, not this band's)")
     if a["training"] and a["dropout_p"]:
-        raise _Why(f"dropout={a['dropout_p']} in training draws its own mask on every band (not one process's draw)")
+        raise Refusal(f"dropout={a['dropout_p']} in training draws its own mask on every band (not one process's draw)")
     if tr.manager is None:  # the dry run (meta): a mask made on the host goes along
         a["attn_mask"] = _on(a["attn_mask"], a["query"])
     out, weights = func(**a)
@@ -425,7 +412,7 @@ def _mha_per_sample(tr, func, a: dict, p: Sharded):
 _MHA = inspect.signature(torch.nn.functional.multi_head_attention_forward)
 
 
-@_rule("multi_head_attention_forward")
+@rule("multi_head_attention_forward")
 def _mha(tr, func, args, kwargs, held):
     """``nn.MultiheadAttention``: the tokens (dim 0 of ``(L, N, E)``) on bands, key and value gathered."""
     bound = _MHA.bind(*args, **kwargs)
@@ -438,15 +425,15 @@ def _mha(tr, func, args, kwargs, held):
     if pq is not None and pq.dim == 1 and pq == pk == pv:
         return _mha_per_sample(tr, func, a, pq)
     if pq is None or pq.dim != 0 or (pk is None) != (pv is None) or any(p is not None and p.dim != 0 for p in (pk, pv)):
-        raise _Why("multi-head attention with the bands elsewhere than in the tokens (dim 0 of (L, N, E), the "
+        raise Refusal("multi-head attention with the bands elsewhere than in the tokens (dim 0 of (L, N, E), the "
                    "query's and, for keys from bands, the key's and value's) or, for all three alike, in the batch "
                    "(dim 1) has no rule: reshape so that the tokens or the batch hold the bands")
     if a["training"] and a["dropout_p"]:
-        raise _Why(f"dropout={a['dropout_p']} in training draws its own mask on every band (not one process's draw)")
+        raise Refusal(f"dropout={a['dropout_p']} in training draws its own mask on every band (not one process's draw)")
     if a["static_k"] is not None or a["static_v"] is not None:
-        raise _Why("static_k / static_v with bands has no rule")
+        raise Refusal("static_k / static_v with bands has no rule")
     if any(p is not None and p.outer != 1 for p in (pk, pv)) or (pq.outer != 1 and (a["attn_mask"] is not None or a["is_causal"])):
-        raise _Why("attention across bands of merged windows (outer > 1) has no rule: the tokens of whole rows are needed")
+        raise Refusal("attention across bands of merged windows (outer > 1) has no rule: the tokens of whole rows are needed")
     if pk is not None:
         gathered = _gather(tr, key, 0)
         a["value"] = gathered if value is key else _gather(tr, value, 0)

@@ -1,6 +1,12 @@
-"""Rules for windows across bands: ``torch.roll`` along the sharded dim, and whole windows for a windowed module.
+"""Row moves: ``torch.roll`` along the sharded dim, whole windows for a windowed module, the group layout.
 
-Rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
+Rules of the judge (:mod:`credit_mpi.nn.judge`) that move rows:
+
+* ``torch.flip`` (``flipud``, ``fliplr``) along the sharded dim reverses
+  the whole field's rows (the row map ``flip_along`` of
+  :mod:`credit_mpi.ops.rows`: a band's new rows come from the mirrored band);
+  along other dims it passes. ``rot90`` in the plane of the sharded dim is
+  refused (rows become columns).
 
 * ``torch.roll`` of a band along the sharded dim is the cyclic shift of the
   whole field (:func:`credit_mpi.ops.rows.roll_along`: a band's new rows come
@@ -43,7 +49,7 @@ Rules of the function-level judge (:mod:`credit_mpi.nn.functions`):
   dim from the batch's; the module's output is then taken in its own layout
   (one unit covers the whole tensor either way), as for a band of one window.
 
-Importing this module registers the rules (:mod:`credit_mpi.nn` imports it).
+Importing this module registers the rules (:mod:`credit_mpi.nn.judge` imports it).
 """
 
 from __future__ import annotations
@@ -53,81 +59,72 @@ from typing import Any
 
 import torch
 
-from ..grid import grid_of
-from . import functions
-from .functions import Sharded, Tracker, _arg, _rule, _Why, refusal
+from ...grid import grid_of
+from .registry import Refusal, argument, conversion_error, dims_of, module_rule, op_name, rule
+from .tracker import Sharded, Tracker, tracked_columns
 
 __all__ = ["window_rows", "strided_rows", "STRIDED_WINDOWS"]
 
 
-@_rule("roll")
-def _roll(tr: Tracker, func, args, kwargs, held):
-    """Along the sharded dim: the field's cyclic shift across bands; along other dims: local."""
+@rule("flip", "fliplr", "flipud")
+def _flip(tr: Tracker, func, args, kwargs, held):
+    """Along the sharded dim: the field's rows reversed across bands (the row map ``flip_along``); other dims: local."""
     x, p = args[0], tr.get(args[0])
-    if p is None:
-        raise _Why("a band as the shifts")
-    shifts, dims = _arg(args, kwargs, 1, "shifts"), _arg(args, kwargs, 2, "dims")
-    if dims is None or (isinstance(dims, (tuple, list)) and not dims):
-        raise _Why("torch.roll without dims shifts the flattened tensor (every band's rows mixed with the others')")
-    shifts = list(shifts) if isinstance(shifts, (tuple, list)) else [shifts]
-    dims = list(dims) if isinstance(dims, (tuple, list)) else [dims]
-    if len(shifts) != len(dims):
-        return func(*args, **kwargs)  # torch's own error
-    along = sum(int(s) for s, d in zip(shifts, dims, strict=True) if d % x.ndim == p.dim)
-    rest = [(int(s), d) for s, d in zip(shifts, dims, strict=True) if d % x.ndim != p.dim]
-    y = func(x, [s for s, _ in rest], [d for _, d in rest]) if rest else x
-    if along and p.outer != 1:
-        raise _Why(f"it rolls a dim that holds the bands' rows merged with another dim ({p.describe()}: windows in "
-                   f"the batch); roll the field before the window partition")
-    if along and tr.manager is not None:
-        if grid_of(tr.manager, tr.manager.domain_parallel_size)[1] > 1:
-            raise _Why("torch.roll along the sharded dim has no rule on a latitude x longitude domain grid yet")
-        from ..ops.rows import roll_along
-
-        y = roll_along(y, along, p.dim, tr.manager.domain_group, tr.stack[-1][0])
-    elif along:  # the dry run: the field's own roll (the layout stays)
-        from ..ops.rows import plan_moves
-
-        sizes = dim_sizes(tr, y, p)
-        total = sum(sizes)
-        report_move(tr, tr.stack[-1][0], "roll_along()", y, p.dim, sizes, sizes,
-                    lambda r: plan_moves(sizes, sizes, lambda j: (j - along) % max(total, 1), r))
-        y = func(y, along, p.dim)
-    elif y is x:
-        y = func(x, 0, p.dim)  # a roll by nothing is still a new tensor
+    op = op_name(func)
+    dims = {"fliplr": [1], "flipud": [0]}.get(op) or dims_of(argument(args, kwargs, 1, "dims"), x.ndim)
+    if dims is None or p.dim not in dims:
+        return tr.run(func, args, kwargs, p)
+    if p.outer * p.inner != 1:
+        raise Refusal(f"it reverses a dim that holds the bands' rows merged with another dim ({p.describe()}); flip "
+                      f"the field before the merge")
+    rest = [d for d in dims if d != p.dim]
+    y = torch.flip(x, rest) if rest else x
+    y = _moved(tr, y, p, "flip_along") if tr.manager is not None else _reported(tr, y, p, "flip_along")
+    if tr.manager is None:
+        y = torch.flip(y, [p.dim])  # the dry run: the field's own flip (the layout stays)
     tr.set(y, p)
     return y
 
 
-@_rule("unfold")
+@rule("rot90")
+def _rot90(tr: Tracker, func, args, kwargs, held):
+    """A rotation in the plane of the sharded dim turns rows into columns: refused; in another plane: local."""
+    x, p = args[0], tr.get(args[0])
+    dims = dims_of(argument(args, kwargs, 2, "dims", [0, 1]), x.ndim)
+    if p.dim in dims:
+        raise Refusal("it turns the rows of the sharded dim into another dim's")
+    return tr.run(func, args, kwargs, p)
+
+
+@rule("unfold")
 def _unfold(tr: Tracker, func, args, kwargs, held):
     """``F.unfold`` (every pixel's k x k neighbourhood: neighbourhood attention) through the halo; ``Tensor.unfold``
     along another dim passes, along the sharded dim it is refused (the neighbours' rows are missing)."""
     x, p = args[0], tr.get(args[0])
     if p is None:
-        raise _Why("a band as unfold's argument")
+        raise Refusal("a band as unfold's argument")
     if func is not torch.nn.functional.unfold:  # Tensor.unfold(dimension, size, step): a new last dim, the rest kept
-        if _arg(args, kwargs, 1, "dimension") % x.ndim == p.dim:
-            raise _Why("Tensor.unfold along the sharded dim reads the neighbours' rows (use F.unfold with padding: its "
+        if argument(args, kwargs, 1, "dimension") % x.ndim == p.dim:
+            raise Refusal("Tensor.unfold along the sharded dim reads the neighbours' rows (use F.unfold with padding: its "
                        "rule takes them from the halo)")
         return tr.run(func, args, kwargs, p)
-    kernel, dilation, padding, stride = (_pair(_arg(args, kwargs, i, n, d)) for i, n, d in
+    kernel, dilation, padding, stride = (_pair(argument(args, kwargs, i, n, d)) for i, n, d in
                                          ((1, "kernel_size", None), (2, "dilation", 1), (3, "padding", 0), (4, "stride", 1)))
     if x.ndim != 4 or p.dim != 2 or p.outer * p.inner != 1:
-        raise _Why(f"F.unfold of a tensor whose bands are along {p.describe()} has no rule (bands along the rows of "
+        raise Refusal(f"F.unfold of a tensor whose bands are along {p.describe()} has no rule (bands along the rows of "
                    f"a (batch, channels, rows, columns) tensor)")
     if stride[0] != 1 or 2 * padding[0] != dilation[0] * (kernel[0] - 1):
-        raise _Why(f"F.unfold with kernel {kernel[0]}, dilation {dilation[0]}, padding {padding[0]}, stride {stride[0]} "
+        raise Refusal(f"F.unfold with kernel {kernel[0]}, dilation {dilation[0]}, padding {padding[0]}, stride {stride[0]} "
                    f"along the sharded dim has no rule (only stride 1 and padding (dilation * (kernel - 1)) / 2: "
                    f"as many neighbourhoods as rows)")
     width = padding[0]
     if not tr.rows_ok(x.shape[p.dim], 1, width):
-        raise _Why(f"every band needs at least {width} rows for a halo of {width} rows")
+        raise Refusal(f"every band needs at least {width} rows for a halo of {width} rows")
     rest = {"kernel_size": tuple(kernel), "dilation": tuple(dilation), "stride": tuple(stride)}
     if tr.manager is not None and width:
         if grid_of(tr.manager, tr.manager.domain_parallel_size)[1] > 1:
-            raise _Why("F.unfold along the sharded dim has no rule on a latitude x longitude domain grid yet")
-        from ..halo import halo_exchange
+            raise Refusal("F.unfold along the sharded dim has no rule on a latitude x longitude domain grid yet")
+        from ...halo import halo_exchange
 
         x = halo_exchange(x, width, dim=2, manager=tr.manager, boundary="zero")  # the field's edges: zeros, as padding
         y = func(x, padding=(0, padding[1]), **rest)
@@ -145,6 +142,29 @@ def _pair(value: Any) -> list[int]:
 # -- what the dry run tells describe() of each row move (its plan row and traffic) -------------------
 
 
+def _moved(tr: Tracker, t: torch.Tensor, p: Sharded, name: str, **params: Any) -> torch.Tensor:
+    """At run time: band ``t`` moved by the row map ``name`` of :mod:`credit_mpi.ops.rows` along ``p.dim``."""
+    if tracked_columns(tr) > 1:
+        raise Refusal(f"the row move {name}() along the sharded dim has no rule on a latitude x longitude domain grid "
+                      f"yet")
+    from ...ops.rows import move_along
+
+    return move_along(t, name, p.dim, tr.manager.domain_group, tr.stack[-1][0], **params)
+
+
+def _reported(tr: Tracker, t: torch.Tensor, p: Sharded, name: str, **params: Any) -> torch.Tensor:
+    """In the dry run: the row map ``name``'s move of ``t`` reported to describe() (its plan row and traffic); returns
+    ``t`` (the caller applies the torch function to the field)."""
+    if tracked_columns(tr) > 1:
+        raise Refusal(f"the row move {name}() along the sharded dim has no rule on a latitude x longitude domain grid "
+                      f"yet")
+    from ...ops.rows import moves_of
+
+    sizes_in, sizes_out, moves = moves_of(name, tuple(dim_sizes(tr, t, p)), tr.stack[-1][0], **params)
+    report_move(tr, tr.stack[-1][0], f"{name}()", t, p.dim, sizes_in, sizes_out, moves)
+    return t
+
+
 def dim_sizes(tr: Tracker, t: torch.Tensor, p: Sharded) -> list[int]:
     """In the dry run: every band's entries along ``p.dim`` of ``t`` (rows times the merged inner ones)."""
     return [p.outer * p.inner * s for s in tr.band_sizes(t.shape[p.dim] // (p.outer * p.inner))]
@@ -157,7 +177,7 @@ def report_move(tr: Tracker, path: str, kind: str, t: torch.Tensor, dim: int, si
     on_move = getattr(tr, "on_move", None)
     if on_move is None:
         return
-    from .traffic import move_traffic, row_bytes
+    from ..traffic import move_traffic, row_bytes
 
     traffic = move_traffic(moves_of, len(sizes_in), row_bytes(tuple(t.shape), dim, t.element_size()), t.requires_grad,
                            moves)
@@ -223,8 +243,8 @@ def _enter(tr: Tracker, module: torch.nn.Module, args: tuple) -> tuple[tuple, Ca
 
 
 def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
-    from .. import watchdog
-    from ..ops.reband import rebanded
+    from ... import watchdog
+    from ...ops.reband import rebanded
 
     comm, new_args, layout = tr.manager.domain_group, list(args), None
     with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
@@ -282,17 +302,17 @@ def _communicating_with_empty_bands(path: str, window: int, layout: tuple, inner
     """A module whose forward communicates cannot run with a band of no window: the phantom window's zeros would
     take part in its collectives (a roll across bands, a halo). The same refusal in describe()'s dry run."""
     moved, original = ([s // inner for s in sizes] for sizes in layout)
-    return refusal(path, "reband()", f"re-banded to whole windows of {window} rows, the bands {list(original)} become "
+    return conversion_error(path, "reband()", f"re-banded to whole windows of {window} rows, the bands {list(original)} become "
                    f"{list(moved)} (a band with no window), and its forward communicates across bands (a roll, a "
                    f"halo, a gather); use at most {sum(1 for s in moved if s)} rank(s), or a field of at least "
                    f"{len(moved)} windows")
 
 
 def _back(tr: Tracker, t: torch.Tensor, q: Sharded, layout: tuple, path: str) -> torch.Tensor:
-    from ..ops.reband import reband
+    from ...ops.reband import reband
 
     if q.outer != 1:
-        raise refusal(path, "its output", f"it returns the bands merged with another dim ({q.describe()}), "
+        raise conversion_error(path, "its output", f"it returns the bands merged with another dim ({q.describe()}), "
                       f"which cannot be moved back to its input's bands")
     with torch._C.DisableTorchFunction():
         y = reband(t, q.dim, tr.manager.domain_group, back=layout, path=f"{path}: back from whole windows")
@@ -317,7 +337,7 @@ def _map_bands(tr: Tracker, out: Any, fn: Callable) -> Any:
 def _dry(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], Any]:
     """The dry run: the module's forward sees the re-banded layout (at the input's height, and heights that divide it
     or are multiples of it); the way back restores the input's layout. Each move is reported as the run makes it."""
-    from ..ops.reband import whole_windows
+    from ...ops.reband import whole_windows
 
     _, a, p = bands[0]
     rows, old = a.shape[p.dim] // p.inner, tr.band_sizes
@@ -364,7 +384,7 @@ def _dry(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], An
 
 
 def _identity_moves(sizes_in: list[int], sizes_out: list[int]) -> Callable[[int], Any]:
-    from ..ops.rows import plan_moves
+    from ...ops.rows import plan_moves
 
     return lambda r: plan_moves(tuple(sizes_in), tuple(sizes_out), lambda j: j, r)
 
@@ -381,13 +401,13 @@ def _enter_groups(tr: Tracker, module: torch.nn.Module, args: tuple, window: int
         return None  # not plain bands (the judge says what its forward does with them)
     path, new_args, layout = tr._path(module), list(args), None
     if tr.manager is not None and grid_of(tr.manager, tr.manager.domain_parallel_size)[1] > 1:
-        raise refusal(path, _LONG, "no rule on a latitude x longitude domain grid yet")
+        raise conversion_error(path, _LONG, "no rule on a latitude x longitude domain grid yet")
     for i, a, p in bands:
         if tr.manager is None:
-            from ..ops.group_rows import group_layout_problem
+            from ...ops.group_rows import group_layout_problem
 
             if (why := group_layout_problem(a.shape[p.dim], window, len(tr.band_sizes(a.shape[p.dim])), 1)):
-                raise refusal(path, _LONG, why)
+                raise conversion_error(path, _LONG, why)
             layout = _dry_groups(tr, a, p, window, path)
             with torch._C.DisableTorchFunction():
                 new_args[i] = a.view_as(a)  # the dry run: the field's shape; the rows are now its groups
@@ -396,7 +416,7 @@ def _enter_groups(tr: Tracker, module: torch.nn.Module, args: tuple, window: int
         tr.set(new_args[i], Sharded(p.dim, window, 1))
     old, dim = tr.band_sizes, bands[0][2].dim
     if old is not None:  # the dry run: the groups split as the move splits them
-        from ..layout import split
+        from ...layout import split
 
         height = bands[0][1].shape[dim]
         n = len(old(height))
@@ -417,8 +437,8 @@ class _DryGroups(tuple):
 
 def _dry_groups(tr: Tracker, a: torch.Tensor, p: Sharded, window: int, path: str) -> _DryGroups:
     """The dry run's move of ``a`` to the group layout, reported; returns what the move back needs."""
-    from ..ops.group_rows import group_sizes, group_source
-    from ..ops.rows import plan_moves
+    from ...ops.group_rows import group_sizes, group_source
+    from ...ops.rows import plan_moves
 
     height = a.shape[p.dim]
     bands = tuple(tr.band_sizes(height))
@@ -430,13 +450,13 @@ def _dry_groups(tr: Tracker, a: torch.Tensor, p: Sharded, window: int, path: str
 
 
 def _to_groups(tr: Tracker, a: torch.Tensor, p: Sharded, window: int, path: str) -> tuple:
-    from ..ops.group_rows import NoGroupLayout, grouped
+    from ...ops.group_rows import NoGroupLayout, grouped
 
     try:
         with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
             return grouped(a, p.dim, window, tr.manager.domain_group, f"{path}: to the group layout", least=1)
     except NoGroupLayout as exc:  # raised on every rank alike, before data moves (the height is agreed first)
-        raise refusal(path, _LONG, exc.why) from None
+        raise conversion_error(path, _LONG, exc.why) from None
 
 
 def _one_unit(tr: Tracker, t: torch.Tensor, q: Sharded, dim: int, rows: int, placement: Sharded) -> torch.Tensor:
@@ -456,7 +476,7 @@ def _one_unit(tr: Tracker, t: torch.Tensor, q: Sharded, dim: int, rows: int, pla
 def _from_groups(tr: Tracker, t: torch.Tensor, q: Sharded, window: int, layout: tuple | None, path: str, dim: int):
     """An output of the module in the group layout moved back to the input's bands (the dry run: relabelled)."""
     if q != Sharded(dim, window, 1):
-        raise refusal(path, "its output", f"it returns bands along {q.describe()}, not in the group layout its "
+        raise conversion_error(path, "its output", f"it returns bands along {q.describe()}, not in the group layout its "
                       f"input had ({Sharded(dim, window, 1).describe()}), which cannot be moved back to its input's bands")
     with torch._C.DisableTorchFunction():
         if layout is None or isinstance(layout, _DryGroups):
@@ -465,11 +485,11 @@ def _from_groups(tr: Tracker, t: torch.Tensor, q: Sharded, window: int, layout: 
                 report_move(tr, path, "from_groups()", t, q.dim, groups, bands, lambda r: moves_of(r).inverse())
             y = t.view_as(t)
         else:
-            from ..ops.group_rows import from_groups
+            from ...ops.group_rows import from_groups
 
             y = from_groups(t, q.dim, window, layout, tr.manager.domain_group, f"{path}: back from the group layout")
     tr.set(y, Sharded(q.dim))
     return y
 
 
-functions._module_rule(_enter)
+module_rule(_enter)

@@ -1,0 +1,115 @@
+"""Pointwise rules: elementwise ops, value reads, dtype and device moves, dropout, per-token products.
+"""
+
+from __future__ import annotations
+
+from ..replicated import is_replicated
+from .registry import Refusal, argument, op_name, rule, tensors_in
+from .tracker import Sharded, Tracker
+
+POINTWISE = """
+abs absolute add acos arccos acosh asin asinh atan atan2 atanh bitwise_and bitwise_not bitwise_or bitwise_xor ceil clamp
+clamp_max clamp_min clip copysign cos cosh deg2rad div divide erf erfc erfinv exp exp2 expm1 float_power floor
+floor_divide fmod frac hypot isfinite isinf isnan ldexp lerp lgamma log log10 log1p log2 logaddexp logical_and
+logical_not logical_or logical_xor logit maximum minimum fmax fmin mul multiply nan_to_num neg negative pow rad2deg
+reciprocal remainder round rsqrt sigmoid sign sin sinh sqrt square sub subtract tan tanh true_divide trunc where
+masked_fill addcmul addcdiv relu relu6 gelu silu mish elu selu celu leaky_relu hardtanh hardswish hardsigmoid softplus
+softsign tanhshrink threshold logsigmoid prelu hardshrink softshrink eq ne lt le gt ge greater less greater_equal
+less_equal not_equal fill zero clone contiguous detach to type float double half bfloat16 int long bool cpu cuda
+requires_grad copy zeros_like ones_like empty_like full_like data real imag conj positive sgn
+__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__ __itruediv__
+__div__ __rdiv__ __idiv__ __pow__ __rpow__ __ipow__ __neg__ __abs__ __and__ __rand__ __iand__ __or__ __ror__ __ior__
+__xor__ __rxor__ __ixor__ __invert__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __floordiv__ __rfloordiv__
+__ifloordiv__ __mod__ __rmod__ __imod__
+""".split()
+
+# their extra tensor arguments give a dtype or a device, not values
+_LIKE = {"to", "type", "type_as", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
+
+
+@rule(*POINTWISE)
+def _pointwise(tr: Tracker, func, args, kwargs, held):
+    """Elementwise (with broadcasting): one placement; a partner that is not a band has one row along it."""
+    op = op_name(func)
+    tensors = tensors_in((args, kwargs))
+    if op in _LIKE:
+        tensors = tensors[:1]
+    ndim = max(t.ndim for t in tensors)
+    dims = {(p.dim + ndim - t.ndim, p.outer, p.inner) for t, p in held}
+    if len(dims) > 1:  # a band and a block of merged rows (windows merged back): the same band when they line up
+        bands = {(b.dim + ndim - t.ndim, 1, 1) if (b := tr.as_band(t, p)) else (None,) for t, p in held}
+        if len(bands) > 1 or (None,) in bands:
+            raise Refusal(f"it combines tensors whose bands are along different dims ({sorted(dims)})")
+        dims = bands
+    d, outer, inner = dims.pop()
+    if len({t.shape[d - (ndim - t.ndim)] for t, _ in held}) > 1:  # else a band of one row would broadcast silently
+        raise Refusal(_OTHER_LAYOUTS)
+    for t in tensors:
+        k = d - (ndim - t.ndim)
+        if tr.get(t) is None and k >= 0 and t.shape[k] != 1:
+            what = "a replicated tensor (a global mean)" if is_replicated(t) else "a tensor that is not a band (a parameter or buffer, or one made in the forward)"
+            raise Refusal(f"it combines a band with {what} of {t.shape[k]} rows along the sharded dim "
+                       f"(make it from the band, or give it one row along that dim)")
+    return tr.run(func, args, kwargs, lambda out: Sharded(d - (ndim - out.ndim), outer, inner) if out.ndim >= ndim - d else None)
+
+
+# Python values read from a tensor (``.item()``, ``bool(t)``, ``t.tolist()``): describe()'s dry run (plan.py)
+# answers them for tensors every rank holds whole, which it cannot see on the meta device
+VALUE_CALLS = frozenset("item tolist numpy __array__ __bool__ __int__ __float__ __index__ __complex__ is_nonzero equal "
+                        "allclose".split())
+
+
+@rule(*VALUE_CALLS)
+def _value(tr, func, args, kwargs, held):
+    """A band's values read into Python: each rank reads its own rows, one process the whole field's."""
+    raise Refusal("it reads the band's values into Python (a data-dependent check or branch): each rank would see its "
+               "own rows where one process sees the whole field's, and the ranks could take different branches; read "
+               "a tensor every rank holds whole (a parameter, a global mean such as nn.AdaptiveAvgPool2d(1)'s output)")
+
+
+@rule("type_as")
+def _type_as(tr, func, args, kwargs, held):
+    p = tr.get(args[0])
+    return tr.run(func, args, kwargs, p)
+
+
+@rule("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor")
+def _new(tr, func, args, kwargs, held):
+    """A new tensor: a band (its rows) when it has the band's shape, else not one."""
+    src, p = args[0], tr.get(args[0])
+    return tr.run(func, args, kwargs, lambda out: p if p is not None and out.shape == src.shape else None)
+
+
+@rule("dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d")
+def _dropout(tr, func, args, kwargs, held):
+    p, training = argument(args, kwargs, 1, "p", 0.5), argument(args, kwargs, 2, "training", True)
+    if training and p > 0:
+        raise Refusal(f"dropout in training (p={p}) draws its own mask on every band (not one process's draw)")
+    return tr.run(func, args, kwargs, held[0][1])
+
+
+@rule("linear", "bilinear")
+def _linear(tr, func, args, kwargs, held):
+    x, p = args[0], tr.get(args[0])
+    if p is None or p.dim == x.ndim - 1 or op_name(func) == "bilinear":
+        raise Refusal("it contracts the sharded dim (the last one) with a weight")
+    return tr.run(func, args, kwargs, p)
+
+
+@rule("embedding")
+def _embedding(tr, func, args, kwargs, held):
+    p = tr.get(args[0])
+    if p is None:
+        raise Refusal("a band as the embedding table")
+    return tr.run(func, args, kwargs, p)
+
+
+@rule("fill_", "zero_", "requires_grad_", "retain_grad")
+def _inplace(tr, func, args, kwargs, held):
+    return tr.run(func, args, kwargs, tr.get(args[0]))
+
+
+# an elementwise op of two bands of other rows (at run time: this rank's rows differ; shared through the ForwardGuard)
+_OTHER_LAYOUTS = ("it combines bands that hold other rows of the field (their band layouts differ: a residual "
+                  "around a strided and a transposed convolution on uneven bands): only a join (torch.cat) re-bands "
+                  "its parts; give every band an offset that is a multiple of the total stride, or join the parts")
