@@ -74,7 +74,7 @@ CASES = {
     "max_pool2d": (lambda: Functional(lambda t: F.max_pool2d(t, 2)), 2),
     "max_pool2d_3_1_1": (lambda: Functional(lambda t: F.max_pool2d(t, 3, 1, 1)), 1),
     "avg_pool2d": (lambda: Functional(lambda t: F.avg_pool2d(t, 3, 1, 1, count_include_pad=False)), 1),
-    "adaptive_avg_pool2d": (lambda: Functional(lambda t: F.adaptive_avg_pool2d(t, (4, 3))), 2),
+    "adaptive_avg_pool2d": (lambda: Functional(lambda t: F.adaptive_avg_pool2d(t, (8, 3))), 2),
     "interpolate_scale_2": (lambda: Functional(lambda t: F.interpolate(t, scale_factor=2)), 1),
     "interpolate_bilinear": (lambda: Functional(lambda t: F.interpolate(t, scale_factor=2, mode="bilinear")), 1),
 }

@@ -11,7 +11,7 @@ Policy (every module of the model, the root included, is visited once):
    :func:`credit_mpi.nn.rules.layer_rule`: which type it replaces, bands
    and/or the grid, the arguments it refuses): convolutions, transposed
    convolutions, normalisations, upsampling, pooling -> their ``DomainParallel*`` wrapper;
-   ``nn.Dropout`` / ``nn.AlphaDropout`` -> a wrapper that is the identity in
+   ``nn.Dropout`` / ``nn.AlphaDropout`` / ``nn.Dropout1d/2d/3d`` -> a wrapper that is the identity in
    eval and refuses training (:mod:`credit_mpi.nn.dropout`).
 3. Padding modules (``nn.CircularPad2d((1, 1, 0, 0))``: circular longitude)
    that leave the sharded dim alone, constant ones (``nn.ZeroPad2d``) that pad it
@@ -69,8 +69,6 @@ POINTWISE: tuple[type, ...] = (
 )
 
 _REFUSED_WHY = {
-    nn.Dropout2d: "it drops whole channels, and every band would draw its own mask",
-    nn.Dropout3d: "it drops whole channels, and every band would draw its own mask",
     nn.AdaptiveMaxPool1d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
     nn.AdaptiveMaxPool2d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
     nn.AdaptiveMaxPool3d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",

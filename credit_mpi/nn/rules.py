@@ -5,35 +5,59 @@ definition, the torch module type it replaces (exact types: a subclass with
 its own forward is judged by what that forward does), whether it runs on a
 latitude x longitude grid of several columns too, and which arguments of
 the original it refuses (a function of the module giving the reason, "" when
-it converts). :func:`credit_mpi.nn.convert_to_domain_parallel`,
-:func:`~credit_mpi.nn.describe` and the grid check read :data:`RULES` and
-:data:`BANDS_ONLY`; adding a layer is its class, its rule and a test file.
+it converts), and what the judge of custom forwards must know of the layer
+(:class:`LayerTraits`: it folds an ``F.pad`` of the field's edges into its
+own padding, it takes statistics over the batch, it is the identity in its
+current mode). :func:`credit_mpi.nn.convert_to_domain_parallel`,
+:func:`~credit_mpi.nn.describe`, the grid check and the judge
+(:func:`traits_of`; it names no layer type) read them here; adding a layer
+is its class, its rule and a test file.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from torch import nn
 
-__all__ = ["RULES", "BANDS_ONLY", "layer_rule", "refusal_of"]
+__all__ = ["RULES", "BANDS_ONLY", "LayerTraits", "layer_rule", "refusal_of", "traits_of"]
+
+
+class LayerTraits(NamedTuple):
+    """What the judge of custom forwards must know of a layer (declared with :func:`layer_rule`)."""
+
+    folds_edge_rows: bool = False  # an F.pad by zeros of the sharded dim just before it becomes its own padding (convs)
+    batch_statistics: bool = False  # it takes statistics over the batch: windows moved into the batch are refused
+    identity: Callable[[nn.Module], bool] | None = None  # identity(layer): the identity now, on any placement (dropout)
 
 #: original module type -> the credit_mpi layer that replaces it
 RULES: dict[type, type] = {}
 #: original module types whose layers know latitude bands only (a grid with more than one column refuses them)
 BANDS_ONLY: set[type] = set()
 _REFUSES: dict[type, Callable[[nn.Module], str]] = {}
+_TRAITS: dict[type, LayerTraits] = {}  # layer class -> its traits
+_PLAIN = LayerTraits()
 
 
-def layer_rule(*originals: type, grid: bool = True, refuses: Callable[[nn.Module], str] | None = None):
+def layer_rule(*originals: type, grid: bool = True, refuses: Callable[[nn.Module], str] | None = None,
+               folds_edge_rows: bool = False, batch_statistics: bool = False,
+               identity: Callable[[nn.Module], bool] | None = None):
     """Class decorator: the layer replaces each of ``originals`` (exact types) when a model is converted.
 
     Args:
         originals: The torch module types it replaces.
         grid: Whether it runs on a 2-D grid of several columns (else bands only).
         refuses: ``refuses(module) -> reason`` for the arguments it has no exact rule for ("" when it converts).
+        folds_edge_rows: An ``F.pad`` by zeros of the sharded dim right before the layer is folded into its
+            padding (the layer pads the field's edges itself, so its output rows stay anchored on the field).
+        batch_statistics: The layer's forward takes statistics over the batch (BatchNorm): an input whose
+            bands were moved into the batch dim (windows) is refused.
+        identity: ``identity(layer) -> bool``: the layer is the identity now (dropout in eval or with p=0), so
+            it runs on an input of any placement.
     """
     def register(cls: type) -> type:
+        _TRAITS[cls] = LayerTraits(folds_edge_rows, batch_statistics, identity)
         for original in originals:
             if original in RULES:
                 raise ValueError(f"{original.__name__} already has a layer rule ({RULES[original].__name__})")
@@ -45,6 +69,15 @@ def layer_rule(*originals: type, grid: bool = True, refuses: Callable[[nn.Module
         return cls
 
     return register
+
+
+def traits_of(layer: nn.Module) -> LayerTraits:
+    """The traits declared for ``layer``'s class (or the nearest base class with a layer rule); plain otherwise."""
+    for klass in type(layer).__mro__:
+        traits = _TRAITS.get(klass)
+        if traits is not None:
+            return traits
+    return _PLAIN
 
 
 def refusal_of(module: nn.Module) -> str:

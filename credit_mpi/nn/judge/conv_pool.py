@@ -117,6 +117,15 @@ def _window_along(module: nn.Module, sd: int, rows: int) -> tuple[int, int, Any]
     return kernel, stride, 0 if padding == "valid" or (padding == "same" and kernel == 1) else padding
 
 
+def _check_output_size(module: nn.Module, sd: int, rows: int) -> None:
+    """An adaptive pool's output rows read from a band's shape (``x.shape[-2] // 2``) are the band's, not the field's:
+    refused (unless they are the band's own rows: nothing pools along the sharded dim)."""
+    size = _per_dim(getattr(module, "output_size", None), sd + 1)[sd]
+    if size is not None and follows_band(size) and size != rows:
+        raise Refusal(f"its output size {size} along the sharded dim is read from a band's shape (each band would pool "
+                      f"to its own rows' share); give the field's output rows as a plain int")
+
+
 def _per_dim(value: Any, n: int) -> list:
     return list(value) if isinstance(value, (tuple, list)) else [value] * n
 
@@ -135,6 +144,7 @@ def _layer_call(tr: Tracker, func, args, kwargs, held):
     if sd < 0:
         raise Refusal("it mixes the channels, which hold the bands")
     module = layer_of_call(op, args, kwargs)
+    _check_output_size(module, sd, x.shape[p.dim])
     window = _window_along(module, sd, x.shape[p.dim])
     if window in ((1, 1, 0), (1, 1, (0, 0))):
         return tr.run(func, args, kwargs, p)  # one row of the band per output row: local
