@@ -433,12 +433,12 @@ def test_dropout_in_eval_or_with_p_0_runs_and_in_training_is_refused(kind, make_
     training with p > 0 refused on every rank (each band would draw its own mask), as describe() says."""
     manager = make_manager()
     d, comm = manager.domain_parallel_size, manager.domain_group
-    for p, train in ((0.5, False), (0.0, True), (0.5, True)):
+    for p, train in ((0.5, False), (0.0, True), (0.5, True))[: 3 if d > 1 else 2]:  # (one band: torch's own draw)
         def build(p=p, train=train):
             return nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), kind(p), Transposed(), kind(p), Transposed()).train(train)
 
         plan = describe(build().double(), (2, 2, 4 * d, 3), d)
-        assert plan.exact == (d == 1 or not (train and p)), str(plan)
+        assert plan.exact == (not (train and p)), str(plan)
         if plan.exact:
             assert_same(run_both(build, (2, 2, 4 * d, 3), manager))
         else:
@@ -460,4 +460,11 @@ def test_layer_rules_are_registered_next_to_their_classes():
     conv, norm = (cls.__new__(cls) for cls in (credit_mpi.nn.DomainParallelConv2d, credit_mpi.nn.DomainParallelBatchNorm2d))
     assert rules.traits_of(conv).folds_edge_rows and rules.traits_of(norm).batch_statistics
     assert rules.traits_of(nn.Conv2d(1, 1, 1)) == rules.LayerTraits()  # a torch module: nothing declared
+    # torch modules that stay as they are have their rule there too (convert reads it; no type list of its own)
+    assert rules.kept_refusal(nn.ReLU(), -2, None) == "" and rules.kept_refusal(nn.Conv2d(1, 1, 1), -2, None) is None
+    assert "sharded one" in rules.kept_refusal(nn.Linear(2, 2), -1, None)
+    assert "longitude" in rules.kept_refusal(nn.ZeroPad2d((1, 1, 0, 0)), -2, (2, 2))
+    assert "max over windows" in rules.kept_refusal(nn.AdaptiveMaxPool2d(2), -2, None)
+    with pytest.raises(ValueError, match="already has a rule"):
+        rules.kept_rule(nn.ReLU)
     assert rules.RULES[nn.Conv2d] is credit_mpi.nn.DomainParallelConv2d

@@ -8,7 +8,7 @@ Policy (every module of the model, the root included, is visited once):
    as the function marks a type as local (the user vouches that it never
    mixes rows along the sharded dim).
 2. The layer rules (exact types; each registered next to its class with
-   :func:`credit_mpi.nn.rules.layer_rule`: which type it replaces, bands
+   :func:`credit_mpi.nn.rules.layer_rule`, the one place a module type's rule lives: which type it replaces, bands
    and/or the grid, the arguments it refuses): convolutions, transposed
    convolutions, normalisations, upsampling, pooling -> their ``DomainParallel*`` wrapper;
    ``nn.Dropout`` / ``nn.AlphaDropout`` / ``nn.Dropout1d/2d/3d`` -> a wrapper that is the identity in
@@ -17,7 +17,7 @@ Policy (every module of the model, the root included, is visited once):
    that leave the sharded dim alone, constant ones (``nn.ZeroPad2d``) that pad it
    (the field's edges, on the first and last band), and modules that act on each row on its own (activations,
    ``nn.Linear`` / ``nn.Identity`` acting on the last dim when that is not
-   the sharded one, ...) stay as they are.
+   the sharded one, ...) stay as they are (:func:`credit_mpi.nn.rules.kept_rule`).
 4. Every other module (containers, custom modules, ``nn.Softmax``,
    ``nn.PixelShuffle``, ``nn.Flatten``, a subclass of an activation) is kept
    and its children converted; its own ``forward`` is judged function by
@@ -27,7 +27,7 @@ Policy (every module of the model, the root included, is visited once):
    module's path and the op.
 5. Refused here, on every rank, naming the module's path and
    ``custom_converters``: ``nn.Linear`` when ``shard_dim`` is the last dim,
-   channel dropout, adaptive max pooling. (Attention, ``nn.MultiheadAttention``
+   adaptive max pooling (their kept rules' refusals). (Attention, ``nn.MultiheadAttention``
    and ``nn.Transformer*``, is judged by its forward as in 4.: exact,
    :mod:`credit_mpi.nn.judge.attention`.)
 
@@ -56,43 +56,9 @@ from ..validation import check_int
 from . import conv, dropout, judge, norm, resample  # noqa: F401 - the layers register their rules; judge the custom forwards
 from ._comm import ConversionError
 from .base import DomainParallelModule, adopt, guard_forward
-from .rules import BANDS_ONLY, RULES, refusal_of
+from .rules import BANDS_ONLY, POINTWISE, RULES, kept_refusal, refusal_of
 
 __all__ = ["convert_to_domain_parallel", "keep_local", "ConversionError", "RULES", "POINTWISE"]
-
-
-# act on every element (or every row of the last dim) on its own: exact on bands as they are
-POINTWISE: tuple[type, ...] = (
-    nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
-    nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink,
-    nn.Threshold, nn.LogSigmoid,
-)
-
-_REFUSED_WHY = {
-    nn.AdaptiveMaxPool1d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
-    nn.AdaptiveMaxPool2d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
-    nn.AdaptiveMaxPool3d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
-}
-
-
-_PADS = tuple(
-    getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant", "Circular", "Reflection", "Replication") for n in (1, 2, 3)
-    if hasattr(nn, f"{kind}Pad{n}d")
-)
-
-
-# constant padding of the sharded dim: the field's edges, on the first and last band (credit_mpi.nn.judge)
-_CONSTANT_PADS = tuple(getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant") for n in (1, 2, 3)
-                       if hasattr(nn, f"{kind}Pad{n}d"))
-
-
-def _pads_sharded_dim(module: nn.Module, shard_dim: int) -> bool:
-    """True unless the padding module leaves the sharded dim alone (``padding`` lists (before, after) from the last dim)."""
-    pad = tuple(module.padding)
-    if shard_dim >= 0:
-        return True  # which dim the padding hits depends on the input's ndim: refuse
-    pair = -shard_dim - 1
-    return 2 * pair + 1 < len(pad) and (pad[2 * pair] != 0 or pad[2 * pair + 1] != 0)
 
 
 def keep_local(module: nn.Module, manager: Any, shard_dim: int) -> nn.Module:
@@ -199,36 +165,16 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
             _refuse(module, label, f"it has no exact rule on a {grid[0]}x{grid[1]} latitude x longitude domain grid yet "
                                    f"(use latitude bands: domain_grid=None or ({grid[0] * grid[1]}, 1))")
         return adopt(RULES[kind], module, manager, shard_dim, label)
-    if kind in POINTWISE:
+    why = kept_refusal(module, shard_dim, grid)  # a torch module that stays as it is (credit_mpi.nn.rules)
+    if why:
+        _refuse(module, label, why)
+    if why is not None:
         return module
-    if kind in _PADS:
-        if _pads_sharded_dim(module, shard_dim) and (grid or kind not in _CONSTANT_PADS):
-            _refuse(module, label, "it pads the sharded dim (only the global edges may be padded: use the conv's own padding)")
-        if grid and _pads_sharded_dim(module, -1):
-            _refuse(module, label, f"it pads the longitude (the last dim), which the {grid[0]}x{grid[1]} domain grid "
-                                   f"splits (use the conv's own padding, e.g. padding_mode='circular')")
-        return module
-    if kind is nn.Linear:
-        if shard_dim == -1:
-            _refuse(module, label, "nn.Linear acts on the last dim, which is the sharded one")
-        if grid:
-            _refuse(module, label, f"nn.Linear acts on the last dim, the longitude, which the {grid[0]}x{grid[1]} "
-                                   f"domain grid splits")
-        return module
-    if kind in _REFUSED_WHY:
-        _refuse(module, label, _REFUSED_WHY[kind])
     for name, child in list(module.named_children()):
         new = _convert(child, f"{path}.{name}" if path else name, manager, shard_dim, custom)
         if new is not child:
             module._modules[name] = new
     return module  # its own forward is judged function by function while it runs (credit_mpi.nn.judge)
-
-
-_NO_GRID_RULE: tuple[type, ...] = (
-    nn.Conv1d, nn.ConvTranspose1d, nn.InstanceNorm1d, nn.Upsample,
-    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
-    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
-)
 
 
 def _grid_with_columns(manager: Any) -> tuple[int, int] | None:

@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 from torch import nn
 
-__all__ = ["RULES", "BANDS_ONLY", "LayerTraits", "layer_rule", "refusal_of", "traits_of"]
+__all__ = ["RULES", "BANDS_ONLY", "KEPT", "POINTWISE", "LayerTraits", "layer_rule", "kept_rule", "refusal_of",
+           "kept_refusal", "traits_of"]
 
 
 class LayerTraits(NamedTuple):
@@ -84,3 +85,84 @@ def refusal_of(module: nn.Module) -> str:
     """Why ``module``'s rule refuses its arguments ("" when it converts, or has no rule)."""
     refuses = _REFUSES.get(type(module))
     return refuses(module) if refuses is not None else ""
+
+
+# -- torch modules that stay as they are --------------------------------------------------------------------------
+
+#: torch module type -> ``refuses(module, shard_dim, grid) -> reason`` ("" keeps it as it is; ``grid``: the domain
+#: grid's ``(rows, cols)`` when it has more than one column, else None)
+KEPT: dict[type, Callable[[nn.Module, int, tuple[int, int] | None], str]] = {}
+
+
+def _keeps(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) -> str:
+    return ""
+
+
+def kept_rule(*originals: type, refuses: Callable[[nn.Module, int, tuple[int, int] | None], str] = _keeps) -> None:
+    """The torch module types ``originals`` (exact types) stay as they are when a model is converted (they act on
+    each row on their own, or pad the field's edges), unless ``refuses(module, shard_dim, grid)`` gives a reason."""
+    for original in originals:
+        if original in RULES or original in KEPT:
+            raise ValueError(f"{original.__name__} already has a rule")
+        KEPT[original] = refuses
+
+
+def kept_refusal(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) -> str | None:
+    """Why ``module`` (a kept type) cannot stay as it is ("" when it can); None when its type is not a kept one."""
+    refuses = KEPT.get(type(module))
+    return None if refuses is None else refuses(module, shard_dim, grid)
+
+
+#: act on every element (or every row of the last dim) on their own: exact on bands as they are
+POINTWISE: tuple[type, ...] = (
+    nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
+    nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink,
+    nn.Threshold, nn.LogSigmoid,
+)
+kept_rule(*POINTWISE)
+
+# constant padding of the sharded dim: the field's edges, on the first and last band (credit_mpi.nn.judge)
+_CONSTANT_PADS = tuple(getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant") for n in (1, 2, 3)
+                       if hasattr(nn, f"{kind}Pad{n}d"))
+
+
+def _pads(module: nn.Module, dim: int) -> bool:
+    """True unless the padding module leaves ``dim`` alone (``padding`` lists (before, after) from the last dim)."""
+    pad = tuple(module.padding)
+    if dim >= 0:
+        return True  # which dim the padding hits depends on the input's ndim: refuse
+    pair = -dim - 1
+    return 2 * pair + 1 < len(pad) and (pad[2 * pair] != 0 or pad[2 * pair + 1] != 0)
+
+
+def _padding_refusal(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) -> str:
+    """Padding that leaves the split dims alone stays; constant padding of the sharded dim pads the field's edges."""
+    if _pads(module, shard_dim) and (grid or type(module) not in _CONSTANT_PADS):
+        return "it pads the sharded dim (only the global edges may be padded: use the conv's own padding)"
+    if grid and _pads(module, -1):
+        return (f"it pads the longitude (the last dim), which the {grid[0]}x{grid[1]} domain grid splits (use the "
+                f"conv's own padding, e.g. padding_mode='circular')")
+    return ""
+
+
+kept_rule(*(getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant", "Circular", "Reflection", "Replication")
+            for n in (1, 2, 3) if hasattr(nn, f"{kind}Pad{n}d")), refuses=_padding_refusal)
+
+
+def _linear_refusal(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) -> str:
+    """``nn.Linear`` acts on the last dim: exact unless that dim is split."""
+    if shard_dim == -1:
+        return "nn.Linear acts on the last dim, which is the sharded one"
+    if grid:
+        return f"nn.Linear acts on the last dim, the longitude, which the {grid[0]}x{grid[1]} domain grid splits"
+    return ""
+
+
+kept_rule(nn.Linear, refuses=_linear_refusal)
+
+
+def _max_over_bands(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) -> str:
+    return "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)"
+
+
+kept_rule(nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, refuses=_max_over_bands)

@@ -108,13 +108,19 @@ def _window_along(module: nn.Module, sd: int, rows: int) -> tuple[int, int, Any]
     """``(kernel, stride, padding)`` of ``module`` along spatial dim ``sd`` (an adaptive pool: its output rows)."""
     if isinstance(module, nn.modules.pooling._AdaptiveAvgPoolNd):
         size = _per_dim(module.output_size, sd + 1)[sd]
-        return (1, 1, 0) if size is None or size == rows else (0, 0, 0)
+        return (1, 1, 0) if _keeps_rows(size, rows) else (0, 0, 0)
     kernel = _per_dim(module.kernel_size, sd + 1)[sd]
     stride = _per_dim(module.stride or module.kernel_size, sd + 1)[sd]
     padding = module.padding if isinstance(module.padding, str) else _per_dim(module.padding, sd + 1)[sd]
     if getattr(module, "transposed", False):
         return kernel, stride, (padding, module.output_padding[sd])
     return kernel, stride, 0 if padding == "valid" or (padding == "same" and kernel == 1) else padding
+
+
+def _keeps_rows(size: Any, rows: int) -> bool:
+    """True when an adaptive pool's output ``size`` along the sharded dim keeps the band's rows: None, or the band's own
+    rows read from its shape. A plain int is the field's rows (the layer decides; at run time ``rows`` is the band's)."""
+    return size is None or (follows_band(size) and size == rows)
 
 
 def _check_output_size(module: nn.Module, sd: int, rows: int) -> None:
@@ -174,8 +180,7 @@ def _no_layer(tr: Tracker, func, args, kwargs, held):
     if sd < 0:
         raise Refusal("it mixes the channels, which hold the bands")
     if op.startswith("adaptive"):
-        size = _per_dim(_bound(_ADAPTIVE_ARGS, args, kwargs)["output_size"], nd)[sd]
-        trivial = size is None or size == x.shape[p.dim]
+        trivial = _keeps_rows(_per_dim(_bound(_ADAPTIVE_ARGS, args, kwargs)["output_size"], nd)[sd], x.shape[p.dim])
     else:
         given = _bound(_LP_ARGS, args, kwargs)
         kernel = _per_dim(given["kernel_size"], nd)[sd]
