@@ -120,7 +120,7 @@ def halo_exchange(
     return run_args(op.BANDS, x, comm, args, check)
 
 
-def _exchange_agreed(x: Any, halo_width: int, dim: int, manager: Any, boundary: str, sizes: tuple[int, ...]) -> Any:
+def exchange_agreed(x: Any, halo_width: int, dim: int, manager: Any, boundary: str, sizes: tuple[int, ...]) -> Any:
     """:func:`halo_exchange` (one dim, MPI) with no agreement of its own: the caller's covered it (private).
 
     For the converted layers of :mod:`credit_mpi.nn`, whose one agreement per

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from .layout import Layout, neighbors, offsets, split
+from .layout import Layout, neighbors, split
 
 __all__ = [
     "normalize_dim",
     "band_sizes",
-    "band_offsets",
     "band_range",
     "row_datatypes",
 ]
@@ -70,11 +69,6 @@ def band_sizes(total: int, n: int, uneven: bool = False, *, dim: int | None = No
             ``n`` and ``uneven`` is false.
     """
     return split(total, n, uneven, dim=dim)
-
-
-def band_offsets(sizes: list[int]) -> list[int]:
-    """Start row of each band, given the band sizes."""
-    return offsets(sizes)
 
 
 def band_range(total: int, n: int, rank: int, uneven: bool = False) -> tuple[int, int]:

@@ -48,7 +48,7 @@ from . import blocks
 from .engine import run, run_args
 from .manager import Domain, DomainParallelManager, domain_of, live_domain_comm
 from .ops import gather, scatter, shard
-from .ops.gather import _allgather_rows, check_out  # noqa: F401 - _allgather_rows: tests drive its strategies directly
+from .ops.gather import check_out
 from .partition import normalize_dim
 from .transport import arrays, rowops
 from .validation import check_transport

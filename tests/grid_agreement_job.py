@@ -31,7 +31,8 @@ import numpy as np
 from mpi4py import MPI
 
 import credit_mpi
-from credit_mpi.partition import band_offsets, band_sizes
+from credit_mpi.layout import offsets
+from credit_mpi.partition import band_sizes
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from agreement_job import as_kind, judge, outcome, perturb_array, report, to_numpy  # noqa: E402 (the 1-D job's helpers)
@@ -77,7 +78,7 @@ def draw(rng: np.random.Generator, n: int, managers: list) -> SimpleNamespace:
 def window(a: np.ndarray, heights: list, widths: list, rank: int, cols: int, hy: int = 0, hx: int = 0) -> np.ndarray:
     """Domain rank ``rank``'s block of ``a`` (plus ``hy`` rows and ``hx`` columns each side of a padded ``a``)."""
     i, j = divmod(rank, cols)
-    y0, x0 = band_offsets(heights)[i], band_offsets(widths)[j]
+    y0, x0 = offsets(heights)[i], offsets(widths)[j]
     return a[..., y0 : y0 + heights[i] + 2 * hy, x0 : x0 + widths[j] + 2 * hx]
 
 
@@ -96,10 +97,10 @@ def field(t: SimpleNamespace, cols: int) -> tuple[np.ndarray, list, list]:
     g, heights, widths = t.g, list(t.heights), list(t.widths)
     i, j = divmod(t.odd, cols)
     if t.perturbation == "block-rows":
-        g = np.delete(g, band_offsets(heights)[i] + heights[i] - 1, axis=1)
+        g = np.delete(g, offsets(heights)[i] + heights[i] - 1, axis=1)
         heights[i] -= 1
     if t.perturbation == "block-cols":
-        g = np.delete(g, band_offsets(widths)[j] + widths[j] - 1, axis=2)
+        g = np.delete(g, offsets(widths)[j] + widths[j] - 1, axis=2)
         widths[j] -= 1
     return g, heights, widths
 

@@ -13,7 +13,8 @@ from mpi4py import MPI
 
 import credit_mpi
 from credit_mpi.grid import check_grid, grid_neighbors, opposite_pieces
-from credit_mpi.partition import band_offsets, band_sizes
+from credit_mpi.layout import offsets
+from credit_mpi.partition import band_sizes
 
 from .halo_reference import pad_numpy
 
@@ -45,7 +46,7 @@ def window(a, grid, coords, shape, hy=0, hx=0):
     """This block's window of the (padded) global ``a``: the block plus hy rows / hx columns each side."""
     hs, ws = band_sizes(shape[0], grid[0], True), band_sizes(shape[1], grid[1], True)
     i, j = coords
-    y0, x0 = band_offsets(hs)[i], band_offsets(ws)[j]
+    y0, x0 = offsets(hs)[i], offsets(ws)[j]
     return a[..., y0 : y0 + hs[i] + 2 * hy, x0 : x0 + ws[j] + 2 * hx]
 
 
@@ -81,8 +82,8 @@ def test_opposite_pieces(lon, cols):
     if cols > lon:
         pytest.skip("more columns than longitudes")
     widths = band_sizes(lon, cols, True)
-    offsets = band_offsets(widths)
-    owner = [(c, x - offsets[c]) for c in range(cols) for x in range(offsets[c], offsets[c] + widths[c])]
+    starts = offsets(widths)
+    owner = [(c, x - starts[c]) for c in range(cols) for x in range(starts[c], starts[c] + widths[c])]
     for col in range(cols):
         got = [None] * widths[col]
         pairs = set()
@@ -91,7 +92,7 @@ def test_opposite_pieces(lon, cols):
             pairs.add((other, col))
             for k in range(length):
                 got[mine + k] = (other, theirs + k)
-        want = [owner[(offsets[col] + k + lon // 2) % lon] for k in range(widths[col])]
+        want = [owner[(starts[col] + k + lon // 2) % lon] for k in range(widths[col])]
         assert got == want
         # symmetric: every piece I receive is one the other column sends to me
         for other, mine, theirs, length in opposite_pieces(col, widths):

@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import credit_mpi  # noqa: E402
+from credit_mpi.layout import offsets  # noqa: E402
 from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe, geometry, keep_local  # noqa: E402
 
 from .halo_reference import prefix_managers  # noqa: E402
@@ -356,7 +357,7 @@ def test_transposed_geometry_matches_torch(k, s, d, p, op):
         y = F.conv_transpose2d(torch.zeros(1, 1, h, 1), torch.zeros(1, 1, k, 1), stride=(s, 1), padding=(p, 0),
                                output_padding=(op, 0), dilation=(d, 1))
         assert lay.out_size == y.shape[2] == sum(lay.out_sizes)
-        assert [b.out_start for b in lay.bands] == [0] + [s * a for a in geometry.offsets_of(sizes)[1:]]
+        assert [b.out_start for b in lay.bands] == [0] + [s * a for a in offsets(sizes)[1:]]
 
 
 def test_state_dict_and_parameters_are_shared():
@@ -460,11 +461,4 @@ def test_layer_rules_are_registered_next_to_their_classes():
     conv, norm = (cls.__new__(cls) for cls in (credit_mpi.nn.DomainParallelConv2d, credit_mpi.nn.DomainParallelBatchNorm2d))
     assert rules.traits_of(conv).folds_edge_rows and rules.traits_of(norm).batch_statistics
     assert rules.traits_of(nn.Conv2d(1, 1, 1)) == rules.LayerTraits()  # a torch module: nothing declared
-    # torch modules that stay as they are have their rule there too (convert reads it; no type list of its own)
-    assert rules.kept_refusal(nn.ReLU(), -2, None) == "" and rules.kept_refusal(nn.Conv2d(1, 1, 1), -2, None) is None
-    assert "sharded one" in rules.kept_refusal(nn.Linear(2, 2), -1, None)
-    assert "longitude" in rules.kept_refusal(nn.ZeroPad2d((1, 1, 0, 0)), -2, (2, 2))
-    assert "max over windows" in rules.kept_refusal(nn.AdaptiveMaxPool2d(2), -2, None)
-    with pytest.raises(ValueError, match="already has a rule"):
-        rules.kept_rule(nn.ReLU)
     assert rules.RULES[nn.Conv2d] is credit_mpi.nn.DomainParallelConv2d

@@ -18,8 +18,9 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import credit_mpi  # noqa: E402
+from credit_mpi.layout import offsets  # noqa: E402
 from credit_mpi.nn import ConversionError, convert_to_domain_parallel  # noqa: E402
-from credit_mpi.partition import band_offsets, band_sizes  # noqa: E402
+from credit_mpi.partition import band_sizes  # noqa: E402
 
 from .nn_reference import same_error_everywhere  # noqa: E402
 
@@ -62,7 +63,7 @@ def run_grid(build, shape, manager, *, seed=0, steps=0, lr=0.05):
     gen = torch.Generator().manual_seed(seed + 1)
     xg = torch.randn(shape, generator=gen, dtype=torch.float64)
     hs, ws = band_sizes(shape[-2], rows, True), band_sizes(shape[-1], cols, True)
-    y0, x0 = band_offsets(hs)[row], band_offsets(ws)[col]
+    y0, x0 = offsets(hs)[row], offsets(ws)[col]
     result = {}
     if steps:
         opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=lr), torch.optim.SGD(model.parameters(), lr=lr)
@@ -79,7 +80,7 @@ def run_grid(build, shape, manager, *, seed=0, steps=0, lr=0.05):
         for r, b in enumerate(blocks):  # the output blocks tile a global field
             assert b.shape[-2:] == (oh[r // cols], ow[r % cols]), [b.shape for b in blocks]
         gathered = np.concatenate([np.concatenate(blocks[i * cols : (i + 1) * cols], -1) for i in range(rows)], -2)
-        oy, ox = band_offsets(oh)[row], band_offsets(ow)[col]
+        oy, ox = offsets(oh)[row], offsets(ow)[col]
         (out * wg[..., oy : oy + oh[row], ox : ox + ow[col]]).sum().backward()
         credit_mpi.reduce_gradients(model.parameters(), manager)
         result.update(
@@ -196,7 +197,7 @@ def test_batchnorm_running_stats_on_grid(make_manager):
         rows, cols = grid
         hs, ws = band_sizes(shape[0], rows, True), band_sizes(shape[1], cols, True)
         (i, j) = manager.domain_coords
-        y0, x0 = band_offsets(hs)[i], band_offsets(ws)[j]
+        y0, x0 = offsets(hs)[i], offsets(ws)[j]
         for _ in range(2):
             ref(x)
             model(x[..., y0 : y0 + hs[i], x0 : x0 + ws[j]])
@@ -277,7 +278,7 @@ def _block(x, manager):
     rows, cols = manager.domain_grid
     i, j = manager.domain_coords
     hs, ws = band_sizes(x.shape[-2], rows, True), band_sizes(x.shape[-1], cols, True)
-    return x[..., band_offsets(hs)[i] : band_offsets(hs)[i] + hs[i], band_offsets(ws)[j] : band_offsets(ws)[j] + ws[j]]
+    return x[..., offsets(hs)[i] : offsets(hs)[i] + hs[i], offsets(ws)[j] : offsets(ws)[j] + ws[j]]
 
 
 REFUSED_AT_CONVERSION = {

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from credit_mpi.partition import band_offsets, band_range, band_sizes, normalize_dim, row_datatypes
+from credit_mpi.layout import offsets
+from credit_mpi.partition import band_range, band_sizes, normalize_dim, row_datatypes
 
 
 @pytest.mark.parametrize("total", [0, 1, 5, 8, 720, 721])
@@ -14,7 +15,7 @@ from credit_mpi.partition import band_offsets, band_range, band_sizes, normalize
 def test_uneven_sizes_match_numpy_array_split(total, n):
     expected = [len(part) for part in np.array_split(np.arange(total), n)]
     assert band_sizes(total, n, uneven=True) == expected
-    assert band_offsets(expected) == [int(p[0]) if len(p) else int(sum(expected[:i])) for i, p in enumerate(np.array_split(np.arange(total), n))]
+    assert offsets(expected) == [int(p[0]) if len(p) else int(sum(expected[:i])) for i, p in enumerate(np.array_split(np.arange(total), n))]
 
 
 def test_era5_latitudes_split_unevenly():

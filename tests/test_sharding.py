@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 import credit_mpi
 from credit_mpi import gather_tensor, scatter_tensor, shard_batch, shard_tensor
+from credit_mpi.ops import gather as gather_op
 
 from .conftest import domain_sizes
 
@@ -346,7 +347,6 @@ class _BlockingOnly(MPI.Intracomm):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("uneven", [False, True])
 def test_device_memory_slices_use_blocking_collectives(world, rng, monkeypatch, uneven):
-    import credit_mpi.sharding as sharding
     from credit_mpi.transport import arrays, limits
 
     monkeypatch.setattr(limits, "SLICE_BYTES", 0)  # one all-gather per outer slice
@@ -359,11 +359,11 @@ def test_device_memory_slices_use_blocking_collectives(world, rng, monkeypatch, 
     start = sum(sizes[:rank])
     send = np.ascontiguousarray(x[:, start : start + sizes[rank]]).reshape(-1).view(np.uint8)
     out = np.empty_like(x)
-    sharding._allgather_rows(comm, send, out.reshape(-1).view(np.uint8), 4, sizes, 5 * 4)
+    gather_op.allgather_rows(comm, send, out.reshape(-1).view(np.uint8), 4, sizes, 5 * 4)
     assert bits_equal(out, x)
     monkeypatch.setattr(arrays, "in_device_memory", lambda buf: False)
     with pytest.raises(AssertionError, match="on device memory"):  # the host path is non-blocking
-        sharding._allgather_rows(comm, send, out.reshape(-1).view(np.uint8), 4, sizes, 5 * 4)
+        gather_op.allgather_rows(comm, send, out.reshape(-1).view(np.uint8), 4, sizes, 5 * 4)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -376,7 +376,6 @@ def test_point_to_point_gather(world, rng, monkeypatch, p2p_ranks, slice_bytes, 
     receive nothing); a second gather of another shape right after it does
     not pick up any message of the first.
     """
-    import credit_mpi.sharding as sharding
     from credit_mpi.transport import limits
 
     monkeypatch.setattr(limits, "P2P_RANKS", p2p_ranks)
@@ -389,7 +388,7 @@ def test_point_to_point_gather(world, rng, monkeypatch, p2p_ranks, slice_bytes, 
         start = sum(rows[:rank])
         send = np.ascontiguousarray(x[:, start : start + rows[rank]]).reshape(-1).view(np.uint8)
         out = np.full_like(x, np.nan)
-        sharding._allgather_rows(world, send, out.reshape(-1).view(np.uint8), outer, rows, row * 4)
+        gather_op.allgather_rows(world, send, out.reshape(-1).view(np.uint8), outer, rows, row * 4)
         assert bits_equal(out, x), (outer, row)
 
 

@@ -151,3 +151,102 @@ def _reaches_engine(name: str, edges: dict[str, set[str]]) -> bool:
         seen.add(here)
         todo += [t for t in edges.get(here, ()) if _in(t, ("credit_mpi.ops",)) and t not in seen]
     return False
+
+
+# -- private names stay inside their package ---------------------------------------------------------
+
+
+def _package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
+
+
+def private_imports(mods: dict[str, Path]) -> list[str]:
+    """Every import of a private name (``_x``, or a name of a private module ``_m``) from another package."""
+    bad = []
+    for name, path in mods.items():
+        package = _package_of(name, path)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    target = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                pairs = [(target, alias.name) for alias in node.names]
+            elif isinstance(node, ast.Import):
+                pairs = [tuple(alias.name.rsplit(".", 1)) for alias in node.names if "." in alias.name]
+            else:
+                continue
+            for target, imported in pairs:
+                if target.split(".")[0] != "credit_mpi":
+                    continue
+                full = f"{target}.{imported}"
+                owner = target if target in mods and mods[target].name == "__init__.py" else target.rpartition(".")[0]
+                inside = [p for p in full[len(owner) + 1 :].split(".") if p]  # the path below the target's package
+                if owner != package and any(_private(p) for p in inside):
+                    bad.append(f"{name} imports {full}")
+    return sorted(bad)
+
+
+# What remains, each with the issue that removes it (the list may only shrink):
+KNOWN_PRIVATE_IMPORTS = {
+    # issue 32 item 3: the Tracker names no layer type (its edge-row fold and dropout's identity ask the layer)
+    "credit_mpi.nn.judge.tracker imports credit_mpi.nn.conv._ConvMixin",
+    "credit_mpi.nn.judge.tracker imports credit_mpi.nn.dropout._DropoutMixin",
+    # the benchmark's "no communication" switch patches the layers' halo and overlap-add
+    "credit_mpi.cli.bench_model imports credit_mpi.nn._comm",
+    # the layers' agreement waits on a communicator the abort path has settled (a helper of the package root)
+    "credit_mpi.nn._comm imports credit_mpi._printing.settled_comm",
+}
+
+
+def test_the_private_import_checker_sees_names_and_private_modules(tmp_path):
+    pkg = tmp_path / "credit_mpi"
+    (pkg / "nn").mkdir(parents=True)
+    for rel in ("__init__.py", "nn/__init__.py", "nn/_comm.py", "nn/conv.py", "halo.py"):
+        (pkg / rel).write_text("")
+    (pkg / "nn" / "conv.py").write_text("from ._comm import agree\nfrom ..halo import _exchange\n")
+    (pkg / "halo.py").write_text("from .nn import _comm\nfrom .nn._comm import agree\nimport credit_mpi.nn._comm\n")
+    mods = {module_name_in(tmp_path, p): p for p in sorted(pkg.rglob("*.py"))}
+    assert private_imports(mods) == [
+        "credit_mpi.halo imports credit_mpi.nn._comm",
+        "credit_mpi.halo imports credit_mpi.nn._comm",
+        "credit_mpi.halo imports credit_mpi.nn._comm.agree",
+        "credit_mpi.nn.conv imports credit_mpi.halo._exchange",
+    ]
+
+
+def module_name_in(root: Path, path: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_module_imports_another_packages_private_names():
+    found = set(private_imports(modules()))
+    assert found <= KNOWN_PRIVATE_IMPORTS, "private names imported across packages: " + ", ".join(
+        sorted(found - KNOWN_PRIVATE_IMPORTS))
+
+
+# -- the judge's rule registry --------------------------------------------------------------------------
+
+
+def test_the_rule_registry_rejects_a_duplicate():
+    import pytest
+
+    from credit_mpi.nn.judge import DuplicateRule, registry, rule, wraps
+
+    def again(tr, func, args, kwargs, held):
+        return func(*args, **kwargs)
+
+    with pytest.raises(DuplicateRule, match="'matmul' is registered twice"):
+        rule("matmul")(again)  # the products' rule holds it (credit_mpi.nn.judge.reductions)
+    with pytest.raises(DuplicateRule, match="'matmul' is registered twice"):
+        wraps("matmul")(again)  # attention wraps it already
+    with pytest.raises(DuplicateRule, match="named twice"):
+        rule("credit_mpi_test_op", "credit_mpi_test_op")(again)
+    assert registry.rule_for("credit_mpi_test_op") is None  # nothing of a refused registration is kept
+    assert registry.rule_for("matmul").__doc__ == registry.rule_for("mm").__doc__  # wrapped, not replaced

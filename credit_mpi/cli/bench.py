@@ -47,9 +47,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ..halo import halo_exchange
-from ..layout import Layout
+from ..layout import Layout, offsets
 from ..manager import DomainParallelManager
-from ..partition import band_offsets, band_sizes
+from ..partition import band_sizes
 from ..sharding import gather_tensor, shard_batch
 from ..transport.arrays import host_bytes, release_output_pool
 
@@ -215,7 +215,7 @@ def _nbytes(x: Any) -> int:
 def _raw_allgatherv(comm: MPI.Comm, x: Any, counts: list[int], fresh: bool) -> Callable[[], np.ndarray]:
     """:func:`raw_allgather` of bands of different sizes: one ``Allgatherv`` of the bytes (numpy, torch CPU)."""
     send = host_bytes(np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x.contiguous())
-    spec = (counts, band_offsets(counts))
+    spec = (counts, offsets(counts))
     buffer = np.empty(sum(counts), dtype=np.uint8)
 
     def run():

@@ -91,12 +91,12 @@ def local_halos() -> Iterator[None]:
     def drop(y, rows, width, axis, manager, sizes):
         return y.narrow(axis, width, rows)
 
-    saved = _comm._exchange_agreed, conv.overlap_add
-    _comm._exchange_agreed, conv.overlap_add = pad, drop
+    saved = _comm.exchange_agreed, conv.overlap_add
+    _comm.exchange_agreed, conv.overlap_add = pad, drop
     try:
         yield
     finally:
-        _comm._exchange_agreed, conv.overlap_add = saved
+        _comm.exchange_agreed, conv.overlap_add = saved
 
 
 def _step(model: Any, x: Any, count: int) -> Any:

@@ -32,8 +32,8 @@ import xarray as xr
 from mpi4py import MPI
 
 from ..agreement import Free
+from ..layout import offsets
 from ..manager import DomainParallelManager
-from ..partition import band_offsets
 from ..validation import allgather_or_raise
 from ._store import (
     INCOMPLETE,
@@ -66,7 +66,7 @@ def writer_ranges(sizes: list[int], chunk: int | None) -> list[tuple[int, int]]:
         return [(0, total)] + [(total, total)] * (len(sizes) - 1)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 row, got {chunk}")
-    edges = [min(math.ceil(o / chunk) * chunk, total) for o in band_offsets(sizes)] + [total]
+    edges = [min(math.ceil(o / chunk) * chunk, total) for o in offsets(sizes)] + [total]
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
@@ -99,8 +99,8 @@ def exchange_rows(
     w0, w1 = want[rank]
     recv = np.empty((w1 - w0, *row_shape), dtype=array.dtype)
     comm.Alltoallv(
-        [send.reshape(-1).view(np.uint8), (send_counts, band_offsets(send_counts)), MPI.BYTE],
-        [recv.reshape(-1).view(np.uint8), (recv_counts, band_offsets(recv_counts)), MPI.BYTE],
+        [send.reshape(-1).view(np.uint8), (send_counts, offsets(send_counts)), MPI.BYTE],
+        [recv.reshape(-1).view(np.uint8), (recv_counts, offsets(recv_counts)), MPI.BYTE],
     )
     return np.moveaxis(recv, 0, axis)
 
@@ -218,7 +218,7 @@ def write_bands(
         chunk = None
     else:
         chunk = dict(desc["chunks"]).get(dim, max(max(sizes), 1))
-    have = list(zip(band_offsets(sizes), [o + s for o, s in zip(band_offsets(sizes), sizes, strict=True)], strict=True))
+    have = list(zip(offsets(sizes), [o + s for o, s in zip(offsets(sizes), sizes, strict=True)], strict=True))
     want = writer_ranges(sizes, chunk)
     global_index = None if coords[0] is None else np.concatenate(coords)
 

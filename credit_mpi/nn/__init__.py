@@ -15,7 +15,6 @@ Importing this subpackage imports torch (``import credit_mpi`` does not).
 """
 
 from . import judge  # noqa: F401 - registers the judge's rules for custom forwards
-from ._comm import ConversionError
 from .checkpoint import load_checkpoint, save_checkpoint
 from .conv import (
     DomainParallelConv1d,
@@ -34,6 +33,7 @@ from .dropout import (
     DomainParallelDropout2d,
     DomainParallelDropout3d,
 )
+from .errors import ConversionError
 from .exchange import HaloExchange
 from .norm import (
     DomainParallelBatchNorm1d,

@@ -32,7 +32,7 @@ from .._printing import settled_comm
 from ..blocks import decode_block, encode_block, grid_comm
 from ..engine import Op, agreed_plan, apply_agreed
 from ..grid import grid_coords, grid_of
-from ..halo import _exchange_agreed
+from ..halo import exchange_agreed
 from ..layout import Layout
 from ..manager import domain_of, live_domain_comm
 from ..ops import halo as halo_op
@@ -53,10 +53,6 @@ def _eager(fn: Callable) -> Callable:
     torch ops between them still compile.
     """
     return torch.compiler.disable(fn, recursive=True)
-
-
-class ConversionError(DomainParallelError):
-    """A module the converter has no exact rule for (raised on every rank), or a layout a layer cannot run."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +217,7 @@ def fetch_rows(
     axis, a, total = bands.axis, bands.start, bands.total
     exchange = "zero" if boundary == "replicate" else boundary
     # the layer's agreement (``bands``) covered what the exchange's would: one agreement per layer call
-    padded = _exchange_agreed(x, width, axis, manager, exchange, tuple(bands.sizes)) if width else x
+    padded = exchange_agreed(x, width, axis, manager, exchange, tuple(bands.sizes)) if width else x
     first = lo - (a - width)
     # the whole padded band as it is when that is the window (narrow's backward would copy the gradient into zeros)
     rows = padded if first == 0 and hi - lo == padded.shape[axis] else padded.narrow(axis, first, hi - lo)

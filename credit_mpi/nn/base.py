@@ -31,7 +31,8 @@ from ..manager import DomainParallelManager
 from ..partition import normalize_dim
 from ..validation import Local
 from ..validation import agree as agree_once
-from ._comm import ConversionError, forward_done, share_failure
+from ._comm import forward_done, share_failure
+from .errors import ConversionError
 from .geometry import RowGeometry
 from .replicated import is_replicated
 

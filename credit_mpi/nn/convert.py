@@ -8,7 +8,7 @@ Policy (every module of the model, the root included, is visited once):
    as the function marks a type as local (the user vouches that it never
    mixes rows along the sharded dim).
 2. The layer rules (exact types; each registered next to its class with
-   :func:`credit_mpi.nn.rules.layer_rule`, the one place a module type's rule lives: which type it replaces, bands
+   :func:`credit_mpi.nn.rules.layer_rule`: which type it replaces, bands
    and/or the grid, the arguments it refuses): convolutions, transposed
    convolutions, normalisations, upsampling, pooling -> their ``DomainParallel*`` wrapper;
    ``nn.Dropout`` / ``nn.AlphaDropout`` / ``nn.Dropout1d/2d/3d`` -> a wrapper that is the identity in
@@ -17,7 +17,7 @@ Policy (every module of the model, the root included, is visited once):
    that leave the sharded dim alone, constant ones (``nn.ZeroPad2d``) that pad it
    (the field's edges, on the first and last band), and modules that act on each row on its own (activations,
    ``nn.Linear`` / ``nn.Identity`` acting on the last dim when that is not
-   the sharded one, ...) stay as they are (:func:`credit_mpi.nn.rules.kept_rule`).
+   the sharded one, ...) stay as they are.
 4. Every other module (containers, custom modules, ``nn.Softmax``,
    ``nn.PixelShuffle``, ``nn.Flatten``, a subclass of an activation) is kept
    and its children converted; its own ``forward`` is judged function by
@@ -27,7 +27,7 @@ Policy (every module of the model, the root included, is visited once):
    module's path and the op.
 5. Refused here, on every rank, naming the module's path and
    ``custom_converters``: ``nn.Linear`` when ``shard_dim`` is the last dim,
-   adaptive max pooling (their kept rules' refusals). (Attention, ``nn.MultiheadAttention``
+   adaptive max pooling. (Attention, ``nn.MultiheadAttention``
    and ``nn.Transformer*``, is judged by its forward as in 4.: exact,
    :mod:`credit_mpi.nn.judge.attention`.)
 
@@ -54,11 +54,11 @@ from ..grid import grid_of
 from ..manager import DomainParallelManager, get_domain_parallel_manager
 from ..validation import check_int
 from . import conv, dropout, judge, norm, resample  # noqa: F401 - the layers register their rules; judge the custom forwards
-from ._comm import ConversionError
 from .base import DomainParallelModule, adopt, guard_forward
-from .rules import BANDS_ONLY, POINTWISE, RULES, kept_refusal, refusal_of
+from .errors import ConversionError
+from .rules import BANDS_ONLY, RULES, local_rule, refusal_of
 
-__all__ = ["convert_to_domain_parallel", "keep_local", "ConversionError", "RULES", "POINTWISE"]
+__all__ = ["convert_to_domain_parallel", "keep_local", "ConversionError", "RULES"]
 
 
 def keep_local(module: nn.Module, manager: Any, shard_dim: int) -> nn.Module:
@@ -165,7 +165,7 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
             _refuse(module, label, f"it has no exact rule on a {grid[0]}x{grid[1]} latitude x longitude domain grid yet "
                                    f"(use latitude bands: domain_grid=None or ({grid[0] * grid[1]}, 1))")
         return adopt(RULES[kind], module, manager, shard_dim, label)
-    why = kept_refusal(module, shard_dim, grid)  # a torch module that stays as it is (credit_mpi.nn.rules)
+    why = local_rule(module, shard_dim, grid)  # a type kept as it is (credit_mpi.nn.rules), or refused
     if why:
         _refuse(module, label, why)
     if why is not None:

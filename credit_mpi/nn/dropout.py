@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._comm import ConversionError
 from .base import DomainParallelModule
+from .errors import ConversionError
 from .rules import layer_rule
 from .traffic import Traffic
 

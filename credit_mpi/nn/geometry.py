@@ -57,18 +57,12 @@ __all__ = [
     "transposed_out_size",
     "transposed_layout",
     "resample_layout",
-    "offsets_of",
 ]
 
 
 def ceil_div(a: int, b: int) -> int:
     """``ceil(a / b)`` for integers (``b > 0``)."""
     return -(-a // b)
-
-
-def offsets_of(sizes: list[int]) -> list[int]:
-    """Start row of each band (:func:`credit_mpi.layout.offsets`)."""
-    return offsets(sizes)
 
 
 def conv_out_size(size: int, kernel: int, stride: int, dilation: int, before: int, after: int, ceil_mode: bool = False) -> int:
@@ -180,10 +174,10 @@ def conv_layout(
     """The window rule (see the module docstring) for bands ``sizes``."""
     size = sum(sizes)
     out_size = conv_out_size(size, kernel, stride, dilation, before, after, ceil_mode)
-    offsets = offsets_of(sizes)
+    starts = offsets(sizes)
     n = len(sizes)
     bands = []
-    for r, (a, rows) in enumerate(zip(offsets, sizes, strict=True)):
+    for r, (a, rows) in enumerate(zip(starts, sizes, strict=True)):
         b = a + rows
         o0 = 0 if r == 0 else min(ceil_div(a, stride), out_size)
         o1 = out_size if r == n - 1 else min(ceil_div(b, stride), out_size)
@@ -206,10 +200,10 @@ def transposed_layout(
     """
     size = sum(sizes)
     out_size = transposed_out_size(size, kernel, stride, dilation, padding, output_padding)
-    offsets = offsets_of(sizes)
+    starts = offsets(sizes)
     n = len(sizes)
     bands = []
-    for r, (a, rows) in enumerate(zip(offsets, sizes, strict=True)):
+    for r, (a, rows) in enumerate(zip(starts, sizes, strict=True)):
         b = a + rows
         o0 = 0 if r == 0 else min(stride * a, out_size)
         o1 = out_size if r == n - 1 else min(stride * b, out_size)
@@ -232,11 +226,11 @@ def resample_layout(sizes: list[int], out_size: int, support: list[tuple[int, in
     the domain, as the model's other tensors of that many rows have it) instead of the rule's.
     """
     size = sum(sizes)
-    offsets = offsets_of(sizes)
+    starts = offsets(sizes)
     n = len(sizes)
-    out_offsets = None if out_sizes is None else offsets_of(out_sizes)
+    out_offsets = None if out_sizes is None else offsets(out_sizes)
     bands = []
-    for r, (a, rows) in enumerate(zip(offsets, sizes, strict=True)):
+    for r, (a, rows) in enumerate(zip(starts, sizes, strict=True)):
         b = a + rows
         if out_offsets is not None:
             o0, o1 = out_offsets[r], out_offsets[r] + out_sizes[r]

@@ -30,11 +30,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..grid import check_grid, grid_of
+from ..layout import offsets
 from ..partition import band_sizes, check_halo_width, normalize_dim
-from . import geometry
-from ._comm import ConversionError
 from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
+from .errors import ConversionError
 from .judge import attention
 from .judge.attention import sdpa_path
 from .judge.pointwise import VALUE_CALLS
@@ -540,8 +540,8 @@ def _row(mod, shape_in, shape_out, layouts, n, grid=None, traffic=None, sizes=No
         exact = problem is None
         if not exact:
             note += problem
-        elif stride > 1 and any(o % stride for o in geometry.offsets_of(sizes)):
-            note += f"offsets {geometry.offsets_of(sizes)} not multiples of {stride}: exact, but a transposed layer will not restore them"
+        elif stride > 1 and any(o % stride for o in offsets(sizes)):
+            note += f"offsets {offsets(sizes)} not multiples of {stride}: exact, but a transposed layer will not restore them"
         row = PlanRow(mod.dp_path, kind, h_in, h_out, tuple(sizes), tuple(out_sizes), before, after, stride,
                       lay.min_rows, exact, note, traffic(lay.width) if exact and traffic else None)
     if mod.dp_replicated(h_in, h_out):

@@ -5,13 +5,16 @@ definition, the torch module type it replaces (exact types: a subclass with
 its own forward is judged by what that forward does), whether it runs on a
 latitude x longitude grid of several columns too, and which arguments of
 the original it refuses (a function of the module giving the reason, "" when
-it converts), and what the judge of custom forwards must know of the layer
+it converts). The module types kept as they are (pointwise activations,
+padding of other dims, ``nn.Linear`` over the longitude) and those refused
+by type have their rule here too (:func:`local_rule`). What the judge of
+custom forwards must know of a layer is declared with its rule too
 (:class:`LayerTraits`: it folds an ``F.pad`` of the field's edges into its
 own padding, it takes statistics over the batch, it is the identity in its
-current mode). :func:`credit_mpi.nn.convert_to_domain_parallel`,
-:func:`~credit_mpi.nn.describe`, the grid check and the judge
-(:func:`traits_of`; it names no layer type) read them here; adding a layer
-is its class, its rule and a test file.
+current mode; the judge reads :func:`traits_of` and names no layer type).
+:func:`credit_mpi.nn.convert_to_domain_parallel`,
+:func:`~credit_mpi.nn.describe` and the grid check read :data:`RULES` and
+:data:`BANDS_ONLY`; adding a layer is its class, its rule and a test file.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from typing import NamedTuple
 
 from torch import nn
 
-__all__ = ["RULES", "BANDS_ONLY", "KEPT", "POINTWISE", "LayerTraits", "layer_rule", "kept_rule", "refusal_of",
-           "kept_refusal", "traits_of"]
+__all__ = ["RULES", "BANDS_ONLY", "POINTWISE", "REFUSED", "LayerTraits", "layer_rule", "refusal_of", "local_rule",
+           "traits_of"]
 
 
 class LayerTraits(NamedTuple):
@@ -87,70 +90,51 @@ def refusal_of(module: nn.Module) -> str:
     return refuses(module) if refuses is not None else ""
 
 
-# -- torch modules that stay as they are --------------------------------------------------------------------------
+# -- module types kept as they are (no layer), or refused by type ------------------------------------
 
-#: torch module type -> ``refuses(module, shard_dim, grid) -> reason`` ("" keeps it as it is; ``grid``: the domain
-#: grid's ``(rows, cols)`` when it has more than one column, else None)
-KEPT: dict[type, Callable[[nn.Module, int, tuple[int, int] | None], str]] = {}
-
-
-def _keeps(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) -> str:
-    return ""
-
-
-def kept_rule(*originals: type, refuses: Callable[[nn.Module, int, tuple[int, int] | None], str] = _keeps) -> None:
-    """The torch module types ``originals`` (exact types) stay as they are when a model is converted (they act on
-    each row on their own, or pad the field's edges), unless ``refuses(module, shard_dim, grid)`` gives a reason."""
-    for original in originals:
-        if original in RULES or original in KEPT:
-            raise ValueError(f"{original.__name__} already has a rule")
-        KEPT[original] = refuses
-
-
-def kept_refusal(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) -> str | None:
-    """Why ``module`` (a kept type) cannot stay as it is ("" when it can); None when its type is not a kept one."""
-    refuses = KEPT.get(type(module))
-    return None if refuses is None else refuses(module, shard_dim, grid)
-
-
-#: act on every element (or every row of the last dim) on their own: exact on bands as they are
+#: act on every element (or every row of the last dim) on its own: exact on bands as they are
 POINTWISE: tuple[type, ...] = (
     nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
     nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink,
     nn.Threshold, nn.LogSigmoid,
 )
-kept_rule(*POINTWISE)
+
+#: module types with no exact rule on bands, and why
+REFUSED: dict[type, str] = {
+    nn.AdaptiveMaxPool1d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
+    nn.AdaptiveMaxPool2d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
+    nn.AdaptiveMaxPool3d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
+}
+
+_PADS = tuple(
+    getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant", "Circular", "Reflection", "Replication") for n in (1, 2, 3)
+    if hasattr(nn, f"{kind}Pad{n}d")
+)
 
 # constant padding of the sharded dim: the field's edges, on the first and last band (credit_mpi.nn.judge)
 _CONSTANT_PADS = tuple(getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant") for n in (1, 2, 3)
                        if hasattr(nn, f"{kind}Pad{n}d"))
 
 
-def _pads(module: nn.Module, dim: int) -> bool:
-    """True unless the padding module leaves ``dim`` alone (``padding`` lists (before, after) from the last dim)."""
+def _pads_sharded_dim(module: nn.Module, shard_dim: int) -> bool:
+    """True unless the padding module leaves the sharded dim alone (``padding`` lists (before, after) from the last dim)."""
     pad = tuple(module.padding)
-    if dim >= 0:
+    if shard_dim >= 0:
         return True  # which dim the padding hits depends on the input's ndim: refuse
-    pair = -dim - 1
+    pair = -shard_dim - 1
     return 2 * pair + 1 < len(pad) and (pad[2 * pair] != 0 or pad[2 * pair + 1] != 0)
 
 
-def _padding_refusal(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) -> str:
-    """Padding that leaves the split dims alone stays; constant padding of the sharded dim pads the field's edges."""
-    if _pads(module, shard_dim) and (grid or type(module) not in _CONSTANT_PADS):
+def _padding_rule(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) -> str:
+    if _pads_sharded_dim(module, shard_dim) and (grid or type(module) not in _CONSTANT_PADS):
         return "it pads the sharded dim (only the global edges may be padded: use the conv's own padding)"
-    if grid and _pads(module, -1):
-        return (f"it pads the longitude (the last dim), which the {grid[0]}x{grid[1]} domain grid splits (use the "
-                f"conv's own padding, e.g. padding_mode='circular')")
+    if grid and _pads_sharded_dim(module, -1):
+        return (f"it pads the longitude (the last dim), which the {grid[0]}x{grid[1]} domain grid "
+                f"splits (use the conv's own padding, e.g. padding_mode='circular')")
     return ""
 
 
-kept_rule(*(getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant", "Circular", "Reflection", "Replication")
-            for n in (1, 2, 3) if hasattr(nn, f"{kind}Pad{n}d")), refuses=_padding_refusal)
-
-
-def _linear_refusal(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) -> str:
-    """``nn.Linear`` acts on the last dim: exact unless that dim is split."""
+def _linear_rule(shard_dim: int, grid: tuple[int, int] | None) -> str:
     if shard_dim == -1:
         return "nn.Linear acts on the last dim, which is the sharded one"
     if grid:
@@ -158,11 +142,15 @@ def _linear_refusal(module: nn.Module, shard_dim: int, grid: tuple[int, int] | N
     return ""
 
 
-kept_rule(nn.Linear, refuses=_linear_refusal)
-
-
-def _max_over_bands(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) -> str:
-    return "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)"
-
-
-kept_rule(nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, refuses=_max_over_bands)
+def local_rule(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) -> str | None:
+    """The rule of a module type kept as it is: "" when ``module`` is kept, the reason when it is refused, None
+    when its type has no such rule (a layer's, or none: its forward is judged). ``grid``: the domain grid's
+    ``(rows, cols)`` when it has more than one column, else None."""
+    kind = type(module)
+    if kind in POINTWISE:
+        return ""
+    if kind in _PADS:
+        return _padding_rule(module, shard_dim, grid)
+    if kind is nn.Linear:
+        return _linear_rule(shard_dim, grid)
+    return REFUSED.get(kind)

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from ..partition import band_sizes, normalize_dim
-from ._comm import ConversionError
+from .errors import ConversionError
 from .plan import describe
 
 __all__ = ["validate_sharding_constraints"]

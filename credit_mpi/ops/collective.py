@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from ..agreement import Local
 from ..engine import Op
-from ..partition import band_offsets
+from ..layout import offsets
 
 __all__ = ["AllgatherOrRaise", "COLLECTIVE"]
 
@@ -47,7 +47,7 @@ class AllgatherOrRaise(Op):
         if p.comm.Get_size() == 1:
             return [pickle.loads(p.data)]
         table = np.empty(sum(p.sizes), dtype=np.uint8)
-        starts = band_offsets(p.sizes)
+        starts = offsets(p.sizes)
         p.comm.Allgatherv([np.frombuffer(p.data, dtype=np.uint8), len(p.data), MPI.BYTE], [table, (p.sizes, starts), MPI.BYTE])
         return [pickle.loads(table[start : start + size].tobytes()) for start, size in zip(starts, p.sizes, strict=True)]
 

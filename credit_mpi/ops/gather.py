@@ -36,16 +36,17 @@ from typing import Any, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
+from .. import layout
 from ..blocks import block_table, check_line, encode_block, grid_comm, normalize_dims
 from ..engine import Op
 from ..grid import grid_coords, grid_of
 from ..layout import Layout
 from ..manager import domain_of
-from ..partition import band_offsets, normalize_dim
+from ..partition import normalize_dim
 from ..transport import arrays, limits, moves, rowops, staging
 from ..validation import Local, check_bands_fit, check_transport
 
-__all__ = ["GatherBands", "GatherBlocks", "BANDS", "BLOCKS", "gather_kernel", "gather2d_kernel", "check_out"]
+__all__ = ["GatherBands", "GatherBlocks", "BANDS", "BLOCKS", "gather_kernel", "gather2d_kernel", "check_out", "allgather_rows"]
 
 
 class _Gather(NamedTuple):
@@ -134,7 +135,7 @@ class GatherBands(_Gathers):
             check_out(args["out"], info, axis, sum(sizes))
         shape = _gathered_shape(info.shape, axis, sum(sizes))
         return _Gather(comm, info, axis, sizes, domain.rank, None, args["transport"], domain.manager, shape,
-                       math.prod(shape[:axis]), math.prod(shape[axis + 1 :]) * info.itemsize, band_offsets(sizes))
+                       math.prod(shape[:axis]), math.prod(shape[axis + 1 :]) * info.itemsize, layout.offsets(sizes))
 
     def adjoint(self, grad: Any, p: _Gather) -> Any:
         """This rank's rows of the gathered (replicated) gradient: no communication."""
@@ -247,10 +248,10 @@ def gather_kernel(x: Any, p: _Gather) -> Any:
         x = adapter.contiguous(x)
         send, recv = arrays.host_bytes(x, adapter), arrays.host_bytes(out, adapter)
         if send is not None and recv is not None:  # host memory: numpy byte views, no staging
-            _allgather_rows(p.comm, send, recv, p.outer, p.sizes, p.row_bytes, p.offsets)
+            allgather_rows(p.comm, send, recv, p.outer, p.sizes, p.row_bytes, p.offsets)
         else:
             with staging.send_buffer(x, p.comm, adapter) as send, staging.recv_buffer(out, p.comm, adapter=adapter) as recv:
-                _allgather_rows(p.comm, send, recv, p.outer, p.sizes, p.row_bytes, p.offsets)
+                allgather_rows(p.comm, send, recv, p.outer, p.sizes, p.row_bytes, p.offsets)
     if p.out is not None:
         adapter.mark_written(out)  # autograd sees the write (a tensor it saved is now stale)
     return out
@@ -258,11 +259,11 @@ def gather_kernel(x: Any, p: _Gather) -> Any:
 
 
 
-def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: list[int], row_bytes: int,
+def allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: list[int], row_bytes: int,
                     offsets: list[int] | None = None) -> None:
     """All-gather bands of rows: ``send`` is ``(outer, mine, row)``, ``recv`` is ``(outer, total, row)`` bytes.
 
-    ``offsets``: every rank's first row, ``band_offsets(sizes)`` (a plan's, worked out once; None: here).
+    ``offsets``: every rank's first row, ``layout.offsets(sizes)`` (a plan's, worked out once; None: here).
 
     Host memory on a domain of at most :data:`~credit_mpi.transport.limits.P2P_RANKS`
     ranks goes point to point (:func:`_gather_p2p`). Otherwise two
@@ -284,7 +285,7 @@ def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: lis
     the raw call with it; point to point with the same type, 0.7-1.04 x.
     """
     rank, total = comm.Get_rank(), sum(sizes)
-    offsets = band_offsets(sizes) if offsets is None else offsets
+    offsets = layout.offsets(sizes) if offsets is None else offsets
     mine, even = sizes[rank], len(set(sizes)) == 1
     slice_bytes = total * row_bytes
     on_device = arrays.in_device_memory(recv)  # a CUDA-aware MPI gets device pointers
@@ -338,7 +339,7 @@ def _allgather_rows(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: lis
 
 def _gather_p2p(comm: MPI.Comm, send: Any, recv: Any, outer: int, sizes: list[int], row_bytes: int,
                 offsets: list[int]) -> None:
-    """:func:`_allgather_rows` point to point: every band lands straight in its place, no scratch.
+    """:func:`allgather_rows` point to point: every band lands straight in its place, no scratch.
 
     Each rank sends its band to every other rank and receives theirs
     straight into the output; its own band is one strided copy. A band's

@@ -25,8 +25,9 @@ from mpi4py import MPI
 from ..blocks import block_types, check_line, grid_comm, normalize_dims
 from ..engine import Op
 from ..grid import block_sizes, grid_coords, grid_of
+from ..layout import offsets
 from ..manager import domain_of
-from ..partition import band_offsets, band_sizes, normalize_dim, row_datatypes
+from ..partition import band_sizes, normalize_dim, row_datatypes
 from ..transport import arrays, staging
 from ..validation import Local, check_root
 
@@ -103,7 +104,7 @@ class ScatterBands(Op):
             with staging.recv_buffer(out, comm) as recv:
                 if rank == p.root:
                     with staging.send_buffer(arrays.contiguous(x), comm) as send:
-                        comm.Scatterv([send, (list(sizes), band_offsets(sizes)), send_type], [recv, sizes[rank], recv_type], p.root)
+                        comm.Scatterv([send, (list(sizes), offsets(sizes)), send_type], [recv, sizes[rank], recv_type], p.root)
                 else:
                     comm.Scatterv(None, [recv, sizes[rank], recv_type], p.root)
         finally:

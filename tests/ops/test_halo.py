@@ -22,7 +22,7 @@ class TestHalo(Conformance):
         if form == "bands":
             padded = pad_numpy(field, 1, field.ndim - 2, "reflect")
             sizes = credit_mpi.partition.band_sizes(field.shape[-2], manager.domain_parallel_size, True)
-            start = credit_mpi.partition.band_offsets(sizes)[rank]
+            start = credit_mpi.layout.offsets(sizes)[rank]
             return padded[..., start : start + sizes[rank] + 2, :]
         # blocks: latitude reflect, then longitude periodic (a single boundary string: the globe)
         padded = np.pad(pad_numpy(field, 1, field.ndim - 2, "reflect"), [(0, 0)] * (field.ndim - 1) + [(1, 1)], mode="wrap")
@@ -30,7 +30,7 @@ class TestHalo(Conformance):
         hs = credit_mpi.partition.band_sizes(field.shape[-2], rows, True)
         ws = credit_mpi.partition.band_sizes(field.shape[-1], cols, True)
         i, j = divmod(rank, cols)
-        y0, x0 = credit_mpi.partition.band_offsets(hs)[i], credit_mpi.partition.band_offsets(ws)[j]
+        y0, x0 = credit_mpi.layout.offsets(hs)[i], credit_mpi.layout.offsets(ws)[j]
         return padded[..., y0 : y0 + hs[i] + 2, x0 : x0 + ws[j] + 2]
 
     perturbations = {

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -62,27 +61,18 @@ _PATHS = ("auto", "alltoall", "ring", "gather")
 # -- global dims: a dim that holds every band's tokens in the field's order ----------------------
 
 
-def _marks(tr) -> dict:
-    store = tr.__dict__.get("_dp_global")
-    if store is None:
-        store = tr.__dict__["_dp_global"] = {}
-    return store
-
-
 def global_dims(tr, t: Any) -> frozenset[int]:
     """The dims of ``t`` that hold the whole field's tokens (gathered keys' columns of the scores)."""
-    if not isinstance(t, torch.Tensor):
-        return frozenset()
-    entry = _marks(tr).get(id(t))
-    return entry[1] if entry is not None and entry[0]() is t else frozenset()
+    rec = tr.record_of(t)
+    return rec.global_dims if rec is not None else frozenset()
 
 
 def _mark(tr, t: torch.Tensor, dims) -> None:
     dims = frozenset(d for d in dims if 0 <= d < t.ndim)
     if dims:
-        _marks(tr)[id(t)] = (weakref.ref(t), dims)
-    else:
-        _marks(tr).pop(id(t), None)
+        tr.record(t).global_dims = dims
+    elif (rec := tr.record_of(t)) is not None:
+        rec.global_dims = frozenset()
 
 
 def _carry_aligned(tr, func, args, kwargs, out) -> None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -102,7 +101,7 @@ def _pad(tr, func, args, kwargs, held):
     if not value:  # zeros: a convolution that takes it folds the rows in (Tracker._fold_edge_rows)
         others = [0 if i in (2 * pair, 2 * pair + 1) else v for i, v in enumerate(pad)]
         out = _padded(tr, func, args, kwargs, p, x, pad, pair, before, after, rows)
-        tr.edge_pads[id(out)] = (weakref.ref(out), x, (before, after), others)
+        tr.record(out).edge_pad = (x, (before, after), others)
         return out
     return _padded(tr, func, args, kwargs, p, x, pad, pair, before, after, rows)
 

@@ -31,7 +31,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ...partition import normalize_dim
-from .._comm import ConversionError
+from ..errors import ConversionError
 
 __all__ = ["Refusal", "DuplicateRule", "rule", "wraps", "module_rule", "without_bands", "rule_for", "module_rules",
            "rules_without_bands", "check_wrappers", "conversion_error",

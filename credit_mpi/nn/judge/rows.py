@@ -238,7 +238,7 @@ def _enter(tr: Tracker, module: torch.nn.Module, args: tuple) -> tuple[tuple, Ca
     if not bands or any(p.dim == 0 or p.outer != 1 for _, _, p in bands):
         return None  # windows in the batch dim already (Swin's window attention), or rows that are not contiguous
     if tr.manager is None:
-        return args, _dry(tr, bands, window, tr._path(module))
+        return args, _enter_dry_run(tr, bands, window, tr._path(module))
     return _run_enter(tr, args, bands, window, tr._path(module))
 
 
@@ -253,7 +253,7 @@ def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
             layout = layout or (sizes_out, sizes_in)  # back= (moved, original)
             empty = _empty_bands(sizes_out)  # the same on every rank: the layouts are agreed
             if empty and sizes_out[comm.Get_rank()] == 0:
-                new_args[i] = _phantom(new_args[i], p, window)
+                new_args[i] = _with_phantom_window(new_args[i], p, window)
             tr.set(new_args[i], p)
     dim, seq = bands[0][2].dim, watchdog.STATE.seq
 
@@ -263,10 +263,10 @@ def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
             if watchdog.STATE.seq != seq:
                 raise _communicating_with_empty_bands(path, window, layout, bands[0][2].inner)
             if sizes_out[comm.Get_rank()] == 0:
-                out = _map_bands(tr, out, lambda t, q: _cut(tr, t, q))
+                out = _map_bands(tr, out, lambda t, q: _drop_phantom_window(tr, t, q))
         if layout[0] == layout[1]:  # whole windows already: nothing moved, nothing to move back
             return out
-        return _map_bands(tr, out, lambda t, q: _back(tr, t, q, layout, path))
+        return _map_bands(tr, out, lambda t, q: _move_back(tr, t, q, layout, path))
 
     return tuple(new_args), leave
 
@@ -276,16 +276,16 @@ def _empty_bands(sizes_out) -> list[int]:
     return [r for r, s in enumerate(sizes_out) if s == 0] if sum(sizes_out) else []
 
 
-def _phantom(t: torch.Tensor, p: Sharded, window: int) -> torch.Tensor:
+def _with_phantom_window(t: torch.Tensor, p: Sharded, window: int) -> torch.Tensor:
     """A band of no window extended by one window of zeros: the module's forward reads its window count from its
     input's shape (CREDIT's ``rearrange(..., h=height // wsz)`` divides by a count of 0), so it runs on one window
-    whose output :func:`_cut` drops. Joined to ``t`` by a ``cat`` so that the backward reaches the re-band's."""
+    whose output :func:`_drop_phantom_window` drops. Joined to ``t`` by a ``cat`` so that the backward reaches the re-band's."""
     shape = list(t.shape)
     shape[p.dim] = window * p.inner
     return torch.cat([t, t.new_zeros(shape)], dim=p.dim)
 
 
-def _cut(tr: Tracker, t: torch.Tensor, q: Sharded) -> torch.Tensor:
+def _drop_phantom_window(tr: Tracker, t: torch.Tensor, q: Sharded) -> torch.Tensor:
     """The phantom window's output dropped: a band of no rows (its parameters' gradients zero, not None)."""
     with torch._C.DisableTorchFunction():
         y = t.narrow(q.dim, 0, 0)
@@ -308,7 +308,7 @@ def _communicating_with_empty_bands(path: str, window: int, layout: tuple, inner
                    f"{len(moved)} windows")
 
 
-def _back(tr: Tracker, t: torch.Tensor, q: Sharded, layout: tuple, path: str) -> torch.Tensor:
+def _move_back(tr: Tracker, t: torch.Tensor, q: Sharded, layout: tuple, path: str) -> torch.Tensor:
     from ...ops.reband import reband
 
     if q.outer != 1:
@@ -334,7 +334,7 @@ def _map_bands(tr: Tracker, out: Any, fn: Callable) -> Any:
     return out
 
 
-def _dry(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], Any]:
+def _enter_dry_run(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], Any]:
     """The dry run: the module's forward sees the re-banded layout (at the input's height, and heights that divide it
     or are multiples of it); the way back restores the input's layout. Each move is reported as the run makes it."""
     from ...ops.reband import whole_windows

@@ -249,8 +249,8 @@ def _joined_dry(tr: Tracker, parts: list, places: list, bands: list[int], dim: i
                 path: str) -> tuple[list, list[int]]:
     """The dry run of :func:`_joined`: every part's layout (its own, else its height's), and the move of each that
     differs reported (``tr.on_join``, set by describe(): a plan row with the agreement and the moves' traffic)."""
-    sizes, here = [], tr._here
-    tr._here = {}  # a part without a layout of its own has its height's (not another part's)
+    sizes, here = [], tr._layouts_in_rule
+    tr._layouts_in_rule = {}  # a part without a layout of its own has its height's (not another part's)
     try:
         for k, i in enumerate(bands):
             t, p = parts[i], places[k]
@@ -258,7 +258,7 @@ def _joined_dry(tr: Tracker, parts: list, places: list, bands: list[int], dim: i
             own = tr.layout_of(t)
             sizes.append([p.inner * s for s in (own if own is not None and sum(own) == rows else tr.band_sizes(rows))])
     finally:
-        tr._here = here
+        tr._layouts_in_rule = here
     target = sizes[first]
     on_join = getattr(tr, "on_join", None)
     if on_join is not None:

@@ -75,7 +75,7 @@ from ..replicated import is_replicated, replicated
 from ..rules import traits_of
 from .registry import Refusal, conversion_error, module_rules, op_name, rule_for, rules_without_bands, tensors_in
 
-__all__ = ["Sharded", "Extent", "Tracker", "active_tracker", "judge_forward", "follows_band", "grid_columns",
+__all__ = ["Sharded", "Placement", "Extent", "Tracker", "active_tracker", "judge_forward", "follows_band", "grid_columns",
            "tracked_columns"]
 
 _STATE = threading.local()
@@ -101,6 +101,32 @@ class Sharded:
         if self.outer == 1 and self.inner == 1:
             return f"dim {self.dim}"
         return f"dim {self.dim} (merged: {self.outer} x rows x {self.inner})"
+
+
+@dataclass(slots=True, eq=False)
+class Placement:
+    """Everything the judge knows of one tensor during one forward: its one record (run and dry run alike).
+
+    ``where`` is the band's position (a :class:`Sharded`: a plain band along a dim, or rows merged
+    with the dims around them: tokens, windows in the batch), None when the tensor holds no bands
+    (a tensor every rank holds whole carries :class:`~credit_mpi.nn.replicated.Replicated` instead,
+    which outlives the forward). The rest is read by the rules that need it:
+
+    * ``born``: when the forward made it a band (a counter, the same order on every rank: a join
+      re-bands its parts to the first-made part's layout);
+    * ``layout``: in the dry run, its own band layout (every band's rows) where it differs from
+      the layout of its height (a transposed convolution's output on uneven bands);
+    * ``global_dims``: dims that hold the whole field's tokens (gathered keys: attention's scores);
+    * ``edge_pad``: an ``F.pad`` of the field's edges by zeros, ``(input, (before, after), other pads)``,
+      which a convolution that takes it folds in.
+    """
+
+    ref: weakref.ref
+    where: Sharded | None = None
+    born: int = -1
+    layout: list[int] | None = None
+    global_dims: frozenset = frozenset()
+    edge_pad: tuple | None = None
 
 
 class Extent(int):
@@ -227,23 +253,18 @@ class Tracker(TorchFunctionMode):
         # heights as plain ints: an Extent (a size read from a band) hashes apart from its int; in the dry run
         # the layout a tensor has (a rule's held tensors, :meth:`layout_of`) before the layout of its height
         self.band_sizes = None if band_sizes is None else (
-            lambda rows: self._here.get(int(rows)) or band_sizes(int(rows)))
+            lambda rows: self._layouts_in_rule.get(int(rows)) or band_sizes(int(rows)))
         self.adopt_layout = None if adopt_layout is None else (
             lambda rows, sizes: adopt_layout(int(rows), [int(v) for v in sizes]))
         self.paths = {id(m): (name or "<root>") for name, m in root.named_modules()}
         # the root's forward is called directly (no module hooks): a layer as the root is trusted here
         self.trusted = int(self._trusts(root) or not judge)
         self.stack: list[tuple[str, bool, tuple | None]] = [(self._path(root), bool(self.trusted), None)]
-        self.place: dict[int, tuple[weakref.ref, Sharded]] = {}
-        # the order the forward made its bands in (the same on every rank: a join's target is the first made part's)
-        self.born: dict[int, tuple[weakref.ref, int]] = {}
+        self.records: dict[int, Placement] = {}  # one per tensor the forward placed, by id (checked by its ref)
         self._births = 0
-        # the dry run: a tensor's own band layout (its rows per band) where it differs from its height's
-        self.layouts: dict[int, tuple[weakref.ref, list[int]]] = {}
-        self._here: dict[int, list[int]] = {}  # while a rule runs: the layouts of its held tensors, by their rows
+        self.own_layouts = 0  # the dry run: how many tensors have a layout of their own (none: nothing to inherit)
+        self._layouts_in_rule: dict[int, list[int]] = {}  # while a rule runs: the layouts of its held tensors, by their rows
         self._locals: list = []
-        # F.pad of the sharded dim by zeros: padded tensor id -> (padded ref, input, (before, after), the other pads)
-        self.edge_pads: dict[int, tuple] = {}
         self._folded: list[torch.nn.Module | None] = []  # per open layer call: the conv whose edge rows were folded
         self._leaves: dict[int, list[Callable[[Any], Any]]] = {}  # per module: how its module rule ends (a stack)
         self._hooks: list = []
@@ -252,35 +273,51 @@ class Tracker(TorchFunctionMode):
 
     # -- placements ------------------------------------------------------------------------------
 
+    def record_of(self, t: Any) -> Placement | None:
+        """``t``'s record (None: the forward has not placed it)."""
+        rec = self.records.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return rec if rec is not None and rec.ref() is t else None
+
+    def record(self, t: torch.Tensor) -> Placement:
+        """``t``'s record, a new one when it has none (a dead tensor's record under the same id is replaced)."""
+        rec = self.records.get(id(t))
+        if rec is None or rec.ref() is not t:
+            rec = self.records[id(t)] = Placement(weakref.ref(t))
+        return rec
+
     def get(self, t: Any) -> Sharded | None:
+        """Where ``t``'s bands are (None: it holds none, or is replicated)."""
         if not isinstance(t, torch.Tensor) or is_replicated(t):
             return None
-        entry = self.place.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else None
+        rec = self.records.get(id(t))
+        return rec.where if rec is not None and rec.ref() is t else None
 
     def set(self, t: torch.Tensor, p: Sharded | None) -> None:
+        """``t`` holds bands at ``p`` (None: none); the first time, it is born (:meth:`born_at`)."""
         if p is None or is_replicated(t):
-            self.place.pop(id(t), None)
-        else:
-            self.place[id(t)] = (weakref.ref(t), p)
-            entry = self.born.get(id(t))
-            if entry is None or entry[0]() is not t:
-                self._births += 1
-                self.born[id(t)] = (weakref.ref(t), self._births)
+            if (rec := self.record_of(t)) is not None:
+                rec.where = None
+            return
+        rec = self.record(t)
+        rec.where = p
+        if rec.born < 0:
+            self._births += 1
+            rec.born = self._births
 
     def born_at(self, t: torch.Tensor) -> int:
         """When the forward made band ``t`` (a counter, the same order on every rank)."""
-        entry = self.born.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else -1
+        rec = self.record_of(t)
+        return rec.born if rec is not None else -1
 
     def layout_of(self, t: Any) -> list[int] | None:
         """In the dry run: ``t``'s own layout (every band's rows, of the rows of its placement), None: its height's."""
-        entry = self.layouts.get(id(t)) if isinstance(t, torch.Tensor) else None
-        return list(entry[1]) if entry is not None and entry[0]() is t else None
+        rec = self.record_of(t)
+        return list(rec.layout) if rec is not None and rec.layout is not None else None
 
     def keep_layout(self, t: torch.Tensor, sizes: list[int]) -> None:
         """In the dry run: ``t``'s bands are ``sizes`` (a layer's output layout, a re-banded join's)."""
-        self.layouts[id(t)] = (weakref.ref(t), [int(v) for v in sizes])
+        self.record(t).layout = [int(v) for v in sizes]
+        self.own_layouts += 1
 
     def band(self, t: torch.Tensor) -> Sharded | None:
         """The placement of a band along ``shard_dim`` (a layer's input or output), None when ``t`` has too few dims."""
@@ -343,10 +380,7 @@ class Tracker(TorchFunctionMode):
             for h in self._hooks:
                 h.remove()
             _STATE.tracker = self._outer
-            self.place.clear()
-            self.edge_pads.clear()
-            self.born.clear()
-            self.layouts.clear()
+            self.records.clear()
 
     def _trusts(self, module: torch.nn.Module) -> bool:
         return isinstance(module, DomainParallelModule) or getattr(module, "_dp_trusted", False)
@@ -425,10 +459,10 @@ class Tracker(TorchFunctionMode):
 
         if not traits_of(module).folds_edge_rows or module.padding_mode != "zeros" or len(args) != 1:
             return None
-        entry = self.edge_pads.get(id(args[0]))
-        if entry is None or entry[0]() is not args[0]:
+        rec = self.record_of(args[0])
+        if rec is None or rec.edge_pad is None:
             return None
-        _, x, (before, after), others = entry
+        x, (before, after), others = rec.edge_pad
         p = self.get(x)
         sd = None if p is None else p.dim - (x.ndim - len(module.kernel_size))
         if sd is None or sd < 0 or (self.manager is not None and self.manager.domain_parallel_size <= 1):
@@ -480,7 +514,7 @@ class Tracker(TorchFunctionMode):
             return func(*args, **kwargs)
         op = op_name(func)
         rule = rule_for(op) or rule_for(op.rstrip("_") if not op.startswith("__") else op)
-        here = self._held_layouts(op, rule, held) if self.layouts else None
+        here = self._held_layouts(op, rule, held) if self.own_layouts else None
         try:
             if rule is None:
                 out = func(*args, **kwargs)
@@ -495,7 +529,7 @@ class Tracker(TorchFunctionMode):
             raise conversion_error(self.stack[-1][0], f"{op}()", str(why)) from None
         finally:
             if here is not None:
-                self._here = here
+                self._layouts_in_rule = here
 
     # -- the dry run's layouts per tensor ----------------------------------------------------------
 
@@ -506,7 +540,7 @@ class Tracker(TorchFunctionMode):
         whose layouts differ meet in an op that is not a join: the run fails on the ranks whose rows
         differ (``on_conflict``, set by describe(): a row that is not exact).
         """
-        before, own = self._here, []
+        before, own = self._layouts_in_rule, []
         for t, p in held:
             rows, sizes = t.shape[p.dim] // (p.outer * p.inner), self.layout_of(t)
             own.append((rows, sizes if sizes is not None and sum(sizes) == rows else None))
@@ -523,7 +557,7 @@ class Tracker(TorchFunctionMode):
                 if seen.setdefault(rows, sizes) != sizes:
                     self.on_conflict(self.stack[-1][0], f"{op}()", rows, seen[rows], sizes)
                     break
-        self._here = mine
+        self._layouts_in_rule = mine
         return before
 
     def _inherit(self, out: Any, held: list) -> None:
@@ -544,7 +578,7 @@ class Tracker(TorchFunctionMode):
         out = func(*args, **kwargs)
         for t in tensors_in(out):
             self.set(t, placement(t) if callable(placement) else placement)
-        if self.layouts:  # the dry run: an output of the rows of an input with its own layout has that layout
+        if self.own_layouts:  # the dry run: an output of the rows of an input with its own layout has that layout
             self._inherit(out, [(t, p) for t in tensors_in(args) if (p := self.get(t)) is not None])
         return out
 
