@@ -96,6 +96,35 @@ def _rot90(tr: Tracker, func, args, kwargs, held):
     return tr.run(func, args, kwargs, p)
 
 
+@rule("roll")
+def _roll(tr: Tracker, func, args, kwargs, held):
+    """Along the sharded dim: the field's cyclic shift across bands; along other dims: local."""
+    x, p = args[0], tr.get(args[0])
+    if p is None:
+        raise Refusal("a band as the shifts")
+    shifts, dims = argument(args, kwargs, 1, "shifts"), argument(args, kwargs, 2, "dims")
+    if dims is None or (isinstance(dims, (tuple, list)) and not dims):
+        raise Refusal("torch.roll without dims shifts the flattened tensor (every band's rows mixed with the others')")
+    shifts = list(shifts) if isinstance(shifts, (tuple, list)) else [shifts]
+    dims = list(dims) if isinstance(dims, (tuple, list)) else [dims]
+    if len(shifts) != len(dims):
+        return func(*args, **kwargs)  # torch's own error
+    along = sum(int(s) for s, d in zip(shifts, dims, strict=True) if d % x.ndim == p.dim)
+    rest = [(int(s), d) for s, d in zip(shifts, dims, strict=True) if d % x.ndim != p.dim]
+    y = func(x, [s for s, _ in rest], [d for _, d in rest]) if rest else x
+    if along and p.outer != 1:
+        raise Refusal(f"it rolls a dim that holds the bands' rows merged with another dim ({p.describe()}: windows in "
+                   f"the batch); roll the field before the window partition")
+    if along and tr.manager is not None:
+        y = _moved(tr, y, p, "roll_along", shift=along)
+    elif along:  # the dry run: the field's own roll (the layout stays)
+        y = func(_reported(tr, y, p, "roll_along", shift=along), along, p.dim)
+    elif y is x:
+        y = func(x, 0, p.dim)  # a roll by nothing is still a new tensor
+    tr.set(y, p)
+    return y
+
+
 @rule("unfold")
 def _unfold(tr: Tracker, func, args, kwargs, held):
     """``F.unfold`` (every pixel's k x k neighbourhood: neighbourhood attention) through the halo; ``Tensor.unfold``
