@@ -270,9 +270,12 @@ def test_describe_traffic_equals_what_the_run_sends(build, requires_grad, sdpa, 
 
 
 def _move_notes() -> set:
+    """describe()'s notes of the rules' gathers and joins, and of their row moves (each row map's own label)."""
     from credit_mpi.nn import plan
+    from credit_mpi.ops import group_rows, reband  # noqa: F401 - their row maps register at import
+    from credit_mpi.ops.rows import ROW_MAPS
 
-    return set(plan._MOVES.values())
+    return set(plan._MOVES.values()) | {row_map.label for row_map in ROW_MAPS.values()}
 
 
 _MOVE_NOTES = _move_notes()

@@ -19,7 +19,7 @@ from torch import nn  # noqa: E402
 
 from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe  # noqa: E402
 from credit_mpi.ops.group_rows import from_groups, group_sizes, group_source, to_groups  # noqa: E402
-from credit_mpi.ops.reband import plan_moves  # noqa: E402
+from credit_mpi.ops.rows import plan_moves  # noqa: E402
 
 from .credit_stand_ins import credit_models  # noqa: E402
 from .halo_reference import prefix_managers  # noqa: E402

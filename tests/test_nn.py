@@ -278,19 +278,19 @@ def test_domain_of_one_is_the_original_bit_for_bit(make_manager):
 def test_refusals_raise_on_every_rank(make_manager):
     manager = make_manager()
     comm = manager.domain_group
-    for bad in (nn.Dropout2d(),
+    for bad in (nn.AdaptiveMaxPool2d(2),
                 nn.MaxPool2d(2, return_indices=True)):
         msg = same_error_everywhere(comm, lambda b=bad: convert_to_domain_parallel(b, manager), ConversionError)
         assert "custom_converters" in msg
 
     class Mystery(nn.Module):
         def forward(self, x):
-            return x.flip(-2)
+            return x.rot90(1, (-2, -1))
 
     # a module without a rule is judged by what its forward does (credit_mpi.nn.judge), when it runs
     # (on a domain of one rank the band is the whole field: nothing to judge, the forward is exact)
     x = torch.randn(1, 1, 2, 3, dtype=torch.float64)
-    for model, where, op in ((nn.Sequential(nn.ReLU(), Mystery()), "1 (Mystery)", "flip()"),
+    for model, where, op in ((nn.Sequential(nn.ReLU(), Mystery()), "1 (Mystery)", "rot90()"),
                              (nn.Sequential(nn.Conv2d(1, 1, 1), nn.Flatten(), nn.Linear(6, 2)), "2 (Linear)", "linear()")):
         converted = convert_to_domain_parallel(model.double(), manager)
         if manager.domain_parallel_size == 1:
@@ -420,6 +420,33 @@ def test_describe_accepts_dropout_in_training_on_one_band():
     assert not describe(model, (1, 1, 8, 4), 2).exact
 
 
+class Transposed(nn.Module):
+    """Latitude and longitude swapped: the bands along the last dim (a placement the layers do not run on)."""
+
+    def forward(self, x):
+        return x.transpose(-1, -2)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("kind", [nn.Dropout, nn.Dropout2d])
+def test_dropout_in_eval_or_with_p_0_runs_and_in_training_is_refused(kind, make_manager):
+    """The identity in eval or with p=0, on bands and on windows moved into the batch (any placement): exact; in
+    training with p > 0 refused on every rank (each band would draw its own mask), as describe() says."""
+    manager = make_manager()
+    d, comm = manager.domain_parallel_size, manager.domain_group
+    for p, train in ((0.5, False), (0.0, True), (0.5, True))[: 3 if d > 1 else 2]:  # (one band: torch's own draw)
+        def build(p=p, train=train):
+            return nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), kind(p), Transposed(), kind(p), Transposed()).train(train)
+
+        plan = describe(build().double(), (2, 2, 4 * d, 3), d)
+        assert plan.exact == (not (train and p)), str(plan)
+        if plan.exact:
+            assert_same(run_both(build, (2, 2, 4 * d, 3), manager))
+        else:
+            msg = same_error_everywhere(comm, lambda b=build: run_both(b, (2, 2, 4 * d, 3), manager), ConversionError)
+            assert "dropout in training" in msg and f"p={p}" in msg, msg
+
+
 def test_layer_rules_are_registered_next_to_their_classes():
     """nn/rules.py: each layer's decorator fills the table convert reads; a second rule for a type is refused."""
     from credit_mpi.nn import rules
@@ -430,4 +457,8 @@ def test_layer_rules_are_registered_next_to_their_classes():
     assert rules.refusal_of(nn.MaxPool2d(2)) == "" and rules.refusal_of(nn.ReLU()) == ""
     with pytest.raises(ValueError, match="already has a layer rule"):
         rules.layer_rule(nn.Conv2d)(type("Another", (), {}))
+    # what the judge of custom forwards reads of a layer is declared with its rule (the judge names no layer type)
+    conv, norm = (cls.__new__(cls) for cls in (credit_mpi.nn.DomainParallelConv2d, credit_mpi.nn.DomainParallelBatchNorm2d))
+    assert rules.traits_of(conv).folds_edge_rows and rules.traits_of(norm).batch_statistics
+    assert rules.traits_of(nn.Conv2d(1, 1, 1)) == rules.LayerTraits()  # a torch module: nothing declared
     assert rules.RULES[nn.Conv2d] is credit_mpi.nn.DomainParallelConv2d

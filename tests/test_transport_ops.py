@@ -38,7 +38,7 @@ from credit_mpi.ops.alltoall import alltoall  # noqa: E402
 from credit_mpi.ops.group_rows import from_groups, grouped  # noqa: E402
 from credit_mpi.ops.reband import reband, rebanded  # noqa: E402
 from credit_mpi.ops.ring import ring_attention  # noqa: E402
-from credit_mpi.ops.roll import roll_along  # noqa: E402
+from credit_mpi.ops.rows import roll_along  # noqa: E402
 from credit_mpi.transport.torch_moves import TorchMoves  # noqa: E402
 
 

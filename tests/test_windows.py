@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from credit_mpi.nn import describe  # noqa: E402
-from credit_mpi.ops.reband import plan_moves, reband, whole_windows  # noqa: E402
-from credit_mpi.ops.roll import roll_along  # noqa: E402
+from credit_mpi.ops.reband import reband, whole_windows  # noqa: E402
+from credit_mpi.ops.rows import plan_moves, roll_along  # noqa: E402
 
 from .halo_reference import prefix_managers  # noqa: E402
 from .verdict_reference import verdict_is_the_run  # noqa: E402
@@ -251,6 +251,28 @@ def test_a_band_left_with_one_window_is_exact(make_manager):
     h = 4 * manager.domain_parallel_size - 2
     plan = verdict_is_the_run("one_window", swin(2), (1, 2, h, 4), manager, same_op=False)
     assert plan.exact, str(plan)
+
+
+class Flipped(nn.Module):
+    """A conv, ``torch.flip`` of the sharded dim (and the longitude), a conv: the field upside down (a hemisphere swap)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        return self.b(torch.flip(self.a(x), (2, 3))) + torch.flipud(x.transpose(0, 2)).transpose(0, 2)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.one_domain_size
+def test_flip_along_the_sharded_dim_is_exact(make_manager):
+    """torch.flip / flipud of the sharded dim: the row map flip_along (one Alltoallv, the move back in backward)."""
+    for d, manager, h in band_cases(make_manager, 1):
+        plan = verdict_is_the_run("flip", Flipped, (2, 2, h, 3), manager)
+        moves = [row for row in plan.rows if row.kind == "flip_along()"]
+        assert plan.exact and len(moves) == (2 if d > 1 else 0), str(plan)
+        assert all("reversed" in row.note and row.bands_out == row.bands_in for row in moves), str(plan)
 
 
 def test_describe_names_the_refused_roll():

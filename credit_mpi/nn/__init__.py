@@ -26,7 +26,13 @@ from .conv import (
     DomainParallelPeriodicConv2d,
 )
 from .convert import convert_to_domain_parallel, keep_local
-from .dropout import DomainParallelAlphaDropout, DomainParallelDropout
+from .dropout import (
+    DomainParallelAlphaDropout,
+    DomainParallelDropout,
+    DomainParallelDropout1d,
+    DomainParallelDropout2d,
+    DomainParallelDropout3d,
+)
 from .errors import ConversionError
 from .exchange import HaloExchange
 from .norm import (
@@ -103,6 +109,9 @@ __all__ = [
     "DomainParallelAdaptiveAvgPool3d",
     "DomainParallelDropout",
     "DomainParallelAlphaDropout",
+    "DomainParallelDropout1d",
+    "DomainParallelDropout2d",
+    "DomainParallelDropout3d",
     "latitude_weights",
     "latitude_weighted_mse",
     "LatitudeWeightedMSELoss",

@@ -405,21 +405,21 @@ class _ConvTransposeMixin(DomainParallelModule):
         return out
 
 
-@layer_rule(nn.Conv1d, grid=False)
+@layer_rule(nn.Conv1d, grid=False, folds_edge_rows=True)
 class DomainParallelConv1d(_ConvMixin, nn.Conv1d):
     """``nn.Conv1d`` on bands (see the module docstring)."""
 
     _nd = 1
 
 
-@layer_rule(nn.Conv2d)
+@layer_rule(nn.Conv2d, folds_edge_rows=True)
 class DomainParallelConv2d(_ConvMixin, nn.Conv2d):
     """``nn.Conv2d`` on bands (see the module docstring)."""
 
     _nd = 2
 
 
-@layer_rule(nn.Conv3d)
+@layer_rule(nn.Conv3d, folds_edge_rows=True)
 class DomainParallelConv3d(_ConvMixin, nn.Conv3d):
     """``nn.Conv3d`` on bands (see the module docstring)."""
 

@@ -11,7 +11,7 @@ Policy (every module of the model, the root included, is visited once):
    :func:`credit_mpi.nn.rules.layer_rule`: which type it replaces, bands
    and/or the grid, the arguments it refuses): convolutions, transposed
    convolutions, normalisations, upsampling, pooling -> their ``DomainParallel*`` wrapper;
-   ``nn.Dropout`` / ``nn.AlphaDropout`` -> a wrapper that is the identity in
+   ``nn.Dropout`` / ``nn.AlphaDropout`` / ``nn.Dropout1d/2d/3d`` -> a wrapper that is the identity in
    eval and refuses training (:mod:`credit_mpi.nn.dropout`).
 3. Padding modules (``nn.CircularPad2d((1, 1, 0, 0))``: circular longitude)
    that leave the sharded dim alone, constant ones (``nn.ZeroPad2d``) that pad it
@@ -27,7 +27,7 @@ Policy (every module of the model, the root included, is visited once):
    module's path and the op.
 5. Refused here, on every rank, naming the module's path and
    ``custom_converters``: ``nn.Linear`` when ``shard_dim`` is the last dim,
-   channel dropout, adaptive max pooling. (Attention, ``nn.MultiheadAttention``
+   adaptive max pooling. (Attention, ``nn.MultiheadAttention``
    and ``nn.Transformer*``, is judged by its forward as in 4.: exact,
    :mod:`credit_mpi.nn.judge.attention`.)
 

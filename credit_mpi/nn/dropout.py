@@ -4,9 +4,11 @@
 would draw the mask of its own band, and with the same seed on every rank
 (what data-parallel training asks for) equal band positions draw the same
 mask: the pattern repeats across latitude, and no layout gives one
-process's result. So a converted ``nn.Dropout`` / ``nn.AlphaDropout`` with
-``p > 0`` raises :class:`ConversionError` in training mode (on every rank:
-the converted forward shares it), and is the identity in eval mode (exact).
+process's result. So a converted ``nn.Dropout`` / ``nn.AlphaDropout`` (and
+the channel dropouts ``nn.Dropout1d/2d/3d``, whose mask of whole channels each
+band would draw on its own too) with ``p > 0`` raises :class:`ConversionError`
+in training mode (on every rank: the converted forward shares it), and is the
+identity in eval mode or with ``p == 0`` (exact), on any placement of its input.
 
 The way out, when band-local masks are acceptable:
 ``custom_converters={nn.Dropout: credit_mpi.nn.keep_local}`` keeps the
@@ -25,7 +27,8 @@ from .errors import ConversionError
 from .rules import layer_rule
 from .traffic import Traffic
 
-__all__ = ["DomainParallelDropout", "DomainParallelAlphaDropout", "dropout_refusal"]
+__all__ = ["DomainParallelDropout", "DomainParallelAlphaDropout", "DomainParallelDropout1d", "DomainParallelDropout2d",
+           "DomainParallelDropout3d", "dropout_refusal", "is_identity"]
 
 
 def dropout_refusal(module: nn.Module) -> str:
@@ -38,6 +41,11 @@ def dropout_refusal(module: nn.Module) -> str:
         f"no exact rule. Convert with custom_converters={{nn.{type(module).__name__.replace('DomainParallel', '')}: "
         f"credit_mpi.nn.keep_local}} to accept band-local masks (then seed each domain rank differently), or use p=0"
     )
+
+
+def is_identity(module: nn.Module) -> bool:
+    """True when the dropout is the identity now (eval mode or ``p == 0``): exact on any placement of its input."""
+    return not (module.training and module.p)
 
 
 class _DropoutMixin(DomainParallelModule):
@@ -58,11 +66,26 @@ class _DropoutMixin(DomainParallelModule):
         return super().forward(x)  # eval or p == 0: the identity
 
 
-@layer_rule(nn.Dropout)
+@layer_rule(nn.Dropout, identity=is_identity)
 class DomainParallelDropout(_DropoutMixin, nn.Dropout):
     """``nn.Dropout`` on bands: refused in training (see the module docstring), the identity in eval."""
 
 
-@layer_rule(nn.AlphaDropout)
+@layer_rule(nn.AlphaDropout, identity=is_identity)
 class DomainParallelAlphaDropout(_DropoutMixin, nn.AlphaDropout):
     """``nn.AlphaDropout`` on bands: refused in training, the identity in eval."""
+
+
+@layer_rule(nn.Dropout1d, identity=is_identity)
+class DomainParallelDropout1d(_DropoutMixin, nn.Dropout1d):
+    """``nn.Dropout1d`` (whole channels) on bands: refused in training with ``p > 0``, else the identity."""
+
+
+@layer_rule(nn.Dropout2d, identity=is_identity)
+class DomainParallelDropout2d(_DropoutMixin, nn.Dropout2d):
+    """``nn.Dropout2d`` (whole channels) on bands: refused in training with ``p > 0``, else the identity."""
+
+
+@layer_rule(nn.Dropout3d, identity=is_identity)
+class DomainParallelDropout3d(_DropoutMixin, nn.Dropout3d):
+    """``nn.Dropout3d`` (whole channels) on bands: refused in training with ``p > 0``, else the identity."""

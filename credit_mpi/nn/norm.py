@@ -503,17 +503,17 @@ class _BatchNormMixin(DomainParallelModule):
             self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
 
 
-@layer_rule(nn.BatchNorm1d)
+@layer_rule(nn.BatchNorm1d, batch_statistics=True)
 class DomainParallelBatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
     """``nn.BatchNorm1d`` with SyncBatchNorm semantics over the manager's ranks."""
 
 
-@layer_rule(nn.BatchNorm2d)
+@layer_rule(nn.BatchNorm2d, batch_statistics=True)
 class DomainParallelBatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
     """``nn.BatchNorm2d`` with SyncBatchNorm semantics over the manager's ranks."""
 
 
-@layer_rule(nn.BatchNorm3d)
+@layer_rule(nn.BatchNorm3d, batch_statistics=True)
 class DomainParallelBatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` with SyncBatchNorm semantics over the manager's ranks."""
 

@@ -62,12 +62,9 @@ _ATTENTION_LAYOUTS = {
 }
 
 
-# What describe() says of each row move of the rules (credit_mpi.nn.judge.rows, credit_mpi.nn.judge.attention).
+# What describe() says of each gather and join of the rules (credit_mpi.nn.judge.rows, credit_mpi.nn.judge.attention);
+# a row move's note is its row map's label (credit_mpi.ops.rows.ROW_MAPS, next to the map).
 _MOVES = {
-    "reband()": "re-banded to whole windows (ops.reband)",
-    "roll_along()": "the field's cyclic shift across bands (ops.roll)",
-    "to_groups()": "to the group layout of rows at a stride (ops.group_rows)",
-    "from_groups()": "back from the group layout (ops.group_rows)",
     "allgather_along()": "a product's operand gathered (every band's tokens)",
     "allgather_along(counts)": "every rank's token count (the offsets of a mask in the field's coordinates)",
     "cat()": "a join of bands: every part's layout agreed (ops.reband.join_layouts)",
@@ -406,7 +403,7 @@ class _Recorder:
     def moved(self, path: str, kind: str, rows: int, sizes_in, sizes_out, traffic) -> None:
         """A row move or gather of a rule (re-band, roll, group layout, a product's operand): a row of its own."""
         self.add(_module_path(path), kind, rows, rows, sizes_in, sizes_out, exact=True,
-                 note=_MOVES.get(kind.split()[0], ""), traffic=None if self.grid else tuple(traffic))
+                 note=_move_note(kind), traffic=None if self.grid else tuple(traffic))
 
     def value(self, tracker, op: str, t) -> object:
         """A value read from a tensor every rank holds whole (the run reads the same on each, exact): a row saying
@@ -534,6 +531,15 @@ def _replicates(mod, shape_in, shape_out, ax: int) -> bool:
     """True when ``mod``'s output is replicated on every rank (a global mean along the sharded axis ``ax``), the
     judgement of the layer's forward (``dp_replicated`` of its input's and output's rows along its own axis)."""
     return len(shape_out) == len(shape_in) and mod.dp_replicated(shape_in[ax], shape_out[ax])
+
+
+def _move_note(kind: str) -> str:
+    """describe()'s note of a rule's row move or gather ``kind`` ("roll_along()": its row map's label)."""
+    from ..ops.rows import ROW_MAPS
+
+    name = kind.split()[0]
+    row_map = ROW_MAPS.get(name.removesuffix("()"))
+    return row_map.label if row_map is not None else _MOVES.get(name, "")
 
 
 def _tuple(traffic: list[Traffic] | None) -> tuple[Traffic, ...] | None:

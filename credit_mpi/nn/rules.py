@@ -7,7 +7,11 @@ latitude x longitude grid of several columns too, and which arguments of
 the original it refuses (a function of the module giving the reason, "" when
 it converts). The module types kept as they are (pointwise activations,
 padding of other dims, ``nn.Linear`` over the longitude) and those refused
-by type have their rule here too (:func:`local_rule`).
+by type have their rule here too (:func:`local_rule`). What the judge of
+custom forwards must know of a layer is declared with its rule too
+(:class:`LayerTraits`: it folds an ``F.pad`` of the field's edges into its
+own padding, it takes statistics over the batch, it is the identity in its
+current mode; the judge reads :func:`traits_of` and names no layer type).
 :func:`credit_mpi.nn.convert_to_domain_parallel`,
 :func:`~credit_mpi.nn.describe` and the grid check read :data:`RULES` and
 :data:`BANDS_ONLY`; adding a layer is its class, its rule and a test file.
@@ -16,27 +20,48 @@ by type have their rule here too (:func:`local_rule`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from torch import nn
 
-__all__ = ["RULES", "BANDS_ONLY", "POINTWISE", "REFUSED", "layer_rule", "refusal_of", "local_rule"]
+__all__ = ["RULES", "BANDS_ONLY", "POINTWISE", "REFUSED", "LayerTraits", "layer_rule", "refusal_of", "local_rule",
+           "traits_of"]
+
+
+class LayerTraits(NamedTuple):
+    """What the judge of custom forwards must know of a layer (declared with :func:`layer_rule`)."""
+
+    folds_edge_rows: bool = False  # an F.pad by zeros of the sharded dim just before it becomes its own padding (convs)
+    batch_statistics: bool = False  # it takes statistics over the batch: windows moved into the batch are refused
+    identity: Callable[[nn.Module], bool] | None = None  # identity(layer): the identity now, on any placement (dropout)
 
 #: original module type -> the credit_mpi layer that replaces it
 RULES: dict[type, type] = {}
 #: original module types whose layers know latitude bands only (a grid with more than one column refuses them)
 BANDS_ONLY: set[type] = set()
 _REFUSES: dict[type, Callable[[nn.Module], str]] = {}
+_TRAITS: dict[type, LayerTraits] = {}  # layer class -> its traits
+_PLAIN = LayerTraits()
 
 
-def layer_rule(*originals: type, grid: bool = True, refuses: Callable[[nn.Module], str] | None = None):
+def layer_rule(*originals: type, grid: bool = True, refuses: Callable[[nn.Module], str] | None = None,
+               folds_edge_rows: bool = False, batch_statistics: bool = False,
+               identity: Callable[[nn.Module], bool] | None = None):
     """Class decorator: the layer replaces each of ``originals`` (exact types) when a model is converted.
 
     Args:
         originals: The torch module types it replaces.
         grid: Whether it runs on a 2-D grid of several columns (else bands only).
         refuses: ``refuses(module) -> reason`` for the arguments it has no exact rule for ("" when it converts).
+        folds_edge_rows: An ``F.pad`` by zeros of the sharded dim right before the layer is folded into its
+            padding (the layer pads the field's edges itself, so its output rows stay anchored on the field).
+        batch_statistics: The layer's forward takes statistics over the batch (BatchNorm): an input whose
+            bands were moved into the batch dim (windows) is refused.
+        identity: ``identity(layer) -> bool``: the layer is the identity now (dropout in eval or with p=0), so
+            it runs on an input of any placement.
     """
     def register(cls: type) -> type:
+        _TRAITS[cls] = LayerTraits(folds_edge_rows, batch_statistics, identity)
         for original in originals:
             if original in RULES:
                 raise ValueError(f"{original.__name__} already has a layer rule ({RULES[original].__name__})")
@@ -48,6 +73,15 @@ def layer_rule(*originals: type, grid: bool = True, refuses: Callable[[nn.Module
         return cls
 
     return register
+
+
+def traits_of(layer: nn.Module) -> LayerTraits:
+    """The traits declared for ``layer``'s class (or the nearest base class with a layer rule); plain otherwise."""
+    for klass in type(layer).__mro__:
+        traits = _TRAITS.get(klass)
+        if traits is not None:
+            return traits
+    return _PLAIN
 
 
 def refusal_of(module: nn.Module) -> str:
@@ -67,8 +101,6 @@ POINTWISE: tuple[type, ...] = (
 
 #: module types with no exact rule on bands, and why
 REFUSED: dict[type, str] = {
-    nn.Dropout2d: "it drops whole channels, and every band would draw its own mask",
-    nn.Dropout3d: "it drops whole channels, and every band would draw its own mask",
     nn.AdaptiveMaxPool1d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
     nn.AdaptiveMaxPool2d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
     nn.AdaptiveMaxPool3d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",

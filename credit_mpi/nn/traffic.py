@@ -142,7 +142,7 @@ def domain_sum_traffic(shape: tuple[int, ...], dtype: torch.dtype, n: int, grad:
 
 
 def move_traffic(moves_of, n: int, row_bytes: int, grad: bool, moves: bool = True) -> list[Traffic]:
-    """Every rank's :class:`Traffic` of one row move (:mod:`credit_mpi.ops.reband`: a re-band to whole windows and
+    """Every rank's :class:`Traffic` of one row move (:mod:`credit_mpi.ops.rows`: a re-band to whole windows and
     back, ``torch.roll`` across bands, the group layout of long attention and back).
 
     ``moves_of(rank)`` is that rank's :class:`~credit_mpi.ops.reband.RowMoves`; forward one
@@ -168,7 +168,8 @@ def join_traffic(parts, dim: int, sizes: list[list[int]], target: list[int], n: 
     moves to it: one ``Alltoallv`` of the rows that leave the band, and back in backward when the
     part requires grad (no agreement of its own: the join's covers it).
     """
-    from ..ops.reband import join_agreements, plan_moves
+    from ..ops.reband import join_agreements
+    from ..ops.rows import plan_moves
 
     # a repeated step: a join that moves nothing skips its agreements (credit_mpi.agreement.quiet_forward)
     still = all(list(layout) == list(target) for layout in sizes)

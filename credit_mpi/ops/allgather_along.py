@@ -28,7 +28,7 @@ from ..engine import Counter, Op, run
 from ..layout import offsets
 from ..transport.moves import transport_of
 from ..validation import Local
-from .reband import check_band, transport_key
+from .along import check_band, transport_key
 
 __all__ = ["allgather_along", "received_elements"]
 

@@ -34,7 +34,7 @@ from ..engine import Counter, Op, run
 from ..partition import normalize_dim
 from ..transport.moves import transport_name, transport_of
 from ..validation import Local
-from .reband import check_float, transport_key
+from .along import check_float, transport_key
 
 __all__ = ["alltoall", "received_elements"]
 

@@ -13,13 +13,13 @@ from its input's shape (``h_r``), then sees whole groups in the order the
 rearrange expects, and runs locally: exact.
 
 :func:`to_groups` moves a band layout there and :func:`from_groups` back:
-one :func:`~credit_mpi.ops.reband.move_rows` each (an ``alltoallv`` of the transport; the map
-is written once, :func:`group_source`), the move back the same pairs with
-sends and receives swapped, which is also each one's adjoint. Per rank the
+the row maps ``"to_groups"`` and ``"from_groups"`` of :mod:`credit_mpi.ops.rows` (one
+``alltoallv`` each of the transport; the map is written once, :func:`group_source`,
+the move back its inverse), which is also each one's adjoint. Per rank the
 move sends the rows of its band that belong to other ranks' groups, about
 ``(P - 1) / P`` of its band.
 
-An op of :mod:`credit_mpi.engine`: every rank's rows travel in the
+Run by the one op of row moves (:class:`~credit_mpi.ops.rows.MoveRows`): every rank's rows travel in the
 agreement, the window and the band layout to return to are agreed, so a
 height that is not a multiple of the window (the model itself requires one)
 or a bad argument on one rank raises the same exception on every rank before
@@ -28,17 +28,14 @@ data moves.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..engine import Op, run, run_planned
 from ..layout import offsets, split
-from ..transport.moves import transport_of
-from ..validation import Local
-from .reband import RowMoves, check_band, move_rows, plan_moves, transport_key
+from .rows import move_along, moved_along, row_map
 
 __all__ = ["to_groups", "from_groups", "grouped", "group_sizes", "group_source", "NoGroupLayout", "group_layout_problem"]
 
@@ -85,15 +82,7 @@ def group_source(height: int, window: int, n: int):
     return src
 
 
-class _Plan(NamedTuple):
-    dim: int
-    comm: MPI.Comm
-    moves: RowMoves  # this direction's move
-    bands: tuple[int, ...]  # the band layout (every rank's rows)
-    transfer: Any  # the transport the rows move on
-
-
-def _check_window(window: int, height: int, n: int, least: int, path: str) -> None:
+def _check_window(window: Any, height: int, n: int, least: int, path: str) -> None:
     """The window against the field's height (agreed: every rank raises alike)."""
     if window < 1:
         raise ValueError(f"{path}: window must be >= 1 (the rows of each group), got {window}")
@@ -101,46 +90,31 @@ def _check_window(window: int, height: int, n: int, least: int, path: str) -> No
         raise NoGroupLayout(path, why)
 
 
-class GroupRows(Op):
-    """A band moved to the group layout (``back=None``) or the group layout moved back to the bands ``back``."""
-
-    name = "group_rows"
-
-    def key(self, t: Any, args: dict) -> Any:
-        return transport_key(t, args, args["path"], args["dim"], repr(args["window"]), args["back"])
-
-    def local(self, t: Any, args: dict) -> Local:
-        axis, rest, transport = check_band(t, args)
-        window = args["window"]
-        if isinstance(window, bool) or not isinstance(window, int):
-            raise TypeError(f"{args['path']}: window must be an int (the rows of each group), got {window!r}")
-        calls = (args["path"], axis, t.ndim, rest, str(t.dtype), repr(args["window"]), args["back"], args["least"], transport)
-        return Local(axis, calls, (), t.shape[axis])
-
-    def plan(self, axis: int, counts: list[int], comm: MPI.Comm, args: dict) -> _Plan:
-        counts, window, back, path = tuple(int(c) for c in counts), args["window"], args["back"], args["path"]
-        height, n = sum(counts), len(counts)
-        _check_window(window, height, n, args["least"], path)
-        groups = group_sizes(height, window, n)
-        if back is None:
-            bands = counts
-        else:
-            bands = back
-            if counts != groups or len(bands) != n or sum(bands) != height or min(bands) < 0:
-                raise ValueError(f"{path}: the bands {list(counts)} are not the group layout {list(groups)} of "
-                                 f"{height} rows in groups of {window}, or {list(bands)} is not a band layout of "
-                                 f"them (one size >= 0 per rank, the same total)")
-        moves = plan_moves(bands, groups, group_source(height, window, n), comm.Get_rank())
-        return _Plan(axis, comm, moves if back is None else moves.inverse(), bands, transport_of(args["transport"], comm))
-
-    def kernel(self, t: torch.Tensor, p: _Plan) -> torch.Tensor:
-        return move_rows(t, p.dim, p.moves, p.transfer)
-
-    def adjoint(self, grad: torch.Tensor, p: _Plan) -> torch.Tensor:
-        return move_rows(grad, p.dim, p.moves.inverse(), p.transfer)
+def _check_int_window(path: str, window: Any, **rest: Any) -> None:
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"{path}: window must be an int (the rows of each group), got {window!r}")
 
 
-_OP = GroupRows()
+@row_map("to_groups", "to the group layout of rows at a stride (ops.group_rows)", check=_check_int_window)
+def _to_groups(counts: tuple[int, ...], path: str, window: int, least: int) -> tuple:
+    """Bands to the group layout: output row ``o`` is :func:`group_source` ``(o)``."""
+    height, n = sum(counts), len(counts)
+    _check_window(window, height, n, least, path)
+    return counts, group_sizes(height, window, n), group_source(height, window, n)
+
+
+@row_map("from_groups", "back from the group layout (ops.group_rows)", check=_check_int_window)
+def _from_groups(counts: tuple[int, ...], path: str, window: int, bands: tuple[int, ...]) -> tuple:
+    """The group layout back to the bands ``bands``: the inverse of :func:`_to_groups`'s map."""
+    height, n = sum(counts), len(counts)
+    _check_window(window, height, n, 0, path)
+    groups = group_sizes(height, window, n)
+    if counts != groups or len(bands) != n or sum(bands) != height or min(bands) < 0:
+        raise ValueError(f"{path}: the bands {list(counts)} are not the group layout {list(groups)} of "
+                         f"{height} rows in groups of {window}, or {list(bands)} is not a band layout of "
+                         f"them (one size >= 0 per rank, the same total)")
+    inverse = np.argsort(group_source(height, window, n)(np.arange(height)))  # band row -> its group-layout row
+    return counts, tuple(bands), lambda j: inverse[j]
 
 
 @torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
@@ -178,8 +152,8 @@ def from_groups(t: torch.Tensor, dim: int, window: int, sizes: tuple[int, ...], 
         ValueError: as :func:`to_groups`, or ``t``'s rows are not the group layout, or ``sizes``
             not a layout of the same rows (the same on every rank).
     """
-    return run(_OP, t, comm, dim=dim, window=window, back=tuple(int(s) for s in sizes), path=path, least=0,
-               transport=transport)
+    return move_along(t, "from_groups", dim, comm, path, transport=transport, window=window,
+                      bands=tuple(int(s) for s in sizes))
 
 
 @torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
@@ -189,6 +163,5 @@ def grouped(t: torch.Tensor, dim: int, window: int, comm: MPI.Comm, path: str = 
 
     The layout is the agreed plan's (:func:`credit_mpi.engine.run_planned`).
     """
-    out, plan = run_planned(_OP, t, comm, dim=dim, window=window, back=None, path=path, least=int(least),
-                            transport=transport)
-    return out, plan.bands
+    out, bands, _ = moved_along(t, "to_groups", dim, comm, path, transport=transport, window=window, least=int(least))
+    return out, bands

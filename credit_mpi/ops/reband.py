@@ -8,42 +8,27 @@ of the window, :func:`reband` moves the rows there (and the way back is
 ``reband`` to the original sizes). Its adjoint is the move back of the
 gradient.
 
-The move itself is written once, :func:`move_rows`, for any map "output row
-``j`` of the field is input row ``src(j)``" between two layouts of one dim:
-every rank sends each other rank the rows of its band that rank's output
-needs, in that rank's order (one ``alltoallv`` of the transport protocol,
-:mod:`credit_mpi.transport.moves`: MPI, staged or CUDA-aware, or
-torch.distributed; rows that stay are copied by the transport too), and
-places what it receives. :mod:`credit_mpi.ops.roll` (the
-cyclic shift) is the same move with another map. A permutation's adjoint is
-its inverse: the same pairs of index lists with sends and receives swapped.
-
-An op of :mod:`credit_mpi.engine`: every rank's rows along the dim travel in
-the agreement (the ``count``), the target layout and the other dims are part
-of what is agreed, so a bad input on one rank is the same exception on
-every rank and every rank knows every band before data moves.
+The move is the row map ``"reband"`` of :mod:`credit_mpi.ops.rows` (output
+row ``j`` is input row ``j``, in another layout), run by its one op
+:class:`~credit_mpi.ops.rows.MoveRows`: every rank's rows along the dim
+travel in the agreement, the target layout and the other dims are part of
+what is agreed, so a bad input on one rank is the same exception on every
+rank and every rank knows every band before data moves; a target that is
+the layout the band has moves nothing.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..engine import Op, run, run_planned
-from ..layout import Layout
 from ..partition import normalize_dim
-from ..transport.moves import transport_name, transport_of
 from ..validation import Local
+from .rows import MOVE_ROWS, move_along, moved_along, row_map
 
-__all__ = ["reband", "rebanded", "whole_windows", "move_rows", "plan_moves", "RowMoves", "check_float", "check_band",
-           "transport_key", "join_layouts", "agree_rows", "one_layout", "join_moved", "join_agreements"]
-
-_DTYPES = (torch.float32, torch.float64)
+__all__ = ["reband", "rebanded", "whole_windows", "join_layouts", "agree_rows", "one_layout", "join_moved", "join_agreements"]
 
 
 def whole_windows(sizes: list[int] | tuple[int, ...], window: int) -> tuple[int, ...]:
@@ -61,69 +46,6 @@ def whole_windows(sizes: list[int] | tuple[int, ...], window: int) -> tuple[int,
         ends.append(min(total, (2 * stop + window) // (2 * window) * window))
     ends[-1] = total
     return tuple(e - s for s, e in zip([0] + ends[:-1], ends, strict=True))
-
-
-class RowMoves(NamedTuple):
-    """One rank's side of a row move: what it sends to, and where it puts what it receives from, every rank."""
-
-    send: tuple[np.ndarray, ...]  # per rank: this band's local input rows that rank's output needs, in its order
-    recv: tuple[np.ndarray, ...]  # per rank: this band's local output rows that come from that rank, in order
-    rows_in: int
-    rows_out: int
-
-    def sent_rows(self, rank: int) -> int:
-        """Rows this band sends to other ranks (``rank``: this band's; what stays is copied, not sent)."""
-        return sum(len(s) for d, s in enumerate(self.send) if d != rank)
-
-    def inverse(self) -> RowMoves:
-        """The move back (the adjoint of a permutation of rows): the same pairs, sends and receives swapped."""
-        return RowMoves(self.recv, self.send, self.rows_out, self.rows_in)
-
-
-def plan_moves(sizes_in: tuple[int, ...], sizes_out: tuple[int, ...], src: Callable[[np.ndarray], np.ndarray],
-               rank: int) -> RowMoves:
-    """``rank``'s :class:`RowMoves` for output row ``j`` (global, layout ``sizes_out``) = input row ``src(j)`` (layout ``sizes_in``)."""
-    lay_in, lay_out = Layout.bands(sizes_in), Layout.bands(sizes_out)
-    starts_in, starts_out = np.array(lay_in.starts()), np.array(lay_out.starts())
-    j = np.arange(sum(sizes_out))
-    s = np.asarray(src(j))
-    own_in = np.searchsorted(starts_in, s, side="right") - 1  # the last of equal starts: empty bands own nothing
-    own_out = np.searchsorted(starts_out, j, side="right") - 1
-    n = len(sizes_in)
-    mine_in, mine_out = own_in == rank, own_out == rank
-    send = tuple(s[mine_in & (own_out == d)] - starts_in[rank] for d in range(n))
-    recv = tuple(j[mine_out & (own_in == d)] - starts_out[rank] for d in range(n))
-    return RowMoves(send, recv, sizes_in[rank], sizes_out[rank])
-
-
-def move_rows(t: torch.Tensor, dim: int, moves: RowMoves, transfer: Any) -> torch.Tensor:
-    """Apply ``moves`` to ``t`` along ``dim``: one ``alltoallv`` of the rows every rank needs on ``transfer`` (collective).
-
-    ``transfer`` is a transport of :mod:`credit_mpi.transport.moves` (an
-    ``MpiMoves`` or a ``TorchMoves``): the rows stay on ``t``'s device.
-    """
-    moved = t.detach().movedim(dim, 0)
-    rest = tuple(moved.shape[1:])
-    row_bytes = math.prod(rest) * t.element_size()
-    send = moved[_index(moves.send, t.device)]  # a new contiguous tensor, in the receivers' order
-    recv = torch.empty((sum(len(r) for r in moves.recv),) + rest, dtype=t.dtype, device=t.device)
-    transfer.alltoallv(send, [len(s) * row_bytes for s in moves.send], recv, [len(r) * row_bytes for r in moves.recv])
-    out = torch.empty((moves.rows_out,) + rest, dtype=t.dtype, device=t.device)
-    out[_index(moves.recv, t.device)] = recv
-    return out.movedim(0, dim)
-
-
-def _index(parts: tuple[np.ndarray, ...], device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)).to(device)
-
-
-class _Plan(NamedTuple):
-    dim: int
-    comm: MPI.Comm
-    moves: RowMoves
-    sizes_in: tuple[int, ...] = ()
-    sizes_out: tuple[int, ...] = ()
-    transfer: Any = None  # the transport the rows move on
 
 
 def _target(counts: tuple[int, ...], sizes: Any, window: Any, back: Any, path: str) -> tuple[int, ...]:
@@ -146,67 +68,20 @@ def _target(counts: tuple[int, ...], sizes: Any, window: Any, back: Any, path: s
     return tuple(o * total // max(unit, 1) for o in original)
 
 
-def check_float(t: Any, path: str, verb: str, name: str = "") -> None:
-    """The ops' tensor check: ``t`` a float32/float64 tensor, else the TypeError ``"<path>: <verb> float32/float64 tensors, got ..."``."""
-    if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES:
-        raise TypeError(f"{path}: {verb} float32/float64 tensors, got {name}{getattr(t, 'dtype', type(t).__name__)}")
+def _check_target(path: str, target: tuple) -> None:
+    if sum(v is not None for v in target) != 1:
+        raise ValueError(f"{path}: give the target layout as one of sizes=, window= or back=, got "
+                         f"{dict(zip(('sizes', 'window', 'back'), target, strict=True))}")
 
 
-def check_band(t: Any, args: dict, verb: str = "moves") -> tuple[int, tuple, str]:
-    """The local check of an op along one dim: ``t`` a float tensor (:func:`check_float`), ``dim`` one of its
-    dims, ``transport`` a transport; returns ``(axis, the other dims, the transport's name)`` (the last two agreed)."""
-    check_float(t, args["path"], verb)
-    transport = transport_name(args["transport"], args["path"])
-    axis = normalize_dim(args["dim"], t.ndim)
-    return axis, tuple(t.shape[:axis]) + tuple(t.shape[axis + 1 :]), transport
-
-
-def transport_key(t: Any, args: dict, *static: Any) -> Any:
-    """The cache key of the ops of a torch tensor over MPI (``static``: the arguments that decide the plan), else None."""
-    transport = args["transport"]
-    if not isinstance(t, torch.Tensor) or not (isinstance(transport, str) and transport == "mpi"):
-        return None
-    return (*static, tuple(t.shape), t.dtype)
-
-
-class Reband(Op):
-    """A band along ``dim`` moved to the layout ``sizes`` (or whole windows of ``window`` rows); adjoint: the move back."""
-
-    name = "reband"
-
-    def key(self, t: Any, args: dict) -> Any:
-        return transport_key(t, args, args["path"], args["dim"], args["target"])
-
-    def local(self, t: Any, args: dict) -> Local:
-        axis, rest, transport = check_band(t, args)
-        target = args["target"]
-        if sum(v is not None for v in target) != 1:
-            raise ValueError(f"{args['path']}: give the target layout as one of sizes=, window= or back=, got "
-                             f"{dict(zip(('sizes', 'window', 'back'), target, strict=True))}")
-        calls = (args["path"], axis, t.ndim, rest, str(t.dtype), target, transport)
-        return Local(axis, calls, (), t.shape[axis])
-
-    def plan(self, axis: int, counts: list[int], comm: MPI.Comm, args: dict) -> _Plan:
-        counts = tuple(int(c) for c in counts)
-        sizes = _target(counts, *args["target"], args["path"])
-        if len(sizes) != len(counts) or sum(sizes) != sum(counts) or min(sizes) < 0:
-            raise ValueError(f"{args['path']}: the target band sizes {list(sizes)} are not a layout of the "
-                             f"{sum(counts)} rows of the bands {list(counts)} (one size >= 0 per rank, the same total)")
-        moves = plan_moves(counts, sizes, lambda j: j, comm.Get_rank())
-        return _Plan(axis, comm, moves, counts, sizes, transport_of(args["transport"], comm))
-
-    def kernel(self, t: torch.Tensor, p: _Plan) -> torch.Tensor:
-        if p.sizes_in == p.sizes_out:  # the same layout on every rank (agreed): nothing moves
-            return t.detach().clone()
-        return move_rows(t, p.dim, p.moves, p.transfer)
-
-    def adjoint(self, grad: torch.Tensor, p: _Plan) -> torch.Tensor:
-        if p.sizes_in == p.sizes_out:
-            return grad
-        return move_rows(grad, p.dim, p.moves.inverse(), p.transfer)
-
-
-_OP = Reband()
+@row_map("reband", "re-banded to whole windows (ops.reband)", check=_check_target)
+def _reband(counts: tuple[int, ...], path: str, target: tuple) -> tuple:
+    """The same rows in the target layout (:func:`_target`): output row ``j`` is input row ``j``."""
+    sizes = _target(counts, *target, path)
+    if len(sizes) != len(counts) or sum(sizes) != sum(counts) or min(sizes) < 0:
+        raise ValueError(f"{path}: the target band sizes {list(sizes)} are not a layout of the "
+                         f"{sum(counts)} rows of the bands {list(counts)} (one size >= 0 per rank, the same total)")
+    return counts, sizes, lambda j: j
 
 
 @torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
@@ -234,13 +109,13 @@ def reband(t: torch.Tensor, dim: int, comm: MPI.Comm, *, sizes: tuple[int, ...] 
             ``sizes``, ``window``, ``back`` given, ``transport`` not a transport, or the ranks' other dims,
             dtypes, targets, transports or autograd states differ.
     """
-    return run(_OP, t, comm, **_reband_args(dim, sizes, window, back, path, transport))
+    return move_along(t, "reband", dim, comm, path, transport=transport, target=_target_of(sizes, window, back))
 
 
-def _reband_args(dim: int, sizes: Any, window: Any, back: Any, path: str, transport: Any) -> dict:
+def _target_of(sizes: Any, window: Any, back: Any) -> tuple:
     sizes = None if sizes is None else tuple(int(s) for s in sizes)
     back = None if back is None else (tuple(back[0]), tuple(back[1]))
-    return {"dim": dim, "target": (sizes, window, back), "path": path, "transport": transport}
+    return sizes, window, back
 
 
 @torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
@@ -250,8 +125,7 @@ def rebanded(t: torch.Tensor, dim: int, comm: MPI.Comm, window: int, path: str =
 
     The layouts are those of the agreed plan (:func:`credit_mpi.engine.run_planned`).
     """
-    out, plan = run_planned(_OP, t, comm, **_reband_args(dim, None, window, None, path, transport))
-    return out, plan.sizes_in, plan.sizes_out
+    return moved_along(t, "reband", dim, comm, path, transport=transport, target=_target_of(None, window, None))
 
 
 # -- a join of bands (torch.cat / stack over another dim): the parts' layouts agreed, a differing part re-banded -----
@@ -328,5 +202,5 @@ def join_moved(t: torch.Tensor, dim: int, comm: MPI.Comm, counts: tuple[int, ...
     """This rank's band of ``t`` (every rank's rows: ``counts``, agreed by :func:`join_layouts`) in the layout ``sizes``."""
     from ..engine import run_agreed
 
-    return run_agreed(_OP, t, comm, list(counts), **_reband_args(dim, sizes, None, None, f"{path}: re-band to join",
-                                                                 "mpi"))
+    return run_agreed(MOVE_ROWS, t, comm, list(counts), dim=dim, map="reband",
+                      params=(("target", _target_of(sizes, None, None)),), path=f"{path}: re-band to join", transport="mpi")

@@ -40,7 +40,7 @@ from ..layout import Layout
 from ..transport.limits import TAG_RING
 from ..transport.moves import RECV, SEND, MpiMoves, transport_name, transport_of
 from ..validation import Local
-from .reband import check_float
+from .along import check_float
 
 __all__ = ["ring_attention", "received_elements"]
 

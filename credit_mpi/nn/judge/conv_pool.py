@@ -1,5 +1,25 @@
-"""Convolution, pooling and resampling functionals: a window of one row along the sharded dim passes, an
-interpolation by a whole factor or to a stored size runs the exact layer, the rest is refused.
+"""Convolution, pooling and resampling functionals: the layers' own band code, through their layer rules.
+
+``F.conv1d/2d/3d``, ``F.conv_transpose1d/2d/3d``, ``F.max_pool*``,
+``F.avg_pool*`` and ``F.adaptive_avg_pool*`` in a custom forward run what
+the converted layers run: the call's arguments make the torch module of the
+same settings (on the meta device: no memory), its layer rule
+(:data:`credit_mpi.nn.rules.RULES`, the one place a module type's rule lives)
+gives the ``DomainParallel*`` layer, which adopts it with the call's own
+weight and bias (no copy) and runs under the tracker's module hooks: the
+halo or overlap-add of the layer, its agreement, its plan row in
+``describe()``. Whatever the layer rule refuses (``return_indices``, a
+latitude x longitude grid for a bands-only layer) is refused by name, on
+every rank; functions with no layer (``lp_pool*``, ``adaptive_max_pool*``)
+pass only when their window along the sharded dim is one row.
+
+A window of one row along the sharded dim (kernel 1, stride 1, no padding)
+passes as it is: no agreement, no halo. Bands in the batch dim (windows
+moved there) are whole samples: the call is local.
+
+``F.interpolate`` along the sharded dim by a whole factor, to a band's size
+or to a size stored for the whole field runs the exact
+:class:`~credit_mpi.nn.DomainParallelInterpolate` layer.
 """
 
 from __future__ import annotations
@@ -7,57 +27,169 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
+from ..base import adopt
+from ..rules import BANDS_ONLY, RULES, refusal_of
 from .registry import Refusal, argument, op_name, rule
-from .tracker import Sharded, follows_band, grid_columns
+from .tracker import Sharded, Tracker, follows_band, grid_columns, tracked_columns
 
-_CONVS = "conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d".split()
-_POOLS = "avg_pool1d avg_pool2d avg_pool3d max_pool1d max_pool2d max_pool3d lp_pool1d lp_pool2d lp_pool3d".split()
+# each function's positional arguments after the input, as torch names them
+_CONV_ARGS = ("weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_T_ARGS = ("weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
+_MAX_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+_AVG_ARGS = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
+_ADAPTIVE_ARGS = ("output_size",)
+_LP_ARGS = ("norm_type", "kernel_size", "stride", "ceil_mode")
 
 
-def _tuple(value: Any, n: int) -> list:
+def _bound(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict:
+    """The call's arguments after the input, by name (positional ones named as torch names them)."""
+    return {**dict(zip(names, args[1:], strict=False)), **{k: v for k, v in kwargs.items() if k != "input"}}
+
+
+def _conv_module(nd: int, given: dict) -> nn.Module:
+    weight, bias = given["weight"], given.get("bias")
+    groups = int(given.get("groups", 1))
+    module = getattr(nn, f"Conv{nd}d")(weight.shape[1] * groups, weight.shape[0], tuple(weight.shape[2:]),
+                                       stride=given.get("stride", 1), padding=given.get("padding", 0),
+                                       dilation=given.get("dilation", 1), groups=groups, bias=bias is not None,
+                                       device="meta")
+    module._parameters.update(weight=weight, bias=bias)  # the call's own tensors (no copy)
+    return module
+
+
+def _conv_transpose_module(nd: int, given: dict) -> nn.Module:
+    weight, bias = given["weight"], given.get("bias")
+    groups = int(given.get("groups", 1))
+    module = getattr(nn, f"ConvTranspose{nd}d")(weight.shape[0], weight.shape[1] * groups, tuple(weight.shape[2:]),
+                                                stride=given.get("stride", 1), padding=given.get("padding", 0),
+                                                output_padding=given.get("output_padding", 0), groups=groups,
+                                                bias=bias is not None, dilation=given.get("dilation", 1), device="meta")
+    module._parameters.update(weight=weight, bias=bias)
+    return module
+
+
+def _max_pool_module(nd: int, given: dict) -> nn.Module:
+    return getattr(nn, f"MaxPool{nd}d")(**given)
+
+
+def _avg_pool_module(nd: int, given: dict) -> nn.Module:
+    return getattr(nn, f"AvgPool{nd}d")(**given)
+
+
+def _adaptive_module(nd: int, given: dict) -> nn.Module:
+    return getattr(nn, f"AdaptiveAvgPool{nd}d")(**given)
+
+
+#: function family -> (its arguments after the input, the torch module of the call's settings)
+_FAMILIES = {
+    "conv": (_CONV_ARGS, _conv_module),
+    "conv_transpose": (_CONV_T_ARGS, _conv_transpose_module),
+    "max_pool": (_MAX_ARGS, _max_pool_module),
+    "avg_pool": (_AVG_ARGS, _avg_pool_module),
+    "adaptive_avg_pool": (_ADAPTIVE_ARGS, _adaptive_module),
+}
+
+
+def _family(op: str) -> tuple[str, int]:
+    """``"conv_transpose2d"`` -> ``("conv_transpose", 2)``."""
+    return op[:-2], int(op[-2])
+
+
+def layer_of_call(op: str, args: tuple, kwargs: dict) -> nn.Module:
+    """The torch module whose forward is the call ``op(*args, **kwargs)`` (its settings; a conv's own weight and bias)."""
+    family, nd = _family(op)
+    names, make = _FAMILIES[family]
+    return make(nd, _bound(names, args, kwargs))
+
+
+def _window_along(module: nn.Module, sd: int, rows: int) -> tuple[int, int, Any]:
+    """``(kernel, stride, padding)`` of ``module`` along spatial dim ``sd`` (an adaptive pool: its output rows)."""
+    if isinstance(module, nn.modules.pooling._AdaptiveAvgPoolNd):
+        size = _per_dim(module.output_size, sd + 1)[sd]
+        return (1, 1, 0) if _keeps_rows(size, rows) else (0, 0, 0)
+    kernel = _per_dim(module.kernel_size, sd + 1)[sd]
+    stride = _per_dim(module.stride or module.kernel_size, sd + 1)[sd]
+    padding = module.padding if isinstance(module.padding, str) else _per_dim(module.padding, sd + 1)[sd]
+    if getattr(module, "transposed", False):
+        return kernel, stride, (padding, module.output_padding[sd])
+    return kernel, stride, 0 if padding == "valid" or (padding == "same" and kernel == 1) else padding
+
+
+def _keeps_rows(size: Any, rows: int) -> bool:
+    """True when an adaptive pool's output ``size`` along the sharded dim keeps the band's rows: None, or the band's own
+    rows read from its shape. A plain int is the field's rows (the layer decides; at run time ``rows`` is the band's)."""
+    return size is None or (follows_band(size) and size == rows)
+
+
+def _check_output_size(module: nn.Module, sd: int, rows: int) -> None:
+    """An adaptive pool's output rows read from a band's shape (``x.shape[-2] // 2``) are the band's, not the field's:
+    refused (unless they are the band's own rows: nothing pools along the sharded dim)."""
+    size = _per_dim(getattr(module, "output_size", None), sd + 1)[sd]
+    if size is not None and follows_band(size) and size != rows:
+        raise Refusal(f"its output size {size} along the sharded dim is read from a band's shape (each band would pool "
+                      f"to its own rows' share); give the field's output rows as a plain int")
+
+
+def _per_dim(value: Any, n: int) -> list:
     return list(value) if isinstance(value, (tuple, list)) else [value] * n
 
 
-@rule(*_CONVS, *_POOLS)
-def _window(tr, func, args, kwargs, held):
-    """A convolution or pooling functional passes when its window along the sharded dim is one row, stride one."""
+@rule(*(f"{f}{n}d" for f in _FAMILIES for n in (1, 2, 3)))
+def _layer_call(tr: Tracker, func, args, kwargs, held):
+    """A convolution or pooling function: the layer of its settings on bands (the module docstring)."""
     op = op_name(func)
     x, p = args[0], tr.get(args[0])
-    if p is None:
-        raise Refusal("a band as the weight")
-    nsp = int(op[-2])
-    sd = p.dim - (x.ndim - nsp)
-    if p.dim < x.ndim - nsp - 1:
+    if p is None or len(held) > 1:
+        raise Refusal("a band as its weight or bias (only its input may hold bands)")
+    nd = _family(op)[1]
+    if p.dim < x.ndim - nd - 1:
         return tr.run(func, args, kwargs, p)  # bands (windows) in the batch dim: each sample is whole
+    sd = p.dim - (x.ndim - nd)
     if sd < 0:
         raise Refusal("it mixes the channels, which hold the bands")
-    if op in _CONVS:
-        kernel = args[1].shape[2 + sd]
-        stride = _tuple(argument(args, kwargs, 3, "stride", 1), nsp)[sd]
-        padding = argument(args, kwargs, 4, "padding", 0)
-        padding = 0 if isinstance(padding, str) else _tuple(padding, nsp)[sd]
-    else:
-        kernel = _tuple(argument(args, kwargs, 1, "kernel_size"), nsp)[sd]
-        stride = _tuple(argument(args, kwargs, 2, "stride") or kernel, nsp)[sd]
-        padding = _tuple(argument(args, kwargs, 3, "padding", 0), nsp)[sd]
-    if kernel != 1 or stride != 1 or padding != 0 or p.outer * p.inner != 1:
-        raise Refusal(f"its window along the sharded dim (kernel {kernel}, stride {stride}, padding {padding}) reads "
-                   f"the neighbours' rows (use the nn module, which the converter replaces)")
-    return tr.run(func, args, kwargs, p)
+    module = layer_of_call(op, args, kwargs)
+    _check_output_size(module, sd, x.shape[p.dim])
+    window = _window_along(module, sd, x.shape[p.dim])
+    if window in ((1, 1, 0), (1, 1, (0, 0))):
+        return tr.run(func, args, kwargs, p)  # one row of the band per output row: local
+    if p.outer * p.inner != 1:
+        raise Refusal(f"its window along the sharded dim (kernel, stride, padding {window}) reads the neighbours' rows "
+                   f"of a dim that holds the bands' rows merged with another ({p.describe()})")
+    refused = refusal_of(module)
+    if refused:
+        raise Refusal(refused)
+    if type(module) in BANDS_ONLY and tracked_columns(tr) > 1:
+        raise Refusal(f"{type(module).__name__}'s layer has no rule on a latitude x longitude domain grid yet")
+    layer = adopt(RULES[type(module)], module, tr.manager, p.dim - x.ndim, f"{tr.stack[-1][0]}: {op}")
+    return layer(x)  # the tracker's module hooks: a layer of the plan (its halo, its agreement), its output a band
 
 
-@rule("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
-       "adaptive_max_pool2d", "adaptive_max_pool3d")
-def _adaptive(tr, func, args, kwargs, held):
+@rule(*(f"{f}{n}d" for f in ("lp_pool", "adaptive_max_pool") for n in (1, 2, 3)))
+def _no_layer(tr: Tracker, func, args, kwargs, held):
+    """Pooling with no layer on bands: passes when its window along the sharded dim is one row, else refused."""
     op = op_name(func)
     x, p = args[0], tr.get(args[0])
-    nsp = int(op[-2])
-    sd = p.dim - (x.ndim - nsp)
-    size = _tuple(argument(args, kwargs, 1, "output_size"), nsp)
-    if sd >= 0 and size[sd] is not None and size[sd] != x.shape[p.dim]:
-        raise Refusal("it pools along the sharded dim (use nn.AdaptiveAvgPool*, which the converter replaces)")
+    nd = _family(op)[1]
+    if p is None or p.dim < x.ndim - nd - 1:
+        if p is None:
+            raise Refusal("a band as its argument other than the input")
+        return tr.run(func, args, kwargs, p)
+    sd = p.dim - (x.ndim - nd)
+    if sd < 0:
+        raise Refusal("it mixes the channels, which hold the bands")
+    if op.startswith("adaptive"):
+        trivial = _keeps_rows(_per_dim(_bound(_ADAPTIVE_ARGS, args, kwargs)["output_size"], nd)[sd], x.shape[p.dim])
+    else:
+        given = _bound(_LP_ARGS, args, kwargs)
+        kernel = _per_dim(given["kernel_size"], nd)[sd]
+        trivial = kernel == 1 and _per_dim(given.get("stride") or kernel, nd)[sd] == 1
+    if not trivial:
+        raise Refusal("it pools along the sharded dim and has no exact rule on bands (max over windows that cross "
+                   "bands: use F.max_pool* or adaptive_avg_pool*, whose layers run on bands)")
     return tr.run(func, args, kwargs, p)
+
 
 
 @rule("interpolate")
@@ -78,7 +210,7 @@ def _interpolate(tr, func, args, kwargs, held):
         raise Refusal("it resamples a dim that holds merged bands")
     rows = x.shape[p.dim]
     if size is not None:
-        target = _tuple(size, nsp)[sd]
+        target = _per_dim(size, nsp)[sd]
         if not follows_band(target) and not torch.compiler.is_compiling():  # (a traced forward's sizes: plain ints)
             return _stored_size(tr, x, p, args, kwargs, mode, align)
         if not torch.compiler.is_compiling() and (tr.manager is None or grid_columns(tr.manager) == 1):
@@ -86,12 +218,12 @@ def _interpolate(tr, func, args, kwargs, held):
         if target == rows:
             return tr.run(func, args, kwargs, p)
         if not tr.ratio_ok(rows, target):
-            raise Refusal(f"size={tuple(_tuple(size, nsp))} asks a band for its rows times a factor that is not one "
+            raise Refusal(f"size={tuple(_per_dim(size, nsp))} asks a band for its rows times a factor that is not one "
                        f"whole number on every band (give scale_factor, or make every band's target a whole multiple "
                        f"of its rows)")
         factor = target // rows
     elif scale is not None:
-        factor = _tuple(scale, nsp)[sd]
+        factor = _per_dim(scale, nsp)[sd]
         if float(factor) == 1.0:
             return tr.run(func, args, kwargs, p)
     else:
@@ -101,8 +233,8 @@ def _interpolate(tr, func, args, kwargs, held):
     layer.dp_manager = tr.manager
     layer.dp_path = f"{tr.stack[-1][0]}: interpolate"
     y = layer(x)  # the tracker's module hooks: a layer of the plan, its output a band
-    rest_size = None if size is None else [y.shape[p.dim] if i == sd else s for i, s in enumerate(_tuple(size, nsp))]
-    rest_scale = None if scale is None else [1.0 if i == sd else s for i, s in enumerate(_tuple(scale, nsp))]
+    rest_size = None if size is None else [y.shape[p.dim] if i == sd else s for i, s in enumerate(_per_dim(size, nsp))]
+    rest_scale = None if scale is None else [1.0 if i == sd else s for i, s in enumerate(_per_dim(scale, nsp))]
     if rest_size is not None and list(rest_size) == list(y.shape[2:]):
         return y
     if rest_scale is not None and all(float(s) == 1.0 for s in rest_scale):
@@ -126,14 +258,14 @@ def _band_size(tr, func, x, p, args, kwargs, size, nsp, mode, align):
     from ..resample import DomainParallelInterpolate
 
     sd, path = p.dim - 2, tr.stack[-1][0]
-    target = _tuple(size, nsp)[sd]
+    target = _per_dim(size, nsp)[sd]
     mine, theirs = _rows_and_target(tr, x, p, target, path)
     if mine == theirs:
         _report_size(tr, path, x, p.dim, list(mine), list(theirs))
         return tr.run(func, args, kwargs, p)
     rows, total = sum(mine), sum(theirs)
     if rows == 0 or total % rows or total < rows:
-        raise Refusal(f"size={tuple(_tuple(size, nsp))} asks for {total} rows of a field of {rows} along the sharded dim, "
+        raise Refusal(f"size={tuple(_per_dim(size, nsp))} asks for {total} rows of a field of {rows} along the sharded dim, "
                    f"not a whole factor of them (give scale_factor, or a size that is a whole multiple of the rows)")
     factor = total // rows
     layer = DomainParallelInterpolate(scale_factor=tuple(float(factor) if i == sd else 1.0 for i in range(nsp)),
@@ -144,7 +276,7 @@ def _band_size(tr, func, x, p, args, kwargs, size, nsp, mode, align):
     moved = [factor * s for s in mine]
     _report_size(tr, path, y, p.dim, moved, list(theirs))
     y = _to_layout(tr, y, p, moved, list(theirs), path)
-    rest = [y.shape[p.dim] if i == sd else v for i, v in enumerate(_tuple(size, nsp))]
+    rest = [y.shape[p.dim] if i == sd else v for i, v in enumerate(_per_dim(size, nsp))]
     if list(rest) == list(y.shape[2:]):
         return y
     kw = {"mode": mode} if align is None else {"mode": mode, "align_corners": align}
@@ -202,7 +334,7 @@ def _stored_size(tr, x, p, args, kwargs, mode, align):
     from ..resample import DomainParallelInterpolate
 
     nsp = x.ndim - 2
-    size = tuple(int(v) for v in _tuple(argument(args, kwargs, 1, "size"), nsp))
+    size = tuple(int(v) for v in _per_dim(argument(args, kwargs, 1, "size"), nsp))
     layer = DomainParallelInterpolate(size=size, mode=mode, align_corners=align,
                                       recompute_scale_factor=argument(args, kwargs, 5, "recompute_scale_factor"),
                                       manager=_NoManager, shard_dim=p.dim - x.ndim)

@@ -13,7 +13,7 @@ from ...partition import normalize_dim
 from ..replicated import is_replicated, replicated
 from .pointwise import _pointwise
 from .registry import Refusal, argument, conversion_error, dims_of, op_name, rule, without_bands
-from .tracker import Sharded, Tracker, grid_columns
+from .tracker import Sharded, Tracker, tracked_columns
 
 
 @rule("batch_norm")
@@ -84,13 +84,6 @@ glu diff""".split()
 _DOMAIN_REDUCE = frozenset("sum mean nansum nanmean".split())
 
 
-def _grid_columns(tr: Tracker) -> int:
-    """The domain grid's columns: the run's manager's, or in the dry run describe()'s ``domain_grid`` (1 on bands)."""
-    if tr.manager is None:
-        return (tr.grid or (1, 1))[1]
-    return grid_columns(tr.manager)
-
-
 @rule(*_REDUCE)
 def _reduce(tr, func, args, kwargs, held):
     """A reduction over dims other than the sharded one passes; over it (or every dim) a sum or mean is one domain
@@ -148,7 +141,7 @@ def _domain_reduction(tr: Tracker, func, args: tuple, kwargs: dict, op: str, p: 
             return s
         return torch.stack([s, (~torch.isnan(t)).sum(reduced, keepdim=keepdim).to(out_dtype)])
 
-    if _grid_columns(tr) > 1:
+    if tracked_columns(tr) > 1:
         raise Refusal(f"it takes {op}() over the sharded dim on a latitude x longitude domain grid (no rule there yet: a sum "
                    f"over the rows alone is a sum over a column of the grid)")
     if tr.manager is None:  # the dry run: the whole field, one process's result
@@ -294,7 +287,7 @@ def _domain_contraction(tr: Tracker, func, args: tuple, kwargs: dict, specs: lis
         raise Refusal(_contracted(what, letter, "with another band (a sum over pairs of every band's tokens)"))
     if not partners:
         raise Refusal(_contracted(what, letter, "alone (no tensor over the field's tokens to weight it)"))
-    if _grid_columns(tr) > 1:
+    if tracked_columns(tr) > 1:
         raise Refusal(_contracted(what, letter, "on a latitude x longitude domain grid (a band's tokens are not one block)"))
     if tr.manager is None:  # the dry run: global shapes
         sizes = {operands[i].shape[at[i]] for i in partners}

@@ -2,11 +2,14 @@
 
 Rules of the judge (:mod:`credit_mpi.nn.judge`) that move rows:
 
-* ``torch.flip`` and its kin along the sharded dim are refused (the rows
-  move across bands); along other dims they pass.
+* ``torch.flip`` (``flipud``, ``fliplr``) along the sharded dim reverses
+  the whole field's rows (the row map ``flip_along`` of
+  :mod:`credit_mpi.ops.rows`: a band's new rows come from the mirrored band);
+  along other dims it passes. ``rot90`` in the plane of the sharded dim is
+  refused (rows become columns).
 
 * ``torch.roll`` of a band along the sharded dim is the cyclic shift of the
-  whole field (:func:`credit_mpi.ops.roll.roll_along`: a band's new rows come
+  whole field (:func:`credit_mpi.ops.rows.roll_along`: a band's new rows come
   from one or more other bands), along the other dims it passes; several
   dims at once are split into the two. This is the shift of shifted-window
   attention (Swin): exact with masks made from bands (a mask of every
@@ -58,18 +61,38 @@ import torch
 
 from ...grid import grid_of
 from .registry import Refusal, argument, conversion_error, dims_of, module_rule, op_name, rule
-from .tracker import Sharded, Tracker
+from .tracker import Sharded, Tracker, tracked_columns
 
 __all__ = ["window_rows", "strided_rows", "STRIDED_WINDOWS"]
 
 
-@rule("flip", "fliplr", "flipud", "rot90")
-def _flip(tr, func, args, kwargs, held):
-    op = op_name(func)
+@rule("flip", "fliplr", "flipud")
+def _flip(tr: Tracker, func, args, kwargs, held):
+    """Along the sharded dim: the field's rows reversed across bands (the row map ``flip_along``); other dims: local."""
     x, p = args[0], tr.get(args[0])
-    dims = dims_of(argument(args, kwargs, 1, "dims"), x.ndim)
-    if op in ("fliplr", "flipud", "rot90") or dims is None or p.dim in dims:
-        raise Refusal("it moves rows along the sharded dim (it reverses the sharded dim)")
+    op = op_name(func)
+    dims = {"fliplr": [1], "flipud": [0]}.get(op) or dims_of(argument(args, kwargs, 1, "dims"), x.ndim)
+    if dims is None or p.dim not in dims:
+        return tr.run(func, args, kwargs, p)
+    if p.outer * p.inner != 1:
+        raise Refusal(f"it reverses a dim that holds the bands' rows merged with another dim ({p.describe()}); flip "
+                      f"the field before the merge")
+    rest = [d for d in dims if d != p.dim]
+    y = torch.flip(x, rest) if rest else x
+    y = _moved(tr, y, p, "flip_along") if tr.manager is not None else _reported(tr, y, p, "flip_along")
+    if tr.manager is None:
+        y = torch.flip(y, [p.dim])  # the dry run: the field's own flip (the layout stays)
+    tr.set(y, p)
+    return y
+
+
+@rule("rot90")
+def _rot90(tr: Tracker, func, args, kwargs, held):
+    """A rotation in the plane of the sharded dim turns rows into columns: refused; in another plane: local."""
+    x, p = args[0], tr.get(args[0])
+    dims = dims_of(argument(args, kwargs, 2, "dims", [0, 1]), x.ndim)
+    if p.dim in dims:
+        raise Refusal("it turns the rows of the sharded dim into another dim's")
     return tr.run(func, args, kwargs, p)
 
 
@@ -93,19 +116,9 @@ def _roll(tr: Tracker, func, args, kwargs, held):
         raise Refusal(f"it rolls a dim that holds the bands' rows merged with another dim ({p.describe()}: windows in "
                    f"the batch); roll the field before the window partition")
     if along and tr.manager is not None:
-        if grid_of(tr.manager, tr.manager.domain_parallel_size)[1] > 1:
-            raise Refusal("torch.roll along the sharded dim has no rule on a latitude x longitude domain grid yet")
-        from ...ops.roll import roll_along
-
-        y = roll_along(y, along, p.dim, tr.manager.domain_group, tr.stack[-1][0])
+        y = _moved(tr, y, p, "roll_along", shift=along)
     elif along:  # the dry run: the field's own roll (the layout stays)
-        from ...ops.reband import plan_moves
-
-        sizes = dim_sizes(tr, y, p)
-        total = sum(sizes)
-        report_move(tr, tr.stack[-1][0], "roll_along()", y, p.dim, sizes, sizes,
-                    lambda r: plan_moves(sizes, sizes, lambda j: (j - along) % max(total, 1), r))
-        y = func(y, along, p.dim)
+        y = func(_reported(tr, y, p, "roll_along", shift=along), along, p.dim)
     elif y is x:
         y = func(x, 0, p.dim)  # a roll by nothing is still a new tensor
     tr.set(y, p)
@@ -156,6 +169,29 @@ def _pair(value: Any) -> list[int]:
 
 
 # -- what the dry run tells describe() of each row move (its plan row and traffic) -------------------
+
+
+def _moved(tr: Tracker, t: torch.Tensor, p: Sharded, name: str, **params: Any) -> torch.Tensor:
+    """At run time: band ``t`` moved by the row map ``name`` of :mod:`credit_mpi.ops.rows` along ``p.dim``."""
+    if tracked_columns(tr) > 1:
+        raise Refusal(f"the row move {name}() along the sharded dim has no rule on a latitude x longitude domain grid "
+                      f"yet")
+    from ...ops.rows import move_along
+
+    return move_along(t, name, p.dim, tr.manager.domain_group, tr.stack[-1][0], **params)
+
+
+def _reported(tr: Tracker, t: torch.Tensor, p: Sharded, name: str, **params: Any) -> torch.Tensor:
+    """In the dry run: the row map ``name``'s move of ``t`` reported to describe() (its plan row and traffic); returns
+    ``t`` (the caller applies the torch function to the field)."""
+    if tracked_columns(tr) > 1:
+        raise Refusal(f"the row move {name}() along the sharded dim has no rule on a latitude x longitude domain grid "
+                      f"yet")
+    from ...ops.rows import moves_of
+
+    sizes_in, sizes_out, moves = moves_of(name, tuple(dim_sizes(tr, t, p)), tr.stack[-1][0], **params)
+    report_move(tr, tr.stack[-1][0], f"{name}()", t, p.dim, sizes_in, sizes_out, moves)
+    return t
 
 
 def dim_sizes(tr: Tracker, t: torch.Tensor, p: Sharded) -> list[int]:
@@ -377,7 +413,7 @@ def _enter_dry_run(tr: Tracker, bands: list, window: int, path: str) -> Callable
 
 
 def _identity_moves(sizes_in: list[int], sizes_out: list[int]) -> Callable[[int], Any]:
-    from ...ops.reband import plan_moves
+    from ...ops.rows import plan_moves
 
     return lambda r: plan_moves(tuple(sizes_in), tuple(sizes_out), lambda j: j, r)
 
@@ -431,7 +467,7 @@ class _DryGroups(tuple):
 def _dry_groups(tr: Tracker, a: torch.Tensor, p: Sharded, window: int, path: str) -> _DryGroups:
     """The dry run's move of ``a`` to the group layout, reported; returns what the move back needs."""
     from ...ops.group_rows import group_sizes, group_source
-    from ...ops.reband import plan_moves
+    from ...ops.rows import plan_moves
 
     height = a.shape[p.dim]
     bands = tuple(tr.band_sizes(height))

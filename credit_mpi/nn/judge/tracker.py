@@ -72,9 +72,11 @@ from ...partition import normalize_dim
 from .. import base
 from ..base import DomainParallelModule
 from ..replicated import is_replicated, replicated
+from ..rules import traits_of
 from .registry import Refusal, conversion_error, module_rules, op_name, rule_for, rules_without_bands, tensors_in
 
-__all__ = ["Sharded", "Placement", "Extent", "Tracker", "active_tracker", "judge_forward", "follows_band", "grid_columns"]
+__all__ = ["Sharded", "Placement", "Extent", "Tracker", "active_tracker", "judge_forward", "follows_band", "grid_columns",
+           "tracked_columns"]
 
 _STATE = threading.local()
 
@@ -459,9 +461,9 @@ class Tracker(TorchFunctionMode):
         every branch (and for a conv with that padding). Decided from the forward's structure (the
         same on every rank); the layer agrees on the folded rows with its input.
         """
-        from ..conv import _ConvMixin, fold_edge_rows
+        from ..conv import fold_edge_rows
 
-        if not isinstance(module, _ConvMixin) or module.padding_mode != "zeros" or len(args) != 1:
+        if not traits_of(module).folds_edge_rows or module.padding_mode != "zeros" or len(args) != 1:
             return None
         rec = self.record_of(args[0])
         if rec is None or rec.edge_pad is None:
@@ -489,15 +491,14 @@ class Tracker(TorchFunctionMode):
             if p is None and not is_replicated(t):
                 return True, None
             if p is not None and p.dim == 0 and t.ndim >= 3:
-                if "BatchNorm" in type(module).__name__:
+                if traits_of(module).batch_statistics:
                     raise conversion_error(self._path(module), "its forward", "batch statistics over samples that are "
                                   "spread over the bands (windows moved into the batch dim)")
                 return True, p
             if p is not None and p != want and self.as_band(t, p) != want:
-                from ..dropout import _DropoutMixin
-
-                if isinstance(module, _DropoutMixin) and not (module.training and module.p):
-                    return True, p  # p == 0 or eval: the identity on any placement (training p > 0: refused as a band)
+                identity = traits_of(module).identity
+                if identity is not None and identity(module):
+                    return True, p  # the identity now (dropout: p == 0 or eval) on any placement
                 raise conversion_error(self._path(module), "its forward",
                               f"its input holds the bands along {p.describe()} (after a permute or a reshape), "
                               f"but the layer runs on bands along the sharded dim ({want.describe() if want else self.shard_dim})")
@@ -617,3 +618,11 @@ def grid_columns(manager: Any) -> int:
     from ...grid import grid_of
 
     return grid_of(manager, manager.domain_parallel_size)[1]
+
+
+def tracked_columns(tr: Tracker) -> int:
+    """The domain grid's columns of a tracked forward: the run's manager's, or in the dry run describe()'s
+    ``domain_grid`` (1 on bands)."""
+    if tr.manager is None:
+        return (getattr(tr, "grid", None) or (1, 1))[1]
+    return grid_columns(tr.manager)
