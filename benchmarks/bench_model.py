@@ -10,7 +10,7 @@ reduce_gradients) and its ratio to one rank's, and the communication share
 (1 - the unconverted model's step on the band alone / the converted step),
 the step with the convolutions' halos overlapped (credit_mpi.nn.conv.OVERLAP)
 against that local step, and both steps against the converted step with every halo
-replaced by a local pad of the same shape (credit_mpi.cli.bench_model.local_halos).
+replaced by a local pad of the same shape (credit_mpi.nn.conv.local_halos).
 The measurements live in credit_mpi/cli/bench_model.py.
 """
 

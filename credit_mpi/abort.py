@@ -47,7 +47,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from ._printing import TRACEBACK_VARIABLE, agreed_printer, last_traceback, message_first, one_line
+from .printing import TRACEBACK_VARIABLE, agreed_printer, last_traceback, message_first, one_line
 
 __all__ = ["abort_on_exception", "abort_on_exception_enabled"]
 

@@ -34,7 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import watchdog
-from ._printing import install_print_once, raised_alike
+from .printing import install_print_once, raised_alike, settled_comm
 
 __all__ = [
     "DomainParallelError",
@@ -568,3 +568,12 @@ def _agreed_error(failures: dict[int, tuple[type | None, str]], where: str) -> E
 
 def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(str(r) for r in ranks)
+
+
+def agreed_already(exc: BaseException) -> bool:
+    """True when ``exc`` came out of an agreement (:mod:`credit_mpi.validation` settled it): every rank raises it.
+
+    Such an exception is not shared again: the ranks that raised it are
+    done with the agreement, a second one would wait for ranks that left.
+    """
+    return settled_comm(exc.__traceback__) is not None

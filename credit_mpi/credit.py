@@ -179,9 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    from .cli import _parse_on_rank0
+    from .cli.parsing import parse_on_rank0
 
-    args = _parse_on_rank0(build_parser(), argv, comm)  # rank 0 prints --help / usage errors
+    args = parse_on_rank0(build_parser(), argv, comm)  # rank 0 prints --help / usage errors
     try:
         version = check_credit(args.untested_credit)
     except CreditUnavailable as exc:

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 import credit_mpi
-from credit_mpi import _printing, abort
+from credit_mpi import abort, printing
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +20,7 @@ def restore():
     before = (sys.excepthook, threading.excepthook, sys.exit)
     yield
     credit_mpi.abort_on_exception(False)
-    if sys.excepthook is _printing.print_once_hook:  # an agreed error raised in this process installed it
+    if sys.excepthook is printing.print_once_hook:  # an agreed error raised in this process installed it
         sys.excepthook = sys.__excepthook__
     assert (sys.excepthook, threading.excepthook, sys.exit) == before
 
@@ -95,20 +95,20 @@ def test_an_agreed_error_is_printed_by_the_groups_first_rank():
 def test_an_agreed_error_reads_message_first_without_credit_mpis_frames():
     from mpi4py import MPI
 
-    from credit_mpi import _printing
+    from credit_mpi import printing
 
     def bad():
         raise ValueError("nope")
 
     agreed = _caught(lambda: credit_mpi.allgather_or_raise(MPI.COMM_SELF, bad))
-    lines = _printing.message_first(type(agreed), agreed, agreed.__traceback__, "a note").splitlines()
+    lines = printing.message_first(type(agreed), agreed, agreed.__traceback__, "a note").splitlines()
     assert lines[0].startswith("ValueError: nope [on rank(s) 0")
     assert lines[1].startswith(f'  File "{__file__}"') and "in <lambda>" in lines[1]  # the line that called credit_mpi
     assert lines[2].strip().startswith("agreed = _caught(lambda: credit_mpi.allgather_or_raise(")
     note = next(line for line in lines if line.startswith("(a note; "))  # after the line (and Python's ^^^ marks)
     assert lines.index(note) <= 4 and "frame(s) of credit_mpi left out" in note
     assert "agreement.py" not in "\n".join(lines) and "validation.py" not in "\n".join(lines)
-    marked = _printing.raised_alike(ValueError("after"), MPI.COMM_SELF)  # no _settle on its traceback: marked
+    marked = printing.raised_alike(ValueError("after"), MPI.COMM_SELF)  # no _settle on its traceback: marked
     assert abort.agreed_printer(None, marked) == MPI.COMM_WORLD.Get_rank()
 
 

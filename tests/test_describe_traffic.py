@@ -293,8 +293,8 @@ def test_describe_prints_the_traffic():
 
 @pytest.mark.mpi(min_size=2)
 def test_the_benchmarks_local_pad_sends_no_halo(make_manager):
-    """bench_model's baseline (credit_mpi.cli.bench_model.local_halos): the same shapes, no point-to-point message."""
-    from credit_mpi.cli.bench_model import local_halos
+    """bench_model's baseline (credit_mpi.nn.conv.local_halos): the same shapes, no point-to-point message."""
+    from credit_mpi.nn.conv import local_halos
 
     with prefix_managers(make_manager) as managers:
         for d, manager in managers:

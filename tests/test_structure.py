@@ -192,18 +192,6 @@ def private_imports(mods: dict[str, Path]) -> list[str]:
     return sorted(bad)
 
 
-# What remains, each with the issue that removes it (the list may only shrink):
-KNOWN_PRIVATE_IMPORTS = {
-    # issue 32 item 3: the Tracker names no layer type (its edge-row fold and dropout's identity ask the layer)
-    "credit_mpi.nn.judge.tracker imports credit_mpi.nn.conv._ConvMixin",
-    "credit_mpi.nn.judge.tracker imports credit_mpi.nn.dropout._DropoutMixin",
-    # the benchmark's "no communication" switch patches the layers' halo and overlap-add
-    "credit_mpi.cli.bench_model imports credit_mpi.nn._comm",
-    # the layers' agreement waits on a communicator the abort path has settled (a helper of the package root)
-    "credit_mpi.nn._comm imports credit_mpi._printing.settled_comm",
-}
-
-
 def test_the_private_import_checker_sees_names_and_private_modules(tmp_path):
     pkg = tmp_path / "credit_mpi"
     (pkg / "nn").mkdir(parents=True)
@@ -226,9 +214,7 @@ def module_name_in(root: Path, path: Path) -> str:
 
 
 def test_no_module_imports_another_packages_private_names():
-    found = set(private_imports(modules()))
-    assert found <= KNOWN_PRIVATE_IMPORTS, "private names imported across packages: " + ", ".join(
-        sorted(found - KNOWN_PRIVATE_IMPORTS))
+    assert private_imports(modules()) == [], "private names imported across packages"
 
 
 # -- the judge's rule registry --------------------------------------------------------------------------

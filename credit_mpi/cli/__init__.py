@@ -17,7 +17,6 @@ tests can run it in-process on any communicator.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import importlib.util
 import json
@@ -33,6 +32,7 @@ from .. import __version__
 from .. import credit as credit_mod
 from . import demo as demo_mod
 from .common import _mismatch_hint
+from .parsing import parse_on_rank0
 
 __all__ = ["build_parser", "cmd_bench", "cmd_demo", "cmd_info", "layout_table", "main", "parse_size"]
 
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None, comm: MPI.Comm | None = None) -> int
         from ..credit import main as credit_main
 
         return credit_main(argv[1:])
-    args = _parse_on_rank0(build_parser(), argv, comm)
+    args = parse_on_rank0(build_parser(), argv, comm)
     say = _rank0_printer(comm)
     try:
         return args.func(args, comm, say)
@@ -153,18 +153,6 @@ def main(argv: Sequence[str] | None = None, comm: MPI.Comm | None = None) -> int
         # Library checks raise the same error on every rank; say it once.
         say(f"credit-mpi {args.command}: error: {exc}", file=sys.stderr)
         return 2
-
-
-def _parse_on_rank0(parser: argparse.ArgumentParser, argv: Sequence[str] | None, comm: MPI.Comm) -> argparse.Namespace:
-    """``parser.parse_args(argv)``; a usage error (or ``--help``) is printed by rank 0 only.
-
-    Every rank parses the same command line, so every rank exits with the
-    same status; no MPI call is made.
-    """
-    if comm.Get_rank() == 0:
-        return parser.parse_args(argv)
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet), contextlib.redirect_stdout(quiet):
-        return parser.parse_args(argv)
 
 
 def _rank0_printer(comm: MPI.Comm) -> Say:

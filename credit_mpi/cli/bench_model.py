@@ -10,7 +10,7 @@ not timed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -72,33 +72,6 @@ def halo_row_bytes(model: Any, x: Any, domain_size: int) -> int:
     return sum(halos[p] * row.get(p, 0) for p in halos)
 
 
-@contextlib.contextmanager
-def local_halos() -> Iterator[None]:
-    """Within: the converted layers' halos are a local zero pad of the same shape (no message; a benchmark's baseline).
-
-    The layers still agree and their norms still gather statistics: the
-    step differs from the real one by the halo messages alone (what
-    overlapping them can hide). Transposed convolutions drop their overlap
-    instead of adding it to the neighbours. Every rank alike (no result is exact).
-    """
-    import torch.nn.functional as F
-
-    from ..nn import _comm, conv
-
-    def pad(x, width, axis, manager, boundary, sizes):
-        return F.pad(x, [0, 0] * (x.ndim - 1 - axis) + [width, width])
-
-    def drop(y, rows, width, axis, manager, sizes):
-        return y.narrow(axis, width, rows)
-
-    saved = _comm.exchange_agreed, conv.overlap_add
-    _comm.exchange_agreed, conv.overlap_add = pad, drop
-    try:
-        yield
-    finally:
-        _comm.exchange_agreed, conv.overlap_add = saved
-
-
 def _step(model: Any, x: Any, count: int) -> Any:
     """One training step's compute: forward, a loss (this band's share of a global mean square), backward."""
     out = model(x)
@@ -129,7 +102,7 @@ def measure(build: Callable[[], Any], shape: tuple[int, ...], sizes: Iterable[in
     communication (and its waiting) costs; ``overlap_s`` the step with
     ``credit_mpi.nn.conv.OVERLAP`` on, ``overlap_vs_local`` = overlap_s / local_s;
     ``pad_s`` the converted step with every halo a local pad of the same shape
-    (:func:`local_halos`: agreements and statistics still run), and
+    (:func:`credit_mpi.nn.conv.local_halos`: agreements and statistics still run), and
     ``overlap_vs_pad`` / ``step_vs_pad`` the steps with and without overlap over it:
     what the halo messages cost, overlapped or not.
     """
@@ -166,7 +139,7 @@ def measure(build: Callable[[], Any], shape: tuple[int, ...], sizes: Iterable[in
         for _ in range(iters):  # interleaved: the machine's load changes alike for all four
             for name, m in (("step", model), ("overlap", model), ("pad", model), ("local", ref)):
                 conv.OVERLAP = name == "overlap"  # every rank alike (the layers agree on it)
-                with local_halos() if name == "pad" else contextlib.nullcontext():
+                with conv.local_halos() if name == "pad" else contextlib.nullcontext():
                     sub.Barrier()
                     t0 = time.perf_counter()
                     _step(m, x.clone().requires_grad_(), count)

@@ -28,8 +28,7 @@ from typing import Any, NoReturn
 import torch
 from mpi4py import MPI
 
-from .._printing import settled_comm
-from ..agreement import quiet_known, remember_quiet
+from ..agreement import agreed_already, quiet_known, remember_quiet
 from ..blocks import decode_block, encode_block, grid_comm
 from ..engine import Op, agreed_plan, apply_agreed
 from ..grid import grid_coords, grid_of
@@ -133,15 +132,6 @@ def agree(x: torch.Tensor, axis_of: Callable[[torch.Tensor], int], comm: MPI.Com
     if quiet is not None and quiet(bands):
         remember_quiet(comm, key, bands)
     return bands
-
-
-def agreed_already(exc: BaseException) -> bool:
-    """True when ``exc`` came out of an agreement (:mod:`credit_mpi.validation` settled it): every rank raises it.
-
-    Such an exception is not shared again: the ranks that raised it are
-    done with the agreement, a second one would wait for ranks that left.
-    """
-    return settled_comm(exc.__traceback__) is not None
 
 
 @_eager

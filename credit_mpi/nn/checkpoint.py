@@ -47,8 +47,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._printing import raised_alike
 from ..manager import DomainParallelManager, get_domain_parallel_manager
+from ..printing import raised_alike
 from ..validation import DomainParallelError, allgather_or_raise
 
 __all__ = ["save_checkpoint", "load_checkpoint", "unwrap_model"]

@@ -22,6 +22,8 @@ their overlap to the neighbouring blocks, corners included.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -449,3 +451,29 @@ class DomainParallelConvTranspose3d(_ConvTransposeMixin, nn.ConvTranspose3d):
 
 # The reference's name for a conv with circular padding: the same class here (padding_mode="circular" decides).
 DomainParallelPeriodicConv2d = DomainParallelConv2d
+
+
+@contextlib.contextmanager
+def local_halos() -> Iterator[None]:
+    """Within: the converted layers' halos are a local zero pad of the same shape (no message; a benchmark's baseline).
+
+    The layers still agree and their norms still gather statistics: the
+    step differs from the real one by the halo messages alone (what
+    overlapping them can hide). Transposed convolutions drop their overlap
+    instead of adding it to the neighbours. Every rank alike (no result is exact).
+    """
+    global overlap_add
+    from . import _comm
+
+    def pad(x, width, axis, manager, boundary, sizes):
+        return F.pad(x, [0, 0] * (x.ndim - 1 - axis) + [width, width])
+
+    def drop(y, rows, width, axis, manager, sizes):
+        return y.narrow(axis, width, rows)
+
+    saved = _comm.exchange_agreed, overlap_add
+    _comm.exchange_agreed, overlap_add = pad, drop
+    try:
+        yield
+    finally:
+        _comm.exchange_agreed, overlap_add = saved
