@@ -45,7 +45,7 @@ _DICTS = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre
 def layout_refusal(path: str, lay: Any, stride: int = 1) -> ConversionError:
     """The one refusal of a band layout a layer cannot run (a band with no row, or too few for its window or halo).
 
-    ``lay`` is the layer's :class:`~credit_mpi.nn.geometry.Layout` of the AGREED bands, so every rank builds
+    ``lay`` is the layer's :class:`~credit_mpi.nn.geometry.LayerBands` of the AGREED bands, so every rank builds
     the same error before any of the layer's data moves; a ConversionError (a DomainParallelError), as every
     layout without an exact rule is, naming the layer, every rank's rows and what would run.
     """

@@ -111,13 +111,13 @@ def _edge_padded(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, [0, 0] * (nd - 1 - sd) + [before, after])
 
 
-def conv_layout(module: nn.Module, sizes: list[int], sd: int) -> geometry.Layout:
+def conv_layout(module: nn.Module, sizes: list[int], sd: int) -> geometry.LayerBands:
     """The window layout of ``module`` along spatial dim ``sd`` for bands ``sizes``."""
     before, after = conv_paddings(module)[sd]
     return geometry.conv_layout(sizes, module.kernel_size[sd], module.stride[sd], module.dilation[sd], before, after)
 
 
-def transposed_layout(module: nn.Module, sizes: list[int], sd: int) -> geometry.Layout:
+def transposed_layout(module: nn.Module, sizes: list[int], sd: int) -> geometry.LayerBands:
     """The transposed layout of ``module`` along spatial dim ``sd``."""
     return geometry.transposed_layout(
         sizes, module.kernel_size[sd], module.stride[sd], module.dilation[sd], module.padding[sd], module.output_padding[sd]

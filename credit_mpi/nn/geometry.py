@@ -39,7 +39,7 @@ Resampling (interpolation, adaptive pooling)
 A layout is refused (before any data moves) when a rank would compute no
 output row, or when a rank needs more rows from a neighbour than the
 neighbour holds (halos come from the immediate neighbour only): see
-:func:`min_band_rows` and :class:`Layout`.
+:func:`min_band_rows` and :class:`LayerBands`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from ..layout import offsets
 
 __all__ = [
     "Band",
-    "Layout",
+    "LayerBands",
     "ceil_div",
     "conv_out_size",
     "conv_layout",
@@ -120,7 +120,7 @@ class Band:
 
 
 @dataclass(frozen=True)
-class Layout:
+class LayerBands:
     """Every rank's :class:`Band` of one layer, plus the agreed halo width.
 
     ``width`` is the symmetric halo every rank exchanges (the largest need of
@@ -141,7 +141,7 @@ class Layout:
         return [b.out_rows for b in self.bands]
 
 
-def _finish(size: int, out_size: int, bands: list[Band], step: int = 1, what: str = "input") -> Layout:
+def _finish(size: int, out_size: int, bands: list[Band], step: int = 1, what: str = "input") -> LayerBands:
     n = len(bands)
     width = max([0] + [max(b.before, b.after, 0) for b in bands])
     problem = None
@@ -159,7 +159,7 @@ def _finish(size: int, out_size: int, bands: list[Band], step: int = 1, what: st
                 break
     # every band must supply the halo, and hold at least one stride's worth of rows to own an output row
     min_rows = max(width, step, 1)
-    return Layout(size, out_size, tuple(bands), width, min_rows, problem)
+    return LayerBands(size, out_size, tuple(bands), width, min_rows, problem)
 
 
 def conv_layout(
@@ -170,7 +170,7 @@ def conv_layout(
     before: int = 0,
     after: int = 0,
     ceil_mode: bool = False,
-) -> Layout:
+) -> LayerBands:
     """The window rule (see the module docstring) for bands ``sizes``."""
     size = sum(sizes)
     out_size = conv_out_size(size, kernel, stride, dilation, before, after, ceil_mode)
@@ -190,7 +190,7 @@ def conv_layout(
 
 def transposed_layout(
     sizes: list[int], kernel: int, stride: int = 1, dilation: int = 1, padding: int = 0, output_padding: int = 0
-) -> Layout:
+) -> LayerBands:
     """The transposed rule (see the module docstring).
 
     ``in_lo:in_hi`` of each band are here the OUTPUT rows its own rows
@@ -214,12 +214,12 @@ def transposed_layout(
         bands.append(Band(o0, o1, o0, o1, lo, hi))
     lay = _finish(size, out_size, bands, what="output")
     if lay.problem is None and any(rows == 0 for rows in sizes):
-        lay = Layout(lay.size, lay.out_size, lay.bands, lay.width, lay.min_rows, "a band holds no input row")
+        lay = LayerBands(lay.size, lay.out_size, lay.bands, lay.width, lay.min_rows, "a band holds no input row")
     return lay
 
 
 def resample_layout(sizes: list[int], out_size: int, support: list[tuple[int, int]],
-                    out_sizes: list[int] | None = None) -> Layout:
+                    out_sizes: list[int] | None = None) -> LayerBands:
     """The resampling rule: ``support[j]`` is the input row range ``(lo, hi)`` with non-zero weight for output row j.
 
     ``out_sizes``: the output bands given (a size stored for the whole field: its partition over
@@ -260,7 +260,7 @@ class RowGeometry:
     says of it.
     """
 
-    layout: Layout | None = None
+    layout: LayerBands | None = None
     stride: int = 1
     boundary: str | None = "zero"
     note: str = ""

@@ -108,7 +108,7 @@ def stored_size_bands(module, n: int, out_size: int) -> list[int] | None:
     return split(out_size, n, uneven=True) if module.__dict__.get("dp_stored_size") else None
 
 
-def _rows_layout(module, sizes: list[int], w: torch.Tensor) -> geometry.Layout:
+def _rows_layout(module, sizes: list[int], w: torch.Tensor) -> geometry.LayerBands:
     """The layout of ``w @ x`` along the sharded dim for input bands ``sizes`` (the output bands a stored size asks for)."""
     return geometry.resample_layout(sizes, w.shape[0], _support(w), stored_size_bands(module, len(sizes), w.shape[0]))
 
