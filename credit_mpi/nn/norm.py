@@ -446,11 +446,10 @@ class _BatchNormMixin(DomainParallelModule):
         return _GLOBAL_STATS
 
     def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
-        """Per channel sums gathered, a reduce-scatter backward; the running statistics (eval): the agreement only."""
+        """The band norms' traffic with a group per channel; the running statistics (eval): the agreement only."""
         if not self.training and self.track_running_stats:
             return lambda rank: Traffic(agreements=1)
-        c = shape_in[1] * acc_itemsize(dtype)
-        return stats_rule(n, 3 * c, 3 * c, grad)
+        return _group_traffic(n, shape_in[1], dtype, grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         use_batch = self.training or not self.track_running_stats
