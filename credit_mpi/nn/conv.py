@@ -202,7 +202,8 @@ def halo_conv(x: torch.Tensor, rows: torch.Tensor, first: int, axis: int, weight
     lo, hi = max(first, 0), min(first + n, m)
     recorded = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad
                                             or (bias is not None and bias.requires_grad))
-    if hi <= lo or not recorded or torch.is_autocast_enabled(x.device.type):  # nothing kept, or autocast's casts
+    unbatched = rows.ndim != weight.ndim  # (C, H, W): torch's convolution_backward takes batched inputs only
+    if hi <= lo or not recorded or unbatched or torch.is_autocast_enabled(x.device.type):  # nothing kept, or autocast
         return _CONV[weight.ndim - 2](rows, weight, bias, spec.stride, spec.padding, spec.dilation, spec.groups)
     top = lo - first
     top_rows, bottom_rows = _EdgeRows.apply(rows, axis, top, n - top - (hi - lo))
