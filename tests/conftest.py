@@ -8,6 +8,7 @@ ends promptly with a non-zero status instead of hanging until the timeout.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -137,6 +138,14 @@ def reset_torch_distributed() -> None:
 
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_example(name: str):
+    """``examples/<name>.py`` imported as a module (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 # What a launcher puts in a rank's environment (MPICH's hydra, Open MPI's
 # prte, Slurm's PMI): a child process that keeps it would try to join the

@@ -16,7 +16,6 @@ the ranks is refused.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -24,17 +23,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from .conftest import ROOT
+from .conftest import load_example
 
 pytest.importorskip("xarray")
 pytest.importorskip("zarr")
 
 
 def example():
-    spec = importlib.util.spec_from_file_location("train_unet", ROOT / "examples" / "train_unet.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_unet")
 
 
 

@@ -9,7 +9,6 @@ float for float; ``--output`` is the gathered prediction of one process.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 
@@ -17,16 +16,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from .conftest import ROOT, reset_torch_distributed
+from .conftest import load_example, reset_torch_distributed
 
 pytest.importorskip("torch")
 
 
 def example():
-    spec = importlib.util.spec_from_file_location("train_tutorial", ROOT / "examples" / "train_tutorial.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_tutorial")
 
 
 def one_process(module, argv: list[str]) -> list[float]:
