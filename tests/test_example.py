@@ -35,8 +35,8 @@ def example():
 
 
 def layout(size: int) -> list[str]:
-    """2 bands x 2 groups on 4 ranks; 24 latitudes on 3 ranks (band offsets even: no re-band at the skip's join,
-    which moves float32/float64 only, and --bf16 joins bf16 bands; the defaults' test re-bands)."""
+    """2 bands x 2 groups on 4 ranks; 24 latitudes on 3 ranks (band offsets even: no re-band at the skip's join;
+    the defaults' test and test_example_bf16_rebands re-band)."""
     dp = 2 if size == 4 else 1
     lat = 24 if size == 3 else 16
     return ["--data-parallel", str(dp), "--lat", str(lat), "--lon", "16"]
@@ -152,3 +152,11 @@ def test_example_trains_with_fsdp_and_bf16(shared_dir):
     assert module.main([*args, "--fsdp", "--checkpoint-every", "1"]) == 0
     assert module.main([*args, "--fsdp", "--steps", "3", "--resume"]) == 0
     assert module.main([*args, "--bf16"]) == 0
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.world_sizes(3)
+def test_example_bf16_rebands():
+    """16 latitudes on 3 ranks (6, 5, 5): the skip's join re-bands bf16 bands (it used to refuse all but
+    float32/float64), within bf16's tolerance of one process."""
+    assert example().main(["--lat", "16", "--lon", "16", "--bf16", "--steps", "2"]) == 0

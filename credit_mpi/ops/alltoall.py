@@ -62,7 +62,7 @@ class Alltoall(Op):
 
     def local(self, t: Any, args: dict) -> Local:
         path, keep = args["path"], args["keep"]
-        check_float(t, path, "all-to-all of")
+        check_float(t, path, "all-to-all of", moved_only=True)
         transport = transport_name(args["transport"], path)
         split, cat = normalize_dim(args["split_dim"], t.ndim), normalize_dim(args["cat_dim"], t.ndim)
         if split == cat:

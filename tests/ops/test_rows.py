@@ -183,3 +183,22 @@ def test_a_map_name_is_registered_once():
     with pytest.raises(ValueError, match="'flip_along' is registered already"):
         row_map("flip_along", "again")(lambda counts, path: (counts, counts, lambda j: j))
     assert {"roll_along", "flip_along", "reband", "to_groups", "from_groups"} <= set(ROW_MAPS)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "complex128"])
+def test_a_move_carries_half_and_complex_bytes(world, dtype):
+    """A row move is bytes, no arithmetic: a bf16 model's join re-bands its bf16 bands (examples/train_unet.py --bf16
+    used to fail there with "float32/float64 tensors"), a spectrum its complex rows; bit for bit, gradient too."""
+    n, rank = world.Get_size(), world.Get_rank()
+    field = torch.arange(2 * 7 * 3, dtype=torch.float64).reshape(2, 7, 3)
+    field = (field + 1j * field if dtype == "complex128" else field).to(getattr(torch, dtype))
+    sizes = split(7, n, uneven=True)
+    rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    part = field[:, rows].clone().requires_grad_(dtype != "complex128")
+    moved = roll_along(part, 3, 1, world)
+    want = torch.roll(field, 3, 1)[:, rows]
+    assert moved.dtype == field.dtype and torch.equal(moved, want)
+    if part.requires_grad:
+        moved.backward(torch.ones_like(moved))
+        assert torch.equal(part.grad, torch.ones_like(part))
