@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -13,12 +15,30 @@ from credit_mpi.nn import convert_to_domain_parallel
 from credit_mpi.partition import band_range
 
 
+#: The data path of the converted models of run_both (``CREDIT_MPI_TEST_TRANSPORT=torch``: every model test
+#: through ``convert_to_domain_parallel(..., transport="torch")`` on gloo; the manager is bridged on first use).
+TRANSPORT = os.environ.get("CREDIT_MPI_TEST_TRANSPORT", "mpi")
+
+
+def transport_for(manager, transport=None) -> str:
+    """``transport`` (None: :data:`TRANSPORT`) for ``manager``; ``"torch"`` bridges the manager to gloo groups
+    first (collective over its communicator: run_both is called on every rank)."""
+    transport = TRANSPORT if transport is None else transport
+    if transport != "torch" or manager is None or manager.domain_parallel_size <= 1:
+        return "mpi"
+    from credit_mpi import torch_bridge
+
+    if not torch_bridge.is_bridged(manager):
+        credit_mpi.init_torch_distributed(manager, "gloo", timeout=timedelta(seconds=120))
+    return "torch"
+
+
 def bands_of(total: int, manager) -> tuple[int, int]:
     return band_range(total, manager.domain_parallel_size, manager.domain_rank, uneven=True)
 
 
 def run_both(build, shape, manager, *, seed=0, shard_dim=-2, dtype=torch.float64, replicated=False, steps=0, lr=0.05, sizes=None,
-             custom_converters=None):
+             custom_converters=None, transport=None):
     """Forward + backward of ``build()`` on one process and on bands; returns the pieces to compare.
 
     The loss is sum(out * weight) with a fixed random weight (each band: its rows; a replicated
@@ -28,7 +48,8 @@ def run_both(build, shape, manager, *, seed=0, shard_dim=-2, dtype=torch.float64
     """
     torch.manual_seed(seed)
     ref = build().to(dtype)
-    model = convert_to_domain_parallel(copy.deepcopy(ref), manager, shard_dim, custom_converters=custom_converters)
+    model = convert_to_domain_parallel(copy.deepcopy(ref), manager, shard_dim, custom_converters=custom_converters,
+                                       transport=transport_for(manager, transport))
     gen = torch.Generator().manual_seed(seed + 1)
     xg = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
     axis = shard_dim % len(shape)
