@@ -81,7 +81,15 @@ class Attention(nn.Module):
         return self.proj(o.transpose(-1, -2).reshape(b, c, lat, lon)) + x
 
 
-BUILDS = {"unet": (unet, (2, 2, 16, 8)), "everything": (Everything, (2, 2, 12, 6)), "attention": (Attention, (1, 2, 7, 4))}
+def _even_offsets(d: int) -> list[int]:
+    """Uneven bands whose offsets are even (Everything's pooled branch joins its transposed conv's output)."""
+    return [4] * (d - 1) + [6]
+
+
+# build, shape (of the domain size d), band sizes (None: array_split, uneven where it does not divide)
+BUILDS = {"unet": (unet, lambda d: (2, 2, 16, 8), None),
+          "everything": (Everything, lambda d: (2, 2, sum(_even_offsets(d)), 6), _even_offsets),
+          "attention": (Attention, lambda d: (1, 2, 7, 4), None)}
 
 
 @pytest.fixture
@@ -122,8 +130,9 @@ class Count:
 def test_a_model_through_the_torch_group_equals_one_process(name, bridged):
     """Forward, input gradient and reduced parameter gradients of two SGD steps: one process's (float64)."""
     manager = bridged()
-    build, shape = BUILDS[name]
-    assert_same(run_both(build, shape, manager, transport="torch", steps=2))
+    build, shape, sizes = BUILDS[name]
+    d = manager.domain_parallel_size
+    assert_same(run_both(build, shape(d), manager, transport="torch", steps=2, sizes=sizes and sizes(d)))
 
 
 @pytest.mark.mpi(min_size=2)
@@ -133,8 +142,10 @@ def test_no_byte_of_a_step_moves_over_mpi(bridged, monkeypatch):
     manager = bridged()
     torch.manual_seed(0)
     ref = Everything().double()
-    rows = 4 * manager.domain_parallel_size + 2 * (manager.domain_parallel_size > 2)  # uneven on 3 ranks
-    x = credit_mpi.shard_tensor(torch.randn(2, 2, 2 * rows, 6, dtype=torch.float64), -2, manager, uneven=True)
+    sizes = _even_offsets(manager.domain_parallel_size)
+    full = torch.randn(2, 2, sum(sizes), 6, dtype=torch.float64)
+    start = sum(sizes[: manager.domain_rank])
+    x = full.narrow(-2, start, sizes[manager.domain_rank]).contiguous()
     seen = {}
     for transport in ("torch", "mpi"):
         model = credit_mpi.convert_to_domain_parallel(copy.deepcopy(ref), manager, transport=transport)
@@ -212,43 +223,47 @@ def test_torch_without_the_bridge_names_init_torch_distributed(make_manager):
 
 
 class Syncs:
-    """Calls of the adapters' stream and device synchronisations (the torch adapter's), while installed."""
+    """Calls of the torch adapter's stream and device synchronisations and of its one wait per exchange, while installed."""
 
     def __init__(self, monkeypatch) -> None:
-        self.stream = self.device = 0
+        self.calls = {"sync_stream": 0, "sync_device": 0, "wait_event": 0}
         torch_adapter = adapters.adapter_of(torch.zeros(1))
+        for name in self.calls:
+            def counted(x, _name=name):
+                self.calls[_name] += 1
 
-        def stream(x):
-            self.stream += 1
-
-        def device(x):
-            self.device += 1
-
-        monkeypatch.setattr(torch_adapter, "sync_stream", staticmethod(stream))
-        monkeypatch.setattr(torch_adapter, "sync_device", staticmethod(device))
+            monkeypatch.setattr(torch_adapter, name, staticmethod(counted))
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.world_sizes(2, 3)
 def test_a_step_on_the_torch_path_synchronises_nothing(bridged, monkeypatch):
-    """With a simulated device (CPU tensors taken for device memory and sent to a "CUDA-aware" MPI), a step on
-    the MPI path waits for the stream before every exchange; on the torch path (stream-ordered: NCCL on GPUs)
-    it synchronises neither a stream nor the device: zero host syncs a step."""
+    """With a simulated device (CPU tensors taken for device memory and sent to a "CUDA-aware" MPI): on the torch
+    path (stream-ordered: NCCL on GPUs) a step synchronises neither a stream nor the device, nor waits on an event:
+    zero host syncs a step. On the CUDA-aware MPI path every exchange waits once, on an event of the producing stream
+    (``wait_event``), and never for the whole device or a stream's later work."""
     from credit_mpi import gpu
 
     manager = bridged()
     torch.manual_seed(0)
     ref = Everything().double()
-    x = credit_mpi.shard_tensor(torch.randn(2, 2, 8 * manager.domain_parallel_size, 6, dtype=torch.float64), -2, manager)
+    sizes = _even_offsets(manager.domain_parallel_size)
+    full = torch.randn(2, 2, sum(sizes), 6, dtype=torch.float64)
+    x = full.narrow(-2, sum(sizes[: manager.domain_rank]), sizes[manager.domain_rank]).contiguous()
     monkeypatch.setattr(arrays, "_SIMULATE_DEVICE", True)
     monkeypatch.setattr(arrays, "host_bytes", lambda x, adapter=None: None)  # every array: "device memory"
+    monkeypatch.setattr(arrays, "host_numpy", lambda x, adapter=None: None)
     monkeypatch.setattr(gpu, "is_cuda_aware", lambda comm=None: True)
-    seen = {}
+    seen, moves = {}, {}
     for transport in ("torch", "mpi"):
         model = credit_mpi.convert_to_domain_parallel(copy.deepcopy(ref), manager, transport=transport)
         model(x.clone().requires_grad_()).square().sum().backward()
-        syncs = Syncs(monkeypatch)
-        model(x.clone().requires_grad_()).square().sum().backward()
-        seen[transport] = (syncs.stream, syncs.device)
-    assert seen["torch"] == (0, 0), seen
-    assert seen["mpi"][0] > 0, seen  # the MPI path waits for the producing stream (CUDA-aware: no staging copy)
+        with monkeypatch.context() as step:
+            syncs, count = Syncs(step), Count(step)
+            out = model(x.clone().requires_grad_())
+            out.square().sum().backward()
+            seen[transport], moves[transport] = dict(syncs.calls), dict(count.calls)
+        torch.testing.assert_close(out, ref(full).narrow(-2, sum(sizes[: manager.domain_rank]), sizes[manager.domain_rank]))
+    assert seen["torch"] == {"sync_stream": 0, "sync_device": 0, "wait_event": 0}, seen
+    assert seen["mpi"]["sync_stream"] == seen["mpi"]["sync_device"] == 0, seen
+    assert seen["mpi"]["wait_event"] == moves["mpi"]["MpiMoves"] > 0, (seen, moves)
