@@ -14,7 +14,6 @@ import credit_mpi
 from credit_mpi.nn import convert_to_domain_parallel
 from credit_mpi.partition import band_range
 
-
 #: The data path of the converted models of run_both (``CREDIT_MPI_TEST_TRANSPORT=torch``: every model test
 #: through ``convert_to_domain_parallel(..., transport="torch")`` on gloo; the manager is bridged on first use).
 TRANSPORT = os.environ.get("CREDIT_MPI_TEST_TRANSPORT", "mpi")

@@ -141,7 +141,7 @@ class _SqueezeExcite(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+        self.conv = torch.nn.Conv2d(2, 2, 3, padding=1)
 
     def forward(self, x):
         y = self.conv(x)

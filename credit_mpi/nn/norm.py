@@ -39,8 +39,8 @@ from torch.autograd.function import once_differentiable
 
 from ..autograd import check_backward_thread
 from ..partition import normalize_dim
-from ..validation import Local, agree_cached
 from ..transport import paths
+from ..validation import Local, agree_cached
 from ._comm import _eager, agree, agree_blocks, allgather_stats
 from .base import DomainParallelModule
 from .base import no_empty_band as _no_empty
