@@ -162,7 +162,9 @@ def main(argv=None) -> int:
             model = credit_mpi.convert_to_domain_parallel(copy.deepcopy(ref), manager, transport=transport)
             variants.append((name, model, xb, (lambda m=model: credit_mpi.reduce_gradients(list(m.parameters()), manager)),
                              False, route))
-        if h % n == 0:
+        if device == "cuda" and chosen != "nccl":
+            lines.append(f"{model_name}: CREDIT skipped (its halo sends CUDA tensors point to point: NCCL, one GPU per rank)")
+        elif h % n == 0:
             theirs, reduce = _models()._credit_converter(copy.deepcopy(ref), manager)
             if theirs is not None:
                 variants.append(("CREDIT", theirs, xb, reduce, False, None))
