@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -12,13 +14,33 @@ import credit_mpi
 from credit_mpi.nn import convert_to_domain_parallel
 from credit_mpi.partition import band_range
 
+#: The data path of the converted models of run_both (``CREDIT_MPI_TEST_TRANSPORT=torch``: every model test
+#: through ``convert_to_domain_parallel(..., transport="torch")`` on gloo; the manager is bridged on first use).
+TRANSPORT = os.environ.get("CREDIT_MPI_TEST_TRANSPORT", "mpi")
+
+
+def transport_for(manager, transport=None) -> tuple[str, bool]:
+    """``(transport, bridged here)``: ``transport`` (None: :data:`TRANSPORT`) for ``manager``; ``"torch"`` bridges
+    the manager to gloo groups first when it is not (collective over its communicator: run_both is called on
+    every rank of it), and the caller destroys that bridge again (the manager's communicator may be freed before
+    the manager: tests/halo_reference.prefix_managers)."""
+    transport = TRANSPORT if transport is None else transport
+    if transport != "torch" or manager is None or manager.domain_parallel_size <= 1:
+        return "mpi", False
+    from credit_mpi import torch_bridge
+
+    if torch_bridge.is_bridged(manager):
+        return "torch", False
+    credit_mpi.init_torch_distributed(manager, "gloo", timeout=timedelta(seconds=120))
+    return "torch", True
+
 
 def bands_of(total: int, manager) -> tuple[int, int]:
     return band_range(total, manager.domain_parallel_size, manager.domain_rank, uneven=True)
 
 
 def run_both(build, shape, manager, *, seed=0, shard_dim=-2, dtype=torch.float64, replicated=False, steps=0, lr=0.05, sizes=None,
-             custom_converters=None):
+             custom_converters=None, transport=None):
     """Forward + backward of ``build()`` on one process and on bands; returns the pieces to compare.
 
     The loss is sum(out * weight) with a fixed random weight (each band: its rows; a replicated
@@ -26,9 +48,20 @@ def run_both(build, shape, manager, *, seed=0, shard_dim=-2, dtype=torch.float64
     reduce_gradients. ``sizes`` gives the band layout (default: array_split). With ``steps`` > 0, that many SGD steps are taken on both and the final
     parameters are returned too.
     """
+    transport, bridged = transport_for(manager, transport)
+    try:
+        return _run_both(build, shape, manager, seed, shard_dim, dtype, replicated, steps, lr, sizes, custom_converters,
+                         transport)
+    finally:
+        if bridged:
+            credit_mpi.destroy_torch_distributed(manager)
+
+
+def _run_both(build, shape, manager, seed, shard_dim, dtype, replicated, steps, lr, sizes, custom_converters, transport):
     torch.manual_seed(seed)
     ref = build().to(dtype)
-    model = convert_to_domain_parallel(copy.deepcopy(ref), manager, shard_dim, custom_converters=custom_converters)
+    model = convert_to_domain_parallel(copy.deepcopy(ref), manager, shard_dim, custom_converters=custom_converters,
+                                       transport=transport)
     gen = torch.Generator().manual_seed(seed + 1)
     xg = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
     axis = shard_dim % len(shape)

@@ -24,6 +24,7 @@ import pytest
 from mpi4py import MPI
 
 import credit_mpi
+import credit_mpi.nn
 
 from .conftest import ROOT
 
@@ -52,7 +53,7 @@ def train(model, x, y, steps: int, manager) -> list[float]:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_compiled_unet_equals_eager(make_manager):
+def test_compiled_unet_equals_eager(make_manager, record_property):
     if MPI.COMM_WORLD.Get_size() != 2:
         pytest.skip("one compile on 2 ranks is enough (slow on small machines)")
     torch._dynamo.reset()
@@ -70,6 +71,7 @@ def test_compiled_unet_equals_eager(make_manager):
     from torch._dynamo.utils import counters
 
     assert counters["stats"]["unique_graphs"] > 0  # something was compiled, not all skipped
+    report(record_property, "unet")
 
 
 class _NormAttention(torch.nn.Module):
@@ -114,3 +116,94 @@ def test_compiled_norm_attention_model_equals_eager(make_manager):
     assert train(compiled, x, y, 2, manager) == train(eager, x, y, 2, manager)
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def graph_breaks() -> tuple[int, int]:
+    """``(graphs compiled, graph breaks)`` since the last ``torch._dynamo.reset()`` (dynamo's counters)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
+
+
+def report(record_property, name: str) -> tuple[int, int]:
+    """The graph and graph-break counts of a compiled case, as a test property (``--junitxml``) and on stdout (``-s``)."""
+    graphs, breaks = graph_breaks()
+    record_property(f"{name}_graphs", graphs)
+    record_property(f"{name}_graph_breaks", breaks)
+    print(f"compile {name} on {MPI.COMM_WORLD.Get_size()} rank(s): {graphs} graphs, {breaks} graph breaks")
+    return graphs, breaks
+
+
+class _SqueezeExcite(torch.nn.Module):
+    """A conv, then ``y * y.mean((2, 3), keepdim=True)``: the mean over the sharded dim is a domain sum whose output
+    is replicated (:class:`credit_mpi.nn.replicated.Replicated`); under dynamo its ``_base`` was a view of a view...
+    (``InternalTorchDynamoError: RecursionError`` on every rank, issue 35)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y * y.mean((2, 3), keepdim=True)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.world_sizes(1, 2, 3)
+def test_compiled_squeeze_excite_equals_eager(make_manager, record_property):
+    """The squeeze-excite block compiles (``aot_eager``) on bands and trains as eager does, bit for bit."""
+    torch._dynamo.reset()
+    manager = make_manager()
+    torch.manual_seed(0)
+    ref = _SqueezeExcite().double()
+    eager = credit_mpi.convert_to_domain_parallel(copy.deepcopy(ref), manager)
+    model = credit_mpi.convert_to_domain_parallel(copy.deepcopy(ref), manager)
+    full = torch.from_numpy(np.random.default_rng(2).standard_normal((2, 2, 2 * manager.domain_parallel_size + 1, 5)))
+    x = credit_mpi.shard_tensor(full, -2, manager, uneven=True)
+    y = torch.roll(x, 1, dims=-1)
+    compiled = torch.compile(model, backend="aot_eager")
+    assert train(compiled, x, y, 2, manager) == train(eager, x, y, 2, manager)
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(p, q)
+    graphs, _ = report(record_property, "squeeze_excite")
+    assert graphs > 0
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.world_sizes(2)
+@pytest.mark.xfail(strict=True, raises=credit_mpi.nn.ConversionError,
+                   reason="issue 35: the aot_eager graph of WXFormer's CrossEmbed runs aten ops (constant_pad_nd.default "
+                          "of its ZeroPad2d) under the judge's tracker, which has rules for torch functions, not aten "
+                          "overloads: ConversionError on every rank (no hang, nothing wrong computed)")
+def test_compiled_wxformer_equals_eager(make_manager, record_property):
+    """CREDIT's WXFormer (the example configuration of tests/test_credit_models.py) compiles on 2 bands: its forward,
+    input gradient and parameter gradients are eager's bit for bit; its graph breaks are reported."""
+    pytest.importorskip("einops")
+    pytest.importorskip("credit")
+    from .credit_stand_ins import credit_models
+
+    _, wxformer = credit_models()
+    torch._dynamo.reset()
+    manager = make_manager()
+    d = manager.domain_parallel_size
+    torch.manual_seed(0)
+    ref = wxformer.CrossFormer(
+        image_height=32 * d, image_width=32, interp=False, frames=1, channels=1, surface_channels=1, input_only_channels=0,
+        levels=2, dim=(4, 8, 16, 32), depth=(1, 1, 1, 1), dim_head=4, global_window_size=(2, 1, 1, 1),
+        local_window_size=2, cross_embed_kernel_sizes=((2, 4),) * 4, cross_embed_strides=(2, 2, 2, 2),
+        use_spectral_norm=False).double()
+    eager = credit_mpi.convert_to_domain_parallel(copy.deepcopy(ref), manager)
+    model = credit_mpi.convert_to_domain_parallel(copy.deepcopy(ref), manager)
+    full = torch.from_numpy(np.random.default_rng(3).standard_normal((1, 3, 1, 32 * d, 32)))
+    x = credit_mpi.shard_tensor(full, -2, manager)
+    outs = []
+    for m in (torch.compile(model, backend="aot_eager"), eager):
+        xi = x.clone().requires_grad_()
+        out = m(xi)
+        out.square().sum().backward()
+        outs.append((out.detach(), xi.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+    graphs, _ = report(record_property, "wxformer")
+    assert graphs > 0

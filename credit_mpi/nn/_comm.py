@@ -13,6 +13,11 @@
 * :func:`overlap_add` - the adjoint of a halo exchange (transposed
   convolutions), an op of the engine whose adjoint is the exchange
   (differentiable twice).
+* the data path (:mod:`credit_mpi.transport.paths`): every function here
+  that moves data moves it on the converted forward's path
+  (:func:`credit_mpi.transport.paths.current`: MPI, or the torch group of
+  ``convert_to_domain_parallel(..., transport="torch")``); the agreements
+  are MPI's whatever the path.
 * :func:`share_failure` / :func:`forward_done` - the converted model's
   forward ends in one agreement, and a rank-local exception anywhere inside
   it takes part in the agreement the other ranks are in (the next layer's
@@ -39,6 +44,7 @@ from ..ops import halo as halo_op
 from ..ops.halo import Plan2d
 from ..ops.statistics import gather_agreed
 from ..partition import check_halo_width
+from ..transport import paths
 from ..transport.moves import MpiMoves
 from ..validation import DomainParallelError, Local, agree_cached, comm_label
 from ..validation import agree as agree_once
@@ -164,11 +170,13 @@ def share_failure(comm: MPI.Comm, exc: Exception) -> NoReturn:
 
 
 @_eager
-def forward_start(comm: MPI.Comm, mine: tuple, last: tuple | None) -> bool:
+def forward_start(comm: MPI.Comm, mine: tuple, last: tuple | None, transport: str = "mpi") -> bool:
     """The first agreement of a converted forward (one fixed-size ``Allgather``): True on every rank when every
     rank's inputs (``mine``: their description) are those of its last forward (``last``), so the layers that
-    make no MPI call may skip their agreements (:func:`credit_mpi.agreement.quiet_forward`)."""
-    _, counts = agree_once(comm, "layer", lambda: Local(None, ("forward start",), (), int(mine == last)))
+    make no MPI call may skip their agreements (:func:`credit_mpi.agreement.quiet_forward`). ``transport``: the
+    name of the model's data path (:mod:`credit_mpi.transport.paths`), agreed here: a rank converted with
+    another transport raises on every rank before any data moves."""
+    _, counts = agree_once(comm, "layer", lambda: Local(None, ("forward start", transport), (), int(mine == last)))
     return all(counts)
 
 
@@ -228,7 +236,13 @@ def fetch_rows(
     axis, a, total = bands.axis, bands.start, bands.total
     exchange = "zero" if boundary == "replicate" else boundary
     # the layer's agreement (``bands``) covered what the exchange's would: one agreement per layer call
-    padded = exchange_agreed(x, width, axis, manager, exchange, tuple(bands.sizes)) if width else x
+    path = paths.current()
+    if not width:
+        padded = x
+    elif path is paths.MPI_PATH or exchange_agreed is not _EXCHANGE_AGREED:  # (local_halos: its stand-in)
+        padded = exchange_agreed(x, width, axis, manager, exchange, tuple(bands.sizes))
+    else:
+        padded = _exchange_on(path, x, width, axis, manager, exchange, tuple(bands.sizes))
     first = lo - (a - width)
     # the whole padded band as it is when that is the window (narrow's backward would copy the gradient into zeros)
     rows = padded if first == 0 and hi - lo == padded.shape[axis] else padded.narrow(axis, first, hi - lo)
@@ -248,16 +262,30 @@ def fetch_rows(
     return rows
 
 
+_EXCHANGE_AGREED = exchange_agreed
+
+
+def _exchange_on(path: paths.DataPath, x: torch.Tensor, width: int, axis: int, manager: Any, boundary: str,
+                 sizes: tuple[int, ...]) -> torch.Tensor:
+    """:func:`credit_mpi.halo.exchange_agreed` on ``path`` (not MPI): the same agreed plan, its moves the path's."""
+    comm = live_domain_comm(manager) or domain_of(manager).comm
+    plan = agreed_plan(halo_op.BANDS, x, comm, sizes, halo_width=width, dim=axis, boundary=boundary, transport="mpi",
+                       manager=manager)
+    return apply_agreed(halo_op.BANDS, x, path.rebind(plan, comm))
+
+
 @_eager
-def allgather_stats(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
+def allgather_stats(t: torch.Tensor, comm: MPI.Comm, path: paths.DataPath | None = None) -> torch.Tensor:
     """Stack every rank's ``t`` (float32/float64) along a new first dim; differentiable.
 
     The backward sums the gradient over the ranks (each rank's loss is its
     share of the global loss, as :func:`credit_mpi.reduce_gradients` assumes).
     The op :mod:`credit_mpi.ops.statistics`, run with the calling layer's
-    agreement (it covers the shape, dtype, device and autograd state of ``t``).
+    agreement (it covers the shape, dtype, device and autograd state of ``t``). ``path``: the data path
+    (None: the converted forward's, :func:`credit_mpi.transport.paths.current`; a backward outside the
+    forward passes the one its forward saw).
     """
-    return gather_agreed(t, comm)
+    return gather_agreed(t, comm, (path or paths.current()).transport(comm))
 
 
 class _Transposed(Op):
@@ -308,7 +336,7 @@ def overlap_add(y: torch.Tensor, rows: int, width: int, axis: int, manager: Any,
     own = y.detach().narrow(axis, width, rows)
     plan = agreed_plan(halo_op.BANDS, own, comm, tuple(sizes), halo_width=width, dim=axis, boundary="zero",
                        transport="mpi", manager=manager)
-    return _overlap_add_with(y, halo_op.BANDS, plan)
+    return _overlap_add_with(y, halo_op.BANDS, paths.current().rebind(plan, comm))
 
 
 # --------------------------------------------------------------------------- the 2-D domain grid
@@ -476,5 +504,6 @@ def _grid_plan(x: torch.Tensor, heights, widths, width: tuple[int, int], axes: t
     grid = grid_of(manager, domain.size)
     comm = grid_comm(domain)
     row, col = grid_coords(domain.rank, grid)
-    return Plan2d(comm, grid, row, col, axes[0], axes[1], width[0], width[1], boundary[0], boundary[1], tuple(x.shape),
+    plan = Plan2d(comm, grid, row, col, axes[0], axes[1], width[0], width[1], boundary[0], boundary[1], tuple(x.shape),
                   tuple(heights), tuple(widths), None, MpiMoves(comm))
+    return paths.current().rebind(plan, comm)  # the converted forward's data path (its peers: the domain ranks)

@@ -1,8 +1,9 @@
 """A converted convolution's halo, overlapped with its interior rows (issue 26, item 1).
 
 :func:`overlapped_conv` starts the exchange of the edge rows (posted on the
-transport protocol's :class:`~credit_mpi.transport.moves.MpiMoves` over the
-domain group), convolves the output rows whose window lies in the band
+transport protocol's moves object of the converted forward's data path,
+:func:`credit_mpi.transport.paths.current`: :class:`~credit_mpi.transport.moves.MpiMoves`
+over the domain group, or the mirrored torch group), convolves the output rows whose window lies in the band
 (they need no neighbour), then waits for the halo rows and convolves the few
 edge rows; the result is the non-overlapped layer's, row for row. Its
 backward (:class:`_HaloRows`) sends the halo rows' gradients home with the
@@ -27,7 +28,8 @@ from mpi4py import MPI
 from torch.autograd.function import once_differentiable
 
 from ..autograd import check_backward_thread
-from ..transport.moves import RECV, SEND, MpiMoves, swap_edges
+from ..transport import paths
+from ..transport.moves import RECV, SEND, swap_edges
 from ._comm import _eager
 
 # a tag per direction: on 2 periodic bands prev and next are one rank, whose two messages must not swap
@@ -35,23 +37,30 @@ _UP, _DOWN, _GRAD_UP, _GRAD_DOWN = 2601, 2602, 2603, 2604
 
 
 class _Pending:
-    """An exchange under way (:meth:`MpiMoves.post <credit_mpi.transport.moves.MpiMoves.post>`): this band's edge
-    rows sent, the neighbours' being received (zeros where there is none)."""
+    """An exchange under way (:meth:`MpiMoves.post <credit_mpi.transport.moves.MpiMoves.post>` or a torch
+    transport's ``post``): this band's edge rows sent, the neighbours' being received (zeros where there is none).
 
-    def __init__(self, x: torch.Tensor, axis: int, width: int, comm: MPI.Comm, prev: int | None, nxt: int | None):
+    The messages go in :func:`~credit_mpi.transport.moves.swap_edges`' order (the same on every rank: a
+    transport that matches messages in issue order, NCCL, pairs them on two periodic bands too).
+    """
+
+    def __init__(self, x: torch.Tensor, axis: int, width: int, comm: MPI.Comm, prev: int | None, nxt: int | None,
+                 moves: Any):
         self.shape = list(x.shape)
         self.shape[axis] = width
-        self.axis, self.width, self.comm, self.prev, self.next = axis, width, comm, prev, nxt
+        self.axis, self.width, self.comm, self.prev, self.next, self.moves = axis, width, comm, prev, nxt, moves
         rows = x.shape[axis]
         self.top = torch.zeros(self.shape, dtype=x.dtype)
         self.bottom = torch.zeros(self.shape, dtype=x.dtype)
         self.sent = [x.detach().narrow(axis, 0, width).contiguous(), x.detach().narrow(axis, rows - width, width).contiguous()]
         ops = []
         if prev is not None:
-            ops += [(RECV, self.top, prev, _DOWN), (SEND, self.sent[0], prev, _UP)]
+            ops.append((SEND, self.sent[0], prev, _UP))
         if nxt is not None:
             ops += [(RECV, self.bottom, nxt, _UP), (SEND, self.sent[1], nxt, _DOWN)]
-        self.posted = MpiMoves(comm).post(ops)
+        if prev is not None:
+            ops.append((RECV, self.top, prev, _DOWN))
+        self.posted = moves.post(ops)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.posted.wait()
@@ -77,7 +86,7 @@ class _HaloRows(torch.autograd.Function):
         check_backward_thread()
         p = ctx.pending
         # my top halo is prev's last rows: its gradient goes back to prev; prev's bottom one is my first rows'
-        from_next, from_prev = swap_edges(MpiMoves(p.comm), g_top.contiguous() if p.prev is not None else None,
+        from_next, from_prev = swap_edges(p.moves, g_top.contiguous() if p.prev is not None else None,
                                           g_bottom.contiguous() if p.next is not None else None, p.prev, p.next,
                                           tags=(_GRAD_UP, _GRAD_DOWN))
         shape = list(p.shape)
@@ -112,7 +121,7 @@ def overlapped_conv(x: torch.Tensor, conv: Callable[[torch.Tensor], torch.Tensor
     """
     rows = x.shape[axis]
     j_lo, j_hi = parts
-    pending = _Pending(x, axis, width, comm, *neighbours)
+    pending = _Pending(x, axis, width, comm, *neighbours, paths.current().moves(comm))
     start = first + j_lo * stride - width  # the band's row of the interior's first window
     interior = conv(x.narrow(axis, start, (j_hi - 1 - j_lo) * stride + span))
     if torch.is_grad_enabled() and x.requires_grad:  # agreed by the layer: every rank's backward sends, or none

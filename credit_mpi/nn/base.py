@@ -30,6 +30,7 @@ from ..agreement import quiet_forward, quiet_known, remember_quiet
 from ..grid import grid_of
 from ..manager import DomainParallelManager
 from ..partition import normalize_dim
+from ..transport import paths
 from ..validation import Local
 from ..validation import agree as agree_once
 from ._comm import forward_done, forward_start, share_failure
@@ -292,8 +293,10 @@ class ForwardGuard:
     ``ConversionError`` (shared like any other exception).
     """
 
-    def __init__(self, module: torch.nn.Module, ref: ManagerRef, shard_dim: int = -2) -> None:
+    def __init__(self, module: torch.nn.Module, ref: ManagerRef, shard_dim: int = -2,
+                 path: paths.DataPath = paths.MPI_PATH) -> None:
         self.module, self.ref, self.shard_dim = module, ref, shard_dim
+        self.path = path  # the data path of every layer and rule (credit_mpi.transport.paths)
         self._last_inputs: tuple | None = None  # this rank's inputs to the last forward (forward_start compares them)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -309,10 +312,10 @@ class ForwardGuard:
         agreements must run every call), the model's own forward below it is still compiled."""
         comm = manager.domain_group
         mine = _inputs_described(module, args, kwargs)
-        same = forward_start(comm, mine, self._last_inputs)
+        same = forward_start(comm, mine, self._last_inputs, self.path.name)
         self._last_inputs = mine
         try:
-            with quiet_forward(comm, same), judged(module, self.shard_dim, manager, (args, kwargs)) as tracker:
+            with paths.using(self.path), quiet_forward(comm, same), judged(module, self.shard_dim, manager, (args, kwargs)) as tracker:
                 out = _at_root(tracker, module, forward, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - raised again on every rank
             share_failure(comm, exc)
@@ -327,10 +330,10 @@ class ForwardGuard:
     def __deepcopy__(self, memo: dict) -> ForwardGuard:
         import copy
 
-        return ForwardGuard(copy.deepcopy(self.module, memo), self.ref, self.shard_dim)
+        return ForwardGuard(copy.deepcopy(self.module, memo), self.ref, self.shard_dim, self.path)
 
     def __reduce__(self):
-        return (ForwardGuard, (self.module, self.ref, self.shard_dim))
+        return (ForwardGuard, (self.module, self.ref, self.shard_dim, self.path))
 
 
 def _inputs_described(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -362,12 +365,16 @@ def _at_root(tracker: Any, module: torch.nn.Module, forward: Callable, args: tup
     return out if new_out is None else new_out
 
 
-def guard_forward(root: torch.nn.Module, manager: DomainParallelManager | None, shard_dim: int = -2) -> torch.nn.Module:
-    """Install (or renew) the :class:`ForwardGuard` of a converted model's root."""
-    if isinstance(root.__dict__.get("forward"), ForwardGuard):
+def guard_forward(root: torch.nn.Module, manager: DomainParallelManager | None, shard_dim: int = -2,
+                  path: paths.DataPath | None = None) -> torch.nn.Module:
+    """Install (or renew) the :class:`ForwardGuard` of a converted model's root (``path``: its data path,
+    :mod:`credit_mpi.transport.paths`; None: the old guard's, or MPI)."""
+    old = root.__dict__.get("forward")
+    if isinstance(old, ForwardGuard):
+        path = old.path if path is None else path
         del root.__dict__["forward"]
     if manager is not None:
-        root.__dict__["forward"] = ForwardGuard(root, ManagerRef(manager), shard_dim)
+        root.__dict__["forward"] = ForwardGuard(root, ManagerRef(manager), shard_dim, path or paths.MPI_PATH)
     return root
 
 

@@ -52,6 +52,7 @@ from torch import nn
 
 from ..grid import grid_of
 from ..manager import DomainParallelManager, get_domain_parallel_manager
+from ..transport import paths
 from ..validation import check_int
 from . import conv, dropout, judge, norm, resample  # noqa: F401 - the layers register their rules; judge the custom forwards
 from .base import DomainParallelModule, adopt, guard_forward
@@ -76,6 +77,7 @@ def convert_to_domain_parallel(
     shard_dim: int = -2,
     *,
     custom_converters: dict[type, Callable[[nn.Module, Any, int], nn.Module]] | None = None,
+    transport: Any = "mpi",
 ) -> nn.Module:
     """Convert ``model`` to run on latitude bands; USE THE RETURN VALUE (the root may be replaced).
 
@@ -92,12 +94,21 @@ def convert_to_domain_parallel(
         shard_dim: The sharded dimension of the layers' inputs (default -2: latitude).
         custom_converters: ``{ModuleType: fn(module, manager, shard_dim) -> replacement}``,
             checked before the built-in table (see :func:`keep_local`).
+        transport: What every layer's and every rule's data (halos, overlap-add, statistics, domain
+            sums, re-bands, attention's gathers and all-to-alls) moves on: ``"mpi"`` (default),
+            ``"torch"`` (the torch.distributed group mirroring the domain group: NCCL on GPUs, gloo on
+            CPU; :func:`credit_mpi.init_torch_distributed` first), or a transport object over the
+            domain ranks (``TorchMoves(manager.torch_group("domain"))``). The agreements stay MPI
+            collectives of host metadata; the ranks agree on the transport at every forward's start.
+            See :mod:`credit_mpi.transport.paths` and docs/gpus.rst.
 
     Returns:
         The converted model.
 
     Raises:
         ConversionError: a module without a rule (named by its path), on every rank alike.
+        ValueError: ``transport`` is not a transport.
+        DomainParallelError: ``transport="torch"`` on a manager without torch groups.
         TypeError: ``model`` is not an ``nn.Module`` or a converter is not callable.
     """
     if not isinstance(model, nn.Module):
@@ -105,7 +116,8 @@ def convert_to_domain_parallel(
     shard_dim = check_int("shard_dim", shard_dim)
     custom = check_custom(custom_converters)
     manager = get_domain_parallel_manager() if manager is None else manager
-    return guard_forward(_convert(model, "", manager, shard_dim, custom), manager, shard_dim)
+    path = paths.path_of(transport, manager)
+    return guard_forward(_convert(model, "", manager, shard_dim, custom), manager, shard_dim, path)
 
 
 def check_custom(custom_converters: dict | None) -> dict:

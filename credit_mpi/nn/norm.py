@@ -39,6 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from ..autograd import check_backward_thread
 from ..partition import normalize_dim
+from ..transport import paths
 from ..validation import Local, agree_cached
 from ._comm import _eager, agree, agree_blocks, allgather_stats
 from .base import DomainParallelModule
@@ -195,6 +196,7 @@ class _BandNorm(torch.autograd.Function):
             y = y.add_(_flat(eb, acc))
         ctx.save_for_backward(x, weight, ew, mean, rstd)
         ctx.groups, ctx.comm, ctx.count = groups, comm, float(total.reshape(-1)[0])
+        ctx.path = paths.current()  # the backward's gather moves on the forward's data path
         ctx.eb = None if eb is None else (eb.shape, eb.dtype)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.to(x.dtype)
@@ -226,7 +228,7 @@ class _BandNorm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # x.requires_grad is agreed by the layer: every rank gathers or none
             w = 1.0 if weight is None else weight.to(acc)
             mine = torch.stack([_per_group(db * w, ctx.groups), _per_group(dsx * w, ctx.groups)])
-            sums = allgather_stats(mine, ctx.comm).sum(0) / ctx.count
+            sums = allgather_stats(mine, ctx.comm, ctx.path).sum(0) / ctx.count
             s1, s2 = _per_channel(sums[0], c), _per_channel(sums[1], c)
             b = -rstd_c * rstd_c * s2  # gx = rstd * (w g - s1 - xhat s2) as a * gh + b * x + shift, one pass each
             shift = rstd_c * (mean_c * rstd_c * s2 - s1)

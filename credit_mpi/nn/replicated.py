@@ -29,12 +29,19 @@ class Replicated(torch.Tensor):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
+        if func in _PLAIN:
+            return out  # what the tensor is made of, not a result (as_subclass makes a view: its _base again...)
         leaves, _ = tree_flatten((args, kwargs))
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         if not all(isinstance(t, (Replicated, torch.nn.Parameter)) for t in tensors):
             return out  # computed from a band too: a band
         inputs = {id(t) for t in tensors}
         return tree_map_only(torch.Tensor, lambda t: t if id(t) in inputs else t.as_subclass(Replicated), out)
+
+
+# attribute reads answered as they are: a replicated tensor's ``_base`` (``as_subclass`` of it would be a view whose
+# ``_base`` is wrapped again: torch.compile's dynamo walks that chain, a RecursionError) and its gradients
+_PLAIN = frozenset(getattr(torch.Tensor, name).__get__ for name in ("_base", "grad", "_grad", "grad_fn"))
 
 
 def replicated(t: torch.Tensor) -> torch.Tensor:

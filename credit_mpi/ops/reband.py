@@ -198,9 +198,10 @@ def agree_rows(rows: list[int], tensors: list[torch.Tensor], dim: int, comm: MPI
 
 
 def join_moved(t: torch.Tensor, dim: int, comm: MPI.Comm, counts: tuple[int, ...], sizes: tuple[int, ...],
-               path: str) -> torch.Tensor:
-    """This rank's band of ``t`` (every rank's rows: ``counts``, agreed by :func:`join_layouts`) in the layout ``sizes``."""
+               path: str, transport: Any = "mpi") -> torch.Tensor:
+    """This rank's band of ``t`` (every rank's rows: ``counts``, agreed by :func:`join_layouts`) in the layout ``sizes``
+    (``transport``: what the rows move on, as :func:`reband`'s; the same on every rank: a converted model's data path)."""
     from ..engine import run_agreed
 
     return run_agreed(MOVE_ROWS, t, comm, list(counts), dim=dim, map="reband",
-                      params=(("target", _target_of(sizes, None, None)),), path=f"{path}: re-band to join", transport="mpi")
+                      params=(("target", _target_of(sizes, None, None)),), path=f"{path}: re-band to join", transport=transport)

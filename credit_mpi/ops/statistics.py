@@ -51,8 +51,9 @@ class Statistics(Op):
     name = "statistics"
 
     def key(self, t: Any, args: dict) -> Hashable | None:
-        if args:  # under a caller's agreement (gather_agreed): the plan depends on the communicator alone
-            return ()
+        if args:  # under a caller's agreement (gather_agreed): the plan depends on the communicator and transport alone
+            transport = args.get("transport", "mpi")
+            return () if isinstance(transport, str) else ("transport", id(transport))
         try:  # torch's own hashable shape and dtype, no strings made
             return (t.shape, t.dtype, t.device.type)
         except AttributeError:  # not a tensor: agreed every call (local() raises the TypeError on every rank)
@@ -71,7 +72,8 @@ class Statistics(Op):
         raise ValueError(f"statistics: every rank must pass a tensor of the same shape, dtype and device type ({detail})")
 
     def plan(self, mine: Any, counts: list[int], comm: MPI.Comm, args: dict) -> _Plan:
-        return _Plan(comm, comm.Get_size(), comm.Get_rank(), MpiMoves(comm))
+        transport = args.get("transport", "mpi")
+        return _Plan(comm, comm.Get_size(), comm.Get_rank(), MpiMoves(comm) if isinstance(transport, str) else transport)
 
     def kernel(self, t: Any, p: _Plan) -> Any:
         send = t.detach().contiguous()
@@ -94,6 +96,7 @@ def gather_statistics(t: Any, comm: MPI.Comm) -> Any:
     return run(STATISTICS, t, comm)
 
 
-def gather_agreed(t: Any, comm: MPI.Comm) -> Any:
-    """:func:`gather_statistics` for a caller whose agreement covers ``t``'s shape, dtype, device and autograd state."""
-    return run_agreed(STATISTICS, t, comm, (), agreed=True)  # the plan is remembered per (comm, autograd)
+def gather_agreed(t: Any, comm: MPI.Comm, transport: Any = "mpi") -> Any:
+    """:func:`gather_statistics` for a caller whose agreement covers ``t``'s shape, dtype, device and autograd state
+    (and the transport: ``"mpi"``, or a transport object over ``comm``'s ranks, a converted model's data path)."""
+    return run_agreed(STATISTICS, t, comm, (), agreed=True, transport=transport)  # the plan is remembered per (comm, autograd)

@@ -196,7 +196,7 @@ class NumpyAdapter(_NumpyLike):
     def as_bytes(x: Any) -> Any:
         return x.reshape(-1).view(np.uint8)
 
-    sync_stream = sync_device = staticmethod(lambda x: None)  # host memory: no stream, no device
+    sync_stream = sync_device = wait_event = staticmethod(lambda x: None)  # host memory: no stream, no device
 
     @staticmethod
     def device_context(x: Any) -> Any:
@@ -359,6 +359,16 @@ class TorchAdapter:
             _torch().cuda.synchronize(x.device)
 
     @staticmethod
+    def wait_event(x: Any) -> None:
+        """The host waits for the work queued so far on ``x``'s current stream (an event recorded there; not the
+        device, not what is queued later): one exchange's wait before a CUDA-aware MPI reads or writes."""
+        if x.device.type == "cuda":
+            cuda = _torch().cuda
+            event = cuda.Event()
+            event.record(cuda.current_stream(x.device))
+            event.synchronize()
+
+    @staticmethod
     def device_context(x: Any) -> Any:
         # torch exports a CUDA tensor through DLPack only while its device is
         # torch's current one ("Can't export tensors on a different CUDA device").
@@ -434,6 +444,13 @@ class CupyAdapter(_NumpyLike):
     @staticmethod
     def sync_device(x: Any) -> None:
         x.device.synchronize()
+
+    @staticmethod
+    def wait_event(x: Any) -> None:
+        with x.device:
+            event = _cupy().cuda.Event()
+            event.record()
+            event.synchronize()
 
     @staticmethod
     def device_context(x: Any) -> Any:

@@ -84,7 +84,7 @@ class MpiMoves:
         """Post ``ops``: ``(requests, unpack, staging contexts or None, the kept buffers' lock or None)`` for :func:`_finish`."""
         mine = self._lock.acquire(blocking=False)
         scratch = self._scratch if mine else {}
-        stack = None  # staging contexts of device arrays (host arrays need none)
+        stack = wait = None  # staging contexts of device arrays (host arrays need none); the exchange's one wait
         comm, byte = self.comm, MPI.BYTE
         requests, sends, unpack = [], [], []  # unpack: (target, kept buffer), strided host receives
         try:
@@ -106,9 +106,9 @@ class MpiMoves:
                     buf = arrays.host_bytes(data, adapter)  # a torch CPU tensor's bytes, in place
                     if buf is None:  # device memory
                         if stack is None:
-                            stack = contextlib.ExitStack()
+                            stack, wait = contextlib.ExitStack(), staging.Wait()
                         move = staging.send_buffer if kind == SEND else staging.recv_buffer
-                        buf = stack.enter_context(move(data, comm, adapter=adapter))
+                        buf = stack.enter_context(move(data, comm, adapter=adapter, wait=wait))
                 if kind == RECV:
                     requests.append(comm.Irecv([buf, byte], peer, tag))
                 else:
@@ -161,7 +161,8 @@ class MpiMoves:
         if s is not None and r is not None:
             yield s, r
             return
-        with staging.send_buffer(send, self.comm, a) as s, staging.recv_buffer(recv, self.comm, adapter=b) as r:
+        wait = staging.Wait()  # one wait for the producing stream, for both buffers
+        with staging.send_buffer(send, self.comm, a, wait) as s, staging.recv_buffer(recv, self.comm, adapter=b, wait=wait) as r:
             yield s, r
 
     def allreduce(self, send: Any, recv: Any) -> None:

@@ -9,7 +9,13 @@
   this module synchronises the array's current stream (work queued on other
   streams is the caller's to order, as with ``torch.distributed``), and
   after MPI has written one it synchronises the device, so later kernels on
-  any stream see the data.
+  any stream see the data. Within one exchange (a :class:`Wait` given by
+  :class:`~credit_mpi.transport.moves.MpiMoves` to every buffer of one
+  ``post``/``exchange``/collective) the host waits once, on an event of the
+  producing stream recorded before the first device buffer, and not for the
+  device afterwards: MPI's requests are complete when ``Waitall`` returns
+  (a CUDA-aware MPI's own copies are done), and the next kernels are queued
+  after that on the host.
 * Device arrays when MPI is not CUDA-aware: staged through pinned host
   memory (one staging buffer per direction, grown as needed and reused
   across calls; a :class:`RuntimeWarning` the first time). Both copies run
@@ -95,6 +101,21 @@ def _allocate(ops, nbytes: int) -> tuple[Any, np.ndarray]:
 _STAGING = {"send": _Staging("send"), "recv": _Staging("recv")}
 
 
+class Wait:
+    """One exchange's wait for the producing stream (the CUDA-aware route): the first device buffer of the
+    exchange records an event on its current stream and the host waits for it; the others wait no more."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def before(self, ops: Any, x: Any) -> None:
+        if not self.done:
+            self.done = True
+            getattr(ops, "wait_event", ops.sync_stream)(x)
+
+
 def release_staging_buffers() -> None:
     """Free the host staging buffers (they are re-made on the next staged transfer)."""
     for direction in _STAGING:
@@ -130,14 +151,15 @@ def _warn_staging(comm: MPI.Comm) -> None:
 
 
 @contextlib.contextmanager
-def send_buffer(x: Any, comm: MPI.Comm | None = None, adapter: Any = None) -> Iterator[Any]:
+def send_buffer(x: Any, comm: MPI.Comm | None = None, adapter: Any = None, wait: Wait | None = None) -> Iterator[Any]:
     """A buffer mpi4py can send (``MPI.BYTE``) holding the bytes of contiguous ``x``.
 
     For a device array the transfer path is the one ``comm``'s ranks agreed
     on (:func:`credit_mpi.gpu.is_cuda_aware`; ``comm=None`` means
     ``MPI.COMM_WORLD``): collective over ``comm`` the first time a device
     array is sent or received on it, so call it on every rank. ``adapter``:
-    ``x``'s (:func:`credit_mpi.transport.arrays.adapter`), when the caller has it.
+    ``x``'s (:func:`credit_mpi.transport.arrays.adapter`), when the caller has it. ``wait``: the
+    exchange's one wait (:class:`Wait`; None: this buffer's stream synchronised on its own).
     """
     ops = adapter or _ops(x)
     route = _route(ops, x, comm)
@@ -147,7 +169,10 @@ def send_buffer(x: Any, comm: MPI.Comm | None = None, adapter: Any = None) -> It
         yield data
     elif route == "direct":
         with ops.device_context(x):
-            ops.sync_stream(x)  # the kernels that produced x are done before MPI reads it
+            if wait is None:
+                ops.sync_stream(x)  # the kernels that produced x are done before MPI reads it
+            else:
+                wait.before(ops, x)  # once per exchange: an event of the producing stream
             yield data
     else:
         with _STAGING["send"].take(ops, data.shape[0]) as (owner, view):
@@ -156,7 +181,8 @@ def send_buffer(x: Any, comm: MPI.Comm | None = None, adapter: Any = None) -> It
 
 
 @contextlib.contextmanager
-def recv_buffer(out: Any, comm: MPI.Comm | None = None, *, inout: bool = False, adapter: Any = None) -> Iterator[Any]:
+def recv_buffer(out: Any, comm: MPI.Comm | None = None, *, inout: bool = False, adapter: Any = None,
+                wait: Wait | None = None) -> Iterator[Any]:
     """A buffer mpi4py can receive into (``MPI.BYTE``); its bytes end up in ``out``.
 
     ``out`` holds the data when the ``with`` block ends normally (a staged
@@ -174,9 +200,13 @@ def recv_buffer(out: Any, comm: MPI.Comm | None = None, *, inout: bool = False, 
         yield data
     elif route == "direct":
         with ops.device_context(out):
-            ops.sync_stream(out)  # nothing queued still touches out's memory when MPI writes it
-            yield data
-            ops.sync_device(out)  # MPI's writes are visible to later kernels on any stream
+            if wait is None:
+                ops.sync_stream(out)  # nothing queued still touches out's memory when MPI writes it
+                yield data
+                ops.sync_device(out)  # MPI's writes are visible to later kernels on any stream
+            else:
+                wait.before(ops, out)  # the exchange's one wait; its requests complete before the caller reads
+                yield data
     else:
         with _STAGING["recv"].take(ops, data.shape[0]) as (owner, view):
             if inout:

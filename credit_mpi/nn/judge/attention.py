@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from ...layout import Layout
+from ...transport import paths
 from .pointwise import POINTWISE
 from .registry import Refusal, argument, op_name, rule, tensors_in, wraps
 from .shapes import PERMUTES, RESHAPES
@@ -158,7 +159,8 @@ def _gather(tr, t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.view(t.shape)  # global shapes already; a new tensor object, not a band
     from ...ops.allgather_along import allgather_along
 
-    return allgather_along(t, dim, tr.manager.domain_group, _path(tr))
+    comm = tr.manager.domain_group
+    return allgather_along(t, dim, comm, _path(tr), transport=paths.current().transport(comm))
 
 
 def _report_gather(tr, t: torch.Tensor, dim: int) -> None:
@@ -262,7 +264,8 @@ def _counts(tr, n: int) -> list[int]:
     from ...ops.allgather_along import allgather_along
 
     mine = torch.tensor([float(n)], dtype=torch.float64)
-    return [int(c) for c in allgather_along(mine, 0, tr.manager.domain_group, _path(tr)).tolist()]
+    comm = tr.manager.domain_group
+    return [int(c) for c in allgather_along(mine, 0, comm, _path(tr), transport=paths.current().transport(comm)).tolist()]
 
 
 def _on(mask: Any, like: torch.Tensor) -> Any:
@@ -358,17 +361,19 @@ def _attend(tr, func, q, k, v, mask, causal, rest, memory=False):
     if layout == "alltoall":
         from ...ops.alltoall import alltoall
 
-        qh, kh = alltoall(q, -3, -2, comm, path=path), alltoall(k, -3, -2, comm, path=path)
-        vh = kh if v is k else alltoall(v, -3, -2, comm, path=path)
+        moves = paths.current().transport(comm)
+        qh, kh = alltoall(q, -3, -2, comm, path=path, transport=moves), alltoall(k, -3, -2, comm, path=path, transport=moves)
+        vh = kh if v is k else alltoall(v, -3, -2, comm, path=path, transport=moves)
         heads = q.shape[-3] // ranks
         if mask is not None and mask.ndim >= 3 and mask.shape[-3] == q.shape[-3] and q.shape[-3] > 1:
             mask = mask.narrow(-3, rank * heads, heads)
         out = func(qh, kh, vh, attn_mask=mask, is_causal=causal, **rest)
-        return alltoall(out, -2, -3, comm, keep=q.shape[-2], path=path)
+        return alltoall(out, -2, -3, comm, keep=q.shape[-2], path=path, transport=moves)
     if layout == "ring":
         from ...ops.ring import ring_attention
 
-        return ring_attention(q, k, v, comm, attn_mask=mask, is_causal=causal, scale=rest.get("scale"), path=path)
+        return ring_attention(q, k, v, comm, attn_mask=mask, is_causal=causal, scale=rest.get("scale"), path=path,
+                              transport=paths.current().transport(comm))
     kg = k if memory else _gather(tr, k, k.ndim - 2)
     vg = v if memory else kg if v is k else _gather(tr, v, v.ndim - 2)
     if mask is not None or causal:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...transport import paths
 from ..base import adopt
 from ..rules import BANDS_ONLY, RULES, refusal_of
 from .registry import Refusal, argument, op_name, rule
@@ -318,7 +319,9 @@ def _to_layout(tr, y: torch.Tensor, p: Sharded, sizes: list[int], target: list[i
     from ...ops.reband import join_moved
 
     with torch._C.DisableTorchFunction():
-        out = join_moved(y, p.dim, tr.manager.domain_group, tuple(sizes), tuple(target), f"{path}: interpolate(size=)")
+        comm = tr.manager.domain_group
+        out = join_moved(y, p.dim, comm, tuple(sizes), tuple(target), f"{path}: interpolate(size=)",
+                         transport=paths.current().transport(comm))
     tr.set(out, p)
     return out
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ...partition import normalize_dim
+from ...transport import paths
 from ..replicated import is_replicated, replicated
 from .pointwise import _pointwise
 from .registry import Refusal, argument, conversion_error, dims_of, op_name, rule, without_bands
@@ -150,8 +151,9 @@ def _domain_reduction(tr: Tracker, func, args: tuple, kwargs: dict, op: str, p: 
         return out
     mine = partial(x)
     grad = torch.is_grad_enabled() and x.requires_grad
+    comm = tr.manager.domain_group
     plan = agree_domain_sum(tuple(mine.shape), out_dtype, x.shape[p.dim] // (p.outer * p.inner), grad,
-                            tr.manager.domain_group, tr.stack[-1][0])
+                            comm, tr.stack[-1][0], transport=paths.current().transport(comm))
     total = domain_sum(mine, plan)
     if op == "nanmean":
         return replicated(total[0] / total[1])
@@ -302,7 +304,9 @@ def _domain_contraction(tr: Tracker, func, args: tuple, kwargs: dict, specs: lis
                              dtype=operands[i].dtype)
     shape = tuple(func(*_placed(args, positions, [c.to("meta") for c in cut]), **kwargs).shape)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in operands)
-    plan = agree_domain_sum(shape, x.dtype, tokens // inner, grad, tr.manager.domain_group, tr.stack[-1][0])
+    comm = tr.manager.domain_group
+    plan = agree_domain_sum(shape, x.dtype, tokens // inner, grad, comm, tr.stack[-1][0],
+                            transport=paths.current().transport(comm))
     start, stop = plan.rows()
     field = plan.total * inner
     wrong = sorted({operands[i].shape[at[i]] for i in partners} - {field})

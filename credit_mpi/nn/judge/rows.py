@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from ...grid import grid_of
+from ...transport import paths
 from .registry import Refusal, argument, conversion_error, dims_of, module_rule, op_name, rule
 from .tracker import Sharded, Tracker, tracked_columns
 
@@ -155,7 +156,8 @@ def _unfold(tr: Tracker, func, args, kwargs, held):
             raise Refusal("F.unfold along the sharded dim has no rule on a latitude x longitude domain grid yet")
         from ...halo import halo_exchange
 
-        x = halo_exchange(x, width, dim=2, manager=tr.manager, boundary="zero")  # the field's edges: zeros, as padding
+        x = halo_exchange(x, width, dim=2, manager=tr.manager, boundary="zero",  # the field's edges: zeros, as padding
+                          transport="mpi" if paths.current() is paths.MPI_PATH else "torch")
         y = func(x, padding=(0, padding[1]), **rest)
     else:
         y = func(x, padding=tuple(padding), **rest)
@@ -178,7 +180,8 @@ def _moved(tr: Tracker, t: torch.Tensor, p: Sharded, name: str, **params: Any) -
                       f"yet")
     from ...ops.rows import move_along
 
-    return move_along(t, name, p.dim, tr.manager.domain_group, tr.stack[-1][0], **params)
+    comm = tr.manager.domain_group
+    return move_along(t, name, p.dim, comm, tr.stack[-1][0], transport=paths.current().transport(comm), **params)
 
 
 def _reported(tr: Tracker, t: torch.Tensor, p: Sharded, name: str, **params: Any) -> torch.Tensor:
@@ -278,7 +281,8 @@ def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
     comm, new_args, layout = tr.manager.domain_group, list(args), None
     with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
         for i, a, p in bands:
-            new_args[i], sizes_in, sizes_out = rebanded(a, p.dim, comm, window * p.inner, f"{path}: whole windows")
+            new_args[i], sizes_in, sizes_out = rebanded(a, p.dim, comm, window * p.inner, f"{path}: whole windows",
+                                                        transport=paths.current().transport(comm))
             layout = layout or (sizes_out, sizes_in)  # back= (moved, original)
             empty = _empty_bands(sizes_out)  # the same on every rank: the layouts are agreed
             if empty and sizes_out[comm.Get_rank()] == 0:
@@ -344,7 +348,9 @@ def _move_back(tr: Tracker, t: torch.Tensor, q: Sharded, layout: tuple, path: st
         raise conversion_error(path, "its output", f"it returns the bands merged with another dim ({q.describe()}), "
                       f"which cannot be moved back to its input's bands")
     with torch._C.DisableTorchFunction():
-        y = reband(t, q.dim, tr.manager.domain_group, back=layout, path=f"{path}: back from whole windows")
+        comm = tr.manager.domain_group
+        y = reband(t, q.dim, comm, back=layout, path=f"{path}: back from whole windows",
+                   transport=paths.current().transport(comm))
     tr.set(y, q)
     return y
 
@@ -483,7 +489,9 @@ def _to_groups(tr: Tracker, a: torch.Tensor, p: Sharded, window: int, path: str)
 
     try:
         with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
-            return grouped(a, p.dim, window, tr.manager.domain_group, f"{path}: to the group layout", least=1)
+            comm = tr.manager.domain_group
+            return grouped(a, p.dim, window, comm, f"{path}: to the group layout", least=1,
+                           transport=paths.current().transport(comm))
     except NoGroupLayout as exc:  # raised on every rank alike, before data moves (the height is agreed first)
         raise conversion_error(path, _LONG, exc.why) from None
 
@@ -516,7 +524,9 @@ def _from_groups(tr: Tracker, t: torch.Tensor, q: Sharded, window: int, layout: 
         else:
             from ...ops.group_rows import from_groups
 
-            y = from_groups(t, q.dim, window, layout, tr.manager.domain_group, f"{path}: back from the group layout")
+            comm = tr.manager.domain_group
+            y = from_groups(t, q.dim, window, layout, comm, f"{path}: back from the group layout",
+                            transport=paths.current().transport(comm))
     tr.set(y, Sharded(q.dim))
     return y
 

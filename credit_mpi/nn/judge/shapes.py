@@ -8,6 +8,7 @@ import math
 import torch
 
 from ...partition import normalize_dim
+from ...transport import paths
 from ..replicated import is_replicated
 from .registry import Refusal, argument, op_name, rule
 from .tracker import Extent, Sharded, Tracker, follows_band, grid_columns
@@ -239,7 +240,8 @@ def _joined(tr: Tracker, parts: list, places: list, bands: list[int], dim: int) 
         target, new = counts[first], list(parts)
         for k, i in enumerate(bands):
             if counts[k] != target:
-                new[i] = join_moved(parts[i], dim, comm, counts[k], target, f"{path}: cat()")
+                new[i] = join_moved(parts[i], dim, comm, counts[k], target, f"{path}: cat()",
+                                    transport=paths.current().transport(comm))
     for k, i in enumerate(bands):
         tr.set(new[i], places[k])
     return new, None
