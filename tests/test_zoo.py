@@ -11,6 +11,13 @@ reduce_gradients), or REFUSED with the same ConversionError on every rank, descr
 regex that the refusing plan row (``path kind: note``) must match; the test fails when the run gives the
 other verdict, so flipping a case is editing its line. On one band every case must be exact.
 
+Two limits of the packages themselves, not of the bands: torch-harmonics' spectral convolutions compute in float32
+whatever their input (``x.float()``), so their cases are exact to float32 round-off (``float32_inside``); and
+physicsnemo's AFNO (``AFNO2DLayer``: ``x.float()`` against float64 weights) and neuraloperator's FNO
+(``SpectralConv``: a complex64 output buffer) do not run in float64 even in one process, so they are not cases.
+Where a model checks the band's height itself (smp's ``check_input_shape``, timm's and einops' window asserts) it
+raises its own error on uneven bands before any rule is asked: those cases run on even bands (``uneven=False``).
+
 Only the wrappers below are written here: a channels-last block (timm's Swin, physicsnemo's AFNO block) or a
 token block (Pangu's) gets its input from a (B, C, H, W) field and gives one back, as the model around it
 would; a classifier is taken without its pooled head (its features are the band's output).
