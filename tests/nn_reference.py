@@ -39,6 +39,13 @@ def bands_of(total: int, manager) -> tuple[int, int]:
     return band_range(total, manager.domain_parallel_size, manager.domain_rank, uneven=True)
 
 
+def to_dtype(model, dtype):
+    """The real floating-point parameters and buffers of ``model`` in ``dtype``, its complex ones as they are (as
+    ``.double()`` does: ``Module.to(torch.float64)`` casts a complex one to a real tensor, dropping the imaginary part;
+    spectral weights of a model that computes its transforms in complex64 stay complex64)."""
+    return model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
 def run_both(build, shape, manager, *, seed=0, shard_dim=-2, dtype=torch.float64, replicated=False, steps=0, lr=0.05, sizes=None,
              custom_converters=None, transport=None):
     """Forward + backward of ``build()`` on one process and on bands; returns the pieces to compare.
@@ -59,7 +66,7 @@ def run_both(build, shape, manager, *, seed=0, shard_dim=-2, dtype=torch.float64
 
 def _run_both(build, shape, manager, seed, shard_dim, dtype, replicated, steps, lr, sizes, custom_converters, transport):
     torch.manual_seed(seed)
-    ref = build().to(dtype)
+    ref = to_dtype(build(), dtype)
     model = convert_to_domain_parallel(copy.deepcopy(ref), manager, shard_dim, custom_converters=custom_converters,
                                        transport=transport)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -97,7 +104,8 @@ def _run_both(build, shape, manager, seed, shard_dim, dtype, replicated, steps, 
         credit_mpi.reduce_gradients(model.parameters(), manager)
         result.update(
             out=gathered, out_ref=out_ref.detach(), gx=xl.grad, gx_ref=xr.grad.narrow(axis, start, stop - start),
-            grads=[p.grad.clone() for p in model.parameters()], grads_ref=[p.grad.clone() for p in ref.parameters()],
+            grads=[p.grad.clone() for p in model.parameters() if p.requires_grad],
+            grads_ref=[p.grad.clone() for p in ref.parameters() if p.requires_grad],  # a frozen parameter has none
         )
         if steps:
             opt_ref.step()
