@@ -36,11 +36,14 @@ $(VENV)/.demo-installed: pyproject.toml
 # CREDIT's models without their requirements (tests/test_credit_models.py; they would swap the torch build),
 # with timm and segmentation-models-pytorch for FuXi and the smp UNet, also without theirs (torchvision:
 # the tests stand in for the parts they import and never use). The credit extra also brings what CREDIT's
-# gen-2 trainer imports (optuna) for `credit-mpi credit train`.
+# gen-2 trainer imports (optuna) for `credit-mpi credit train`. The zoo extra (tests/test_zoo.py: other groups' models)
+# goes in without its packages' requirements too (they would bring another torch and torchvision).
 $(VENV)/.installed: $(VENV)/.demo-installed
 	$(PY) -m pip install "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e ".[$(EXTRAS)]"
 	$(PY) -m pip install --no-deps "miles-credit==2026.2.0" "timm==1.0.31" "segmentation-models-pytorch==0.6.0"
+	$(PY) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['zoo'])" \
+	    | xargs $(PY) -m pip install --no-deps
 	touch $@
 
 install: $(VENV)/.installed
