@@ -19,6 +19,7 @@ from . import (  # noqa: F401 - each family registers its rules at import
     conv_pool,
     indexing,
     pointwise,
+    recompute,
     reductions,
     rows,
     shapes,
