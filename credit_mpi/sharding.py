@@ -155,6 +155,8 @@ def gather_tensor(
         Full (gathered) tensor, identical on every rank of the domain group
         (``out`` when given).
     """
+    if getattr(x, "_credit_mpi_band", False):  # a converted model's output (credit_mpi.nn.Band): its plain alias
+        x = x.as_plain()
     if isinstance(dim, (tuple, list)):  # a (lat, lon) pair: gather the blocks of the 2-D domain grid
         return run(gather.BLOCKS, x, domain_of(manager).comm, check=check, dim=dim, out=out, transport=transport, manager=manager)
     comm = live_domain_comm(manager)  # a live manager's communicator: the per-call fast path asks nothing else

@@ -59,6 +59,7 @@ from .resample import (
     DomainParallelMaxPool3d,
     DomainParallelUpsample,
 )
+from .outside import Band
 from .traffic import Traffic
 from .training import (
     LatitudeWeightedMSELoss,
@@ -81,6 +82,7 @@ __all__ = [
     "Traffic",
     "GridPlan",
     "ConversionError",
+    "Band",
     "DomainParallelConv1d",
     "DomainParallelConv2d",
     "DomainParallelConv3d",

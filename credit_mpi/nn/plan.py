@@ -41,6 +41,7 @@ from .judge.pointwise import VALUE_CALLS
 from .judge.registry import Refusal
 from .judge.recompute import checked_dry_run, checked_report
 from .judge.tracker import Tracker
+from .outside import check_output
 from .replicated import is_replicated, replicated
 from .traffic import (
     AGREEMENT_BYTES,
@@ -292,7 +293,12 @@ def _dry_forward(dry: nn.Module, input_shape: tuple[int, ...], requires_grad: bo
         tracker.plan_rows = rec.plan.rows  # what a module's forward communicated (judge.rows: a band of no window)
         checked_dry_run(tracker)  # a move inside a custom autograd Function refused as the run does (judge.recompute)
         tracker.mark_inputs(x)
-        dry(x)
+        out = dry(x)
+        tracker.trusted += 1  # the output's placement, as the run checks it (credit_mpi.nn.outside)
+        try:
+            check_output(tracker, out)
+        finally:
+            tracker.trusted -= 1
 
 
 def _unseen_values_error(plan: Plan, exc: Exception) -> ConversionError | None:
