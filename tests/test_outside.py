@@ -196,3 +196,38 @@ def test_describe_refuses_an_output_of_merged_rows():
     plan = describe(Flattened().double(), (2, 2, 8, 5), 2)
     assert not plan.exact and "its output" in str(plan), str(plan)
     assert describe(Flattened().double(), (2, 2, 8, 5), 1).exact
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.one_domain_size
+def test_shard_tensor_band_fed_to_a_model_never_converted_raises_on_every_rank(make_manager):
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            for h in _heights(d):
+                torch.manual_seed(0)
+                plain = _net().double()
+                band = credit_mpi.shard_tensor(_field((2, 2, h, 5), 5), -2, manager, uneven=True)
+                if d == 1:  # one band is the field
+                    plain(band)
+                    continue
+                message = same_error_everywhere(manager.domain_group, lambda b=band: plain(b), ConversionError)
+                assert "never converted" in message and "convert_to_domain_parallel" in message, message
+                nn.Identity()(band)  # a module without parameters (a transform) takes bands as they are
+                model = convert_to_domain_parallel(copy.deepcopy(plain), manager)
+                torch.testing.assert_close(credit_mpi.gather_tensor(model(band), -2, manager),
+                                           plain(_field((2, 2, h, 5), 5)), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.one_domain_size
+def test_a_band_of_another_layout_raises_on_every_rank(make_manager):
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            torch.manual_seed(0)
+            model = convert_to_domain_parallel(_net().double(), manager)
+            x = _field((2, 2, 4 * d, 4 * d), 6)
+            lon = credit_mpi.shard_tensor(x, -1, manager)  # bands along the longitude: another layout
+            message = same_error_everywhere(manager.domain_group, lambda: model(lon), ConversionError)
+            assert "along dim 3" in message, message
+            out = convert_to_domain_parallel(_net().double(), manager, -1)(lon)  # a model converted along dim -1
+            same_error_everywhere(manager.domain_group, lambda: model(out), ConversionError)

@@ -274,10 +274,10 @@ def _unjudged(root: torch.nn.Module, shard_dim: int, manager: Any, inputs: Any) 
 #: function applied to a band (installed from above: that module builds on this one).
 judged: Callable[[torch.nn.Module, int, Any, Any], contextlib.AbstractContextManager] = _unjudged
 
-#: ``(comm, args, kwargs) -> None``: raises (collectively, on every rank) when a converted forward's new inputs are
+#: ``(comm, args, kwargs, shard_dim, manager) -> None``: raises (collectively, on every rank) when a converted forward's new inputs are
 #: not bands (the whole field on every rank); ``(tracker, manager, out) -> out``: the root's output checked and
 #: marked with its placement. Both set by :mod:`credit_mpi.nn.outside` (installed from above, as ``judged``).
-inputs_checked: Callable[[Any, tuple, dict], None] = lambda comm, args, kwargs: None
+inputs_checked: Callable[..., None] = lambda comm, args, kwargs, shard_dim, manager: None
 placed_output: Callable[[Any, Any, Any], Any] = lambda tracker, manager, out: out
 
 
@@ -319,7 +319,7 @@ class ForwardGuard:
         self._last_inputs = mine
         try:
             if not same:  # a new input (the first call, a new shape): bands, not the field on every rank
-                inputs_checked(comm, args, kwargs)
+                inputs_checked(comm, args, kwargs, self.shard_dim, manager)
             with quiet_forward(comm, same), judged(module, self.shard_dim, manager, (args, kwargs)) as tracker:
                 out = placed_output(tracker, manager, _at_root(tracker, module, forward, args, kwargs))
         except Exception as exc:  # noqa: BLE001 - raised again on every rank
