@@ -45,11 +45,13 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from .. import sharding
 from . import base
 from .errors import ConversionError
 from .judge.pointwise import POINTWISE
@@ -57,7 +59,7 @@ from .judge.registry import conversion_error, dims_of, op_name, tensors_in
 from .judge.tracker import Sharded, active_tracker, grid_columns
 from .replicated import is_replicated
 
-__all__ = ["Band", "check_inputs", "placed_output", "check_output"]
+__all__ = ["Band", "check_inputs", "placed_output", "check_output", "check_layouts"]
 
 _ELEMENTWISE = frozenset(POINTWISE) | {"type_as", "dropout", "alpha_dropout", "feature_alpha_dropout"}
 _FIELD_REDUCE = frozenset(("sum", "mean", "nansum", "nanmean"))
@@ -229,9 +231,16 @@ def _loss(func, args, kwargs, band: Band, name: str) -> Any:
 # -- the converted forward's inputs and outputs (installed in credit_mpi.nn.base) -----------------------
 
 
-def check_inputs(comm: Any, args: tuple, kwargs: dict) -> None:
+def check_inputs(comm: Any, args: tuple, kwargs: dict, shard_dim: int = -2, manager: Any = None) -> None:
     """Raise on every rank when every rank of ``comm`` was given the same non-constant floating inputs (the whole
-    field, not bands). Collective: one ``allgather`` of a few numbers per floating tensor."""
+    field, not bands), or bands of another layout (:func:`check_layouts`). Collective: one ``allgather`` of a few
+    numbers per floating tensor."""
+    try:
+        if manager is not None:
+            check_layouts(shard_dim, manager, args, kwargs)
+        layout = None
+    except ConversionError as exc:  # raised below on every rank, after the allgather every rank makes
+        layout = str(exc)
     tensors = [t for t in tree_flatten((args, kwargs))[0]
                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.ndim >= 2 and not is_replicated(t)
                and not t.is_meta]
@@ -241,8 +250,11 @@ def check_inputs(comm: Any, args: tuple, kwargs: dict) -> None:
             d = t.detach().to(torch.float64)
             mine.append((tuple(t.shape), str(t.dtype), float(d.sum()), float((d * d).sum()),
                          float(d.amax() - d.amin()) if t.numel() else 0.0))
-    everyone = comm.allgather(mine)
-    if not mine or any(e != mine for e in everyone) or all(m[4] == 0 for m in mine):
+    everyone = comm.allgather((mine, layout))
+    wrong = [(r, e[1]) for r, e in enumerate(everyone) if e[1] is not None]
+    if wrong:
+        raise ConversionError(f"{wrong[0][1]} [rank(s) {', '.join(str(r) for r, _ in wrong)}]")
+    if not mine or any(e[0] != mine for e in everyone) or all(m[4] == 0 for m in mine):
         return
     shapes = ", ".join(str(m[0]) for m in mine)
     raise ConversionError(
@@ -279,8 +291,12 @@ def placed_output(tracker: Any, manager: Any, out: Any) -> Any:
 def _placed(tracker: Any, manager: Any, out: Any) -> Any:
     check_output(tracker, out)
 
+    root_is_layer = bool(tracker.stack[0][1])  # a converted layer as the root: its output is a band along shard_dim
+
     def placed(t: torch.Tensor) -> Any:
         p = tracker.get(t)
+        if p is None and root_is_layer and t.is_floating_point() and not is_replicated(t) and t.ndim:
+            p = tracker.band(t)
         if not isinstance(p, Sharded) or is_replicated(t):
             return t
         q = p if p.outer == 1 and p.inner == 1 else tracker.as_band(t, p)
@@ -291,3 +307,99 @@ def _placed(tracker: Any, manager: Any, out: Any) -> Any:
 
 base.placed_output = placed_output
 base.inputs_checked = check_inputs
+
+
+# -- bands made by shard_tensor: fed to a model never converted, or to a converted model of another layout -------
+
+_MADE: dict[int, tuple] = {}  # id -> (weakref to the band, its dim, its domain's communicator)
+_HOOK: list = []  # the global module pre-hook's handle while bands are alive
+
+
+def _made(t: Any, dim: Any, domain: Any) -> None:
+    """:func:`credit_mpi.shard_tensor`'s band ``t`` remembered (weakly) until it dies."""
+    if not isinstance(t, torch.Tensor) or domain.manager is None:
+        return
+    key = id(t)
+    _MADE[key] = (weakref.ref(t, lambda _ref, key=key: _forget(key)), dim, getattr(domain.manager, "domain_group", None))
+    if not _HOOK:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        _HOOK.extend((register_module_forward_pre_hook(_fed), register_module_forward_hook(_done)))
+
+
+def _forget(key: int) -> None:
+    entry = _MADE.get(key)
+    if entry is not None and entry[0]() is None:
+        del _MADE[key]
+    if not _MADE:
+        while _HOOK:
+            _HOOK.pop().remove()
+
+
+def made_band(t: Any) -> tuple | None:
+    """``(dim, communicator)`` of a band :func:`credit_mpi.shard_tensor` returned (this very tensor), else None."""
+    entry = _MADE.get(id(t))
+    return entry[1:] if entry is not None and entry[0]() is t else None
+
+
+def _converted(module: torch.nn.Module) -> bool:
+    """True for a module converted (or holding one: DDP, torch.compile), or credit_mpi's own, or one without
+    parameters (a transform such as a normaliser: elementwise, not a model)."""
+    if type(module).__module__.startswith("credit_mpi."):
+        return True
+    if next(module.parameters(), None) is None:
+        return True
+    return any(isinstance(m, base.DomainParallelModule) or isinstance(m.__dict__.get("forward"), base.ForwardGuard)
+               for m in module.modules())
+
+
+_FED: dict = {}  # id(module) -> (agreements entered before its forward, the band's shape): unconverted, given a band
+
+
+def _fed(module: torch.nn.Module, args: tuple) -> None:
+    """The global module pre-hook while shard_tensor's bands live: an unconverted model given one is watched."""
+    if not args or active_tracker() is not None or made_band(args[0]) is None or _converted(module):
+        return
+    from ..watchdog import STATE
+
+    _FED[id(module)] = (STATE.seq, tuple(args[0].shape))
+
+
+def _done(module: torch.nn.Module, args: tuple, out: Any) -> None:
+    """... and when its forward made no collective (no agreement: a model written for the whole field, not one
+    that exchanges halos itself with credit_mpi.halo_exchange), it raises. Every rank runs the same program and
+    the collectives are every rank's: each raises here alike."""
+    if not _FED or id(module) not in _FED:
+        return
+    from ..watchdog import STATE
+
+    seq, shape = _FED.pop(id(module))
+    if STATE.seq != seq:
+        return
+    raise ConversionError(
+        f"{type(module).__name__} was given a band of the field (credit_mpi.shard_tensor's, {shape}) but was never "
+        f"converted (and its forward made no domain communication): it computed on the band alone, as if it were "
+        f"the whole field. Convert it first: model = credit_mpi.convert_to_domain_parallel(model, manager)")
+
+
+def check_layouts(shard_dim: int, manager: Any, args: tuple, kwargs: dict) -> None:
+    """Bands of another layout fed to a converted model (shard_tensor's or a converted model's along another dim,
+    or of another domain): raise (the same on every rank: it depends on the program, not on the data)."""
+    for t in tensors_in((args, kwargs)):
+        if isinstance(t, Band):
+            dim, comm = t.band_dim, getattr(t.band_manager, "domain_group", None)
+        elif (made := made_band(t)) is not None:
+            dim, comm = made
+        else:
+            continue
+        ours = shard_dim % t.ndim
+        theirs = tuple(d % t.ndim for d in dim) if isinstance(dim, (tuple, list)) else (dim % t.ndim,)
+        if ours not in theirs or (comm is not None and comm != manager.domain_group):
+            raise ConversionError(
+                f"a converted model (sharded along dim {ours} over its manager's domain) was given a band along dim "
+                f"{theirs if len(theirs) > 1 else theirs[0]}"
+                + (" of another domain" if comm is not None and comm != manager.domain_group else "")
+                + ": shard the field as the model was converted (credit_mpi.shard_tensor(x, shard_dim, manager))")
+
+
+sharding.BAND_MADE.append(_made)
