@@ -56,11 +56,11 @@ def test_whole_field_fed_to_a_converted_model_raises_on_every_rank(make_manager)
                 if d == 1:  # one band is the field
                     model(x)
                     continue
-                message = same_error_everywhere(manager.domain_group, lambda x=x: model(x), ConversionError)
+                message = same_error_everywhere(manager.domain_group, lambda x=x, m=model: m(x), ConversionError)
                 assert "shard_tensor" in message and "whole field" in message, message
                 band = credit_mpi.shard_tensor(x, -2, manager, uneven=True)
                 model(band)  # the band runs (the check is made again for each new input)
-                same_error_everywhere(manager.domain_group, lambda x=x: model(x), ConversionError)
+                same_error_everywhere(manager.domain_group, lambda x=x, m=model: m(x), ConversionError)
 
 
 LOSSES = {
@@ -132,7 +132,7 @@ def test_other_ops_on_a_band_outside_the_model_raise_on_every_rank(name, make_ma
                 out = model(credit_mpi.shard_tensor(_field((2, 2, h, 5), 3), -2, manager, uneven=True))
                 if d == 1:
                     continue
-                message = same_error_everywhere(manager.domain_group, lambda out=out: REFUSED[name](out, ref), ConversionError)
+                message = same_error_everywhere(manager.domain_group, lambda out=out, ref=ref: REFUSED[name](out, ref), ConversionError)
                 assert "LatitudeWeightedMSELoss" in message and "reduce_gradients" in message, message
 
 
@@ -210,7 +210,7 @@ def test_shard_tensor_band_fed_to_a_model_never_converted_raises_on_every_rank(m
                 if d == 1:  # one band is the field
                     plain(band)
                     continue
-                message = same_error_everywhere(manager.domain_group, lambda b=band: plain(b), ConversionError)
+                message = same_error_everywhere(manager.domain_group, lambda b=band, m=plain: m(b), ConversionError)
                 assert "never converted" in message and "convert_to_domain_parallel" in message, message
                 nn.Identity()(band)  # a module without parameters (a transform) takes bands as they are
                 model = convert_to_domain_parallel(copy.deepcopy(plain), manager)
@@ -227,7 +227,7 @@ def test_a_band_of_another_layout_raises_on_every_rank(make_manager):
             model = convert_to_domain_parallel(_net().double(), manager)
             x = _field((2, 2, 4 * d, 4 * d), 6)
             lon = credit_mpi.shard_tensor(x, -1, manager)  # bands along the longitude: another layout
-            message = same_error_everywhere(manager.domain_group, lambda: model(lon), ConversionError)
+            message = same_error_everywhere(manager.domain_group, lambda m=model, lon=lon: m(lon), ConversionError)
             assert "along dim 3" in message, message
             out = convert_to_domain_parallel(_net().double(), manager, -1)(lon)  # a model converted along dim -1
-            same_error_everywhere(manager.domain_group, lambda: model(out), ConversionError)
+            same_error_everywhere(manager.domain_group, lambda m=model, out=out: m(out), ConversionError)

@@ -45,6 +45,7 @@ from .norm import (
     DomainParallelInstanceNorm3d,
     DomainParallelLayerNorm,
 )
+from .outside import Band
 from .plan import GridPlan, Plan, PlanRow, describe
 from .resample import (
     DomainParallelAdaptiveAvgPool1d,
@@ -59,7 +60,6 @@ from .resample import (
     DomainParallelMaxPool3d,
     DomainParallelUpsample,
 )
-from .outside import Band
 from .traffic import Traffic
 from .training import (
     LatitudeWeightedMSELoss,

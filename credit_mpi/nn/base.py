@@ -277,8 +277,12 @@ judged: Callable[[torch.nn.Module, int, Any, Any], contextlib.AbstractContextMan
 #: ``(comm, args, kwargs, shard_dim, manager) -> None``: raises (collectively, on every rank) when a converted forward's new inputs are
 #: not bands (the whole field on every rank); ``(tracker, manager, out) -> out``: the root's output checked and
 #: marked with its placement. Both set by :mod:`credit_mpi.nn.outside` (installed from above, as ``judged``).
-inputs_checked: Callable[..., None] = lambda comm, args, kwargs, shard_dim, manager: None
-placed_output: Callable[[Any, Any, Any], Any] = lambda tracker, manager, out: out
+def inputs_checked(comm: Any, args: tuple, kwargs: dict, shard_dim: int, manager: Any) -> None:  # noqa: D103
+    return None
+
+
+def placed_output(tracker: Any, manager: Any, out: Any) -> Any:  # noqa: D103
+    return out
 
 
 class ForwardGuard:

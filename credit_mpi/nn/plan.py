@@ -38,8 +38,8 @@ from .errors import ConversionError
 from .judge import attention
 from .judge.attention import sdpa_path
 from .judge.pointwise import VALUE_CALLS
-from .judge.registry import Refusal
 from .judge.recompute import checked_dry_run, checked_report
+from .judge.registry import Refusal
 from .judge.tracker import Tracker
 from .outside import check_output
 from .replicated import is_replicated, replicated
