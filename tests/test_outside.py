@@ -112,8 +112,9 @@ REFUSED = {
     "a model never converted": lambda out, ref: ref(out),
     "max over every dim": lambda out, ref: out.max(),
     "std": lambda out, ref: out.std(),
-    "indexing": lambda out, ref: out[:, 0],
-    "reshape": lambda out, ref: out.reshape(out.shape[0], -1),
+    "softmax over the rows": lambda out, ref: out.softmax(-2),
+    "cat along the rows": lambda out, ref: torch.cat([out, out], -2),
+    "F.interpolate": lambda out, ref: F.interpolate(out, scale_factor=2),
     "matmul": lambda out, ref: out @ out.transpose(-1, -2),
     "the whole field as a partner": lambda out, ref: out - torch.zeros(2, 2, 64, 5, dtype=out.dtype),
 }
@@ -231,3 +232,22 @@ def test_a_band_of_another_layout_raises_on_every_rank(make_manager):
             assert "along dim 3" in message, message
             out = convert_to_domain_parallel(_net().double(), manager, -1)(lon)  # a model converted along dim -1
             same_error_everywhere(manager.domain_group, lambda m=model, out=out: m(out), ConversionError)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.one_domain_size
+def test_what_leaves_the_rows_alone_runs_outside_the_model(make_manager):
+    """A rollout's joins along other dims keep the band; a slice or a view is a plain tensor (as before)."""
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            torch.manual_seed(0)
+            model = convert_to_domain_parallel(_net().double(), manager)
+            x = credit_mpi.shard_tensor(_field((2, 2, 4 * d + 1, 5), 7), -2, manager, uneven=True)
+            out = model(x)
+            joined = torch.cat([x[:, 1:], out[:, :1].as_subclass(torch.Tensor)], 1)  # plain parts: a plain tensor
+            assert type(joined) is torch.Tensor
+            both = torch.cat([out, out], 1)
+            assert isinstance(both, Band) and both.band_dim == 2
+            assert isinstance(torch.stack([out, out], 1), Band) and torch.stack([out, out], 1).band_dim == 3
+            assert isinstance(out.amax(1), Band) and out.softmax(-1).band_dim == 2
+            assert type(out[:, 0]) is torch.Tensor

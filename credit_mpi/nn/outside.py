@@ -55,7 +55,7 @@ from .. import sharding
 from . import base
 from .errors import ConversionError
 from .judge.pointwise import POINTWISE
-from .judge.registry import conversion_error, dims_of, op_name, tensors_in
+from .judge.registry import conversion_error, dims_of, op_name, rule_for, tensors_in
 from .judge.tracker import Sharded, active_tracker, grid_columns
 from .replicated import is_replicated
 
@@ -108,7 +108,14 @@ class Band(torch.Tensor):
                 return _reduce(func, args, kwargs, first, name)
             if name in _LOSSES:
                 return _loss(func, args, kwargs, first, name)
-        raise _refused(first, f"{op}()", "no rule says what it does to the sharded dim of a band outside the model")
+            mixed = _mixes_rows(name, args, kwargs, first)
+            if mixed is None:
+                if name in _JOINS:
+                    return _join(func, args, kwargs, first, name)
+                if isinstance(args[0], Band) and (_judged_as(name, "amax") or _judged_as(name, "softmax")):
+                    return _along_other_dims(func, args, kwargs, args[0])
+                return func(*args, **kwargs)  # leaves the rows alone (a slice, a view of other dims): a plain tensor
+        raise _refused(first, f"{op}()", mixed)
 
 
 def _from_credit_mpi() -> bool:
@@ -120,6 +127,57 @@ def _from_credit_mpi() -> bool:
             return name.startswith("credit_mpi.")
         frame = frame.f_back
     return False
+
+
+def _judged_as(name: str, family: str) -> bool:
+    """True when the judge's rule of ``name`` is that of ``family`` (``amax``: a reduction, ``softmax``: along a dim)."""
+    rule = rule_for(name)
+    return rule is not None and rule is rule_for(family)
+
+
+_JOINS = frozenset(("cat", "concat", "concatenate", "stack"))
+_ROW_MIXERS = frozenset("""interpolate upsample upsample_nearest upsample_bilinear pad roll flip rot90 matmul __matmul__
+__rmatmul__ mm bmm einsum tensordot unfold fold grid_sample pixel_shuffle pixel_unshuffle batch_norm group_norm
+instance_norm layer_norm scaled_dot_product_attention multi_head_attention_forward""".split())
+
+
+def _mixes_rows(name: str, args: tuple, kwargs: dict, band: Band) -> str | None:
+    """Why an op outside the model mixes the band's rows with other bands' (None: it leaves them alone, its result
+    is a plain tensor). What mixes rows is refused as a model never converted would run it: on the band alone."""
+    if name.startswith(("conv", "fft", "stft")) or "pool" in name or name in _ROW_MIXERS:
+        return "it mixes the rows along the sharded dim, which one band alone does not hold (a model never converted?)"
+    x = args[0] if args else None
+    if _judged_as(name, "amax") or _judged_as(name, "softmax"):
+        if not isinstance(x, Band):
+            return "a band as an extra argument"
+        dims = dims_of(args[1] if len(args) > 1 and not isinstance(args[1], torch.Tensor) else kwargs.get("dim"), x.ndim)
+        if dims is None or any(d in dims for d in _band_dims(x)):
+            return (f"it takes {name}() over the sharded dim, which one band alone does not hold (sum, mean, nansum, "
+                    f"nanmean over it are the field's)")
+    return None
+
+
+def _along_other_dims(func, args, kwargs, x: Band) -> Any:
+    """A reduction or a softmax over dims other than the sharded one: a band (its dim moved past the reduced ones)."""
+    dims = dims_of(args[1] if len(args) > 1 and not isinstance(args[1], torch.Tensor) else kwargs.get("dim"), x.ndim) or []
+    moved = x.band_dim - sum(1 for d in dims if d < x.band_dim)
+    out = func(*args, **kwargs)
+    return tree_map_only(torch.Tensor, lambda t: _wrap(t, x.band_dim if t.ndim == x.ndim else moved, x.band_manager)
+                         if t.ndim in (x.ndim, x.ndim - len(dims)) else t, out)
+
+
+def _join(func, args, kwargs, band: Band, name: str) -> Any:
+    """``torch.cat`` / ``stack`` of bands (and tensors of the band's rows) along another dim: a band."""
+    parts = args[0] if args else kwargs.get("tensors")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    back = band.ndim - band.band_dim
+    if name != "stack" and dim % band.ndim == band.band_dim:
+        raise _refused(band, f"{name}()", "it joins along the sharded dim: each rank would join its own bands")
+    rows = band.shape[band.band_dim]
+    if any(not isinstance(t, Band) and (t.ndim < back or t.shape[t.ndim - back] != rows) for t in parts):
+        return func(*args, **kwargs)  # not all of the band's rows: a plain tensor
+    out = func(*args, **kwargs)
+    return _wrap(out, out.ndim - back, band.band_manager)
 
 
 def _refused(band: Band, op: str, why: str) -> ConversionError:
