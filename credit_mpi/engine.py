@@ -227,9 +227,18 @@ def _forget_agreed_plans(comm: MPI.Comm | None) -> None:
         del AGREED_PLANS[full]
 
 
+#: Checks ``fn(op)`` run before the data of an op that autograd does not record moves (installed only while a
+#: converted forward runs, by :mod:`credit_mpi.nn.judge.recompute`: a collective inside a custom autograd
+#: Function's forward is refused there); they raise to refuse, before any data of the op moves.
+BEFORE_DATA: list = []
+
+
 def _apply(op: Op, x: Any, plan: Any, grad: bool) -> Any:
     """The kernel, inside the engine's autograd Function when autograd records the call."""
     if not grad:
+        if BEFORE_DATA:  # a converted forward's checks (credit_mpi.nn.judge.recompute): none outside one
+            for check in BEFORE_DATA:
+                check(op)
         return _watched(op.data_phase, plan, op.kernel, x)
     run = _FUNCTION[0] if _FUNCTION else _function()  # (made once: the per-call path asks no function for it)
     return run.apply(x, op, plan, op.written(plan) if op.writes else None)

@@ -100,11 +100,21 @@ def shard_tensor(
     """
     collective = _collective(check)
     if _grid_call(manager, dim):  # a (lat, lon) pair: this rank's block of the 2-D domain grid
-        return _shard(shard.TENSOR_2D, x, domain_of(manager), {"dim": dim, "uneven": uneven}, collective)
-    domain = domain_of(manager)
-    if domain.size <= 1:
-        return x
-    return _shard(shard.TENSOR, x, domain, {"dim": dim, "uneven": uneven}, collective)
+        domain = domain_of(manager)
+        out = _shard(shard.TENSOR_2D, x, domain, {"dim": dim, "uneven": uneven}, collective)
+    else:
+        domain = domain_of(manager)
+        if domain.size <= 1:
+            return x
+        out = _shard(shard.TENSOR, x, domain, {"dim": dim, "uneven": uneven}, collective)
+    for made in BAND_MADE:
+        made(out, dim, domain)
+    return out
+
+
+#: ``fn(band, dim, domain)`` called with every band :func:`shard_tensor` returns (on a domain of more than one
+#: rank): :mod:`credit_mpi.nn.outside` remembers torch bands (weakly) to refuse one fed to a model never converted.
+BAND_MADE: list = []
 
 
 def gather_tensor(
@@ -155,6 +165,8 @@ def gather_tensor(
         Full (gathered) tensor, identical on every rank of the domain group
         (``out`` when given).
     """
+    if getattr(x, "_credit_mpi_band", False):  # a converted model's output (credit_mpi.nn.Band): its plain alias
+        x = x.as_plain()
     if isinstance(dim, (tuple, list)):  # a (lat, lon) pair: gather the blocks of the 2-D domain grid
         return run(gather.BLOCKS, x, domain_of(manager).comm, check=check, dim=dim, out=out, transport=transport, manager=manager)
     comm = live_domain_comm(manager)  # a live manager's communicator: the per-call fast path asks nothing else

@@ -188,7 +188,7 @@ def _moved(path: str, manager, heads: int, c: int, h: int, monkeypatch) -> int:
     monkeypatch.setattr(attention, "SDPA_PATH", path)
     model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, c, 1), Heads(c=c, heads=heads)).double(), manager)
     rows = h // manager.domain_parallel_size + (manager.domain_rank < h % manager.domain_parallel_size)
-    x = torch.randn(1, 2, rows, W, dtype=torch.float64)
+    x = torch.randn(1, 2, rows, W, dtype=torch.float64) + manager.domain_rank  # bands: each rank's own rows
     counter.received_elements(reset=True)
     with torch.no_grad():
         model(x)
@@ -201,7 +201,7 @@ def _mha_moved(manager, c: int, rows: int, monkeypatch) -> int:
     model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, c, 1), MHA(c=c, heads=2)).double(), manager)
     allgather_along.received_elements(reset=True)
     with torch.no_grad():
-        model(torch.randn(1, 2, rows, W, dtype=torch.float64))
+        model(torch.randn(1, 2, rows, W, dtype=torch.float64) + manager.domain_rank)  # each rank's own rows
     return allgather_along.received_elements(reset=True)
 
 

@@ -183,7 +183,7 @@ def test_refusals_name_the_module_and_the_op(make_manager):
     manager = make_manager()
     if True:
         model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Gram()).double(), manager)
-        x = torch.randn(1, 2, 3, 3, dtype=torch.float64)
+        x = torch.randn(1, 2, 3, 3, dtype=torch.float64) + manager.domain_rank  # bands: each rank's own rows
         with pytest.raises(ConversionError, match=r"1 \(Gram\) calls matmul\(\).*contracts the sharded dim"):
             model(x)
         plan = describe(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Gram()).double(), (1, 2, 8, 3), 2)
@@ -242,7 +242,7 @@ def test_global_attention_moves_what_the_theory_says(make_manager, monkeypatch):
     d = manager.domain_parallel_size
     b, c, h, w = 1, 4, 4 * d, 3
     model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), GlobalAttention(c)).double(), manager)
-    x = torch.randn(b, 2, h // d, w, dtype=torch.float64)
+    x = torch.randn(b, 2, h // d, w, dtype=torch.float64) + manager.domain_rank  # bands: each rank's own rows
     received_elements(reset=True)
     model(x)
     n, n_rank = h * w, (h // d) * w

@@ -289,7 +289,7 @@ def test_refusals_raise_on_every_rank(make_manager):
 
     # a module without a rule is judged by what its forward does (credit_mpi.nn.judge), when it runs
     # (on a domain of one rank the band is the whole field: nothing to judge, the forward is exact)
-    x = torch.randn(1, 1, 2, 3, dtype=torch.float64)
+    x = torch.randn(1, 1, 2, 3, dtype=torch.float64) + manager.domain_rank  # bands: each rank's own rows
     for model, where, op in ((nn.Sequential(nn.ReLU(), Mystery()), "1 (Mystery)", "rot90()"),
                              (nn.Sequential(nn.Conv2d(1, 1, 1), nn.Flatten(), nn.Linear(6, 2)), "2 (Linear)", "linear()")):
         converted = convert_to_domain_parallel(model.double(), manager)

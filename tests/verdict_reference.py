@@ -19,7 +19,7 @@ def _outcome(comm, fn):
 
 
 def verdict_is_the_run(name: str, build, shape: tuple, manager, seed: int = 3, same_op: bool = True, custom=None,
-                       tolerance: tuple[float, float] = (1e-12, 1e-10)):
+                       tolerance: tuple[float, float] = (1e-12, 1e-10), shard_dim: int = -2):
     """Plan ``build()`` for ``shape`` on the manager's bands and run it; returns the plan.
 
     Exact against one process (forward, input gradient, parameter gradients) when the plan
@@ -30,8 +30,9 @@ def verdict_is_the_run(name: str, build, shape: tuple, manager, seed: int = 3, s
     windows than the whole field, which the dry run sees and the run cannot).
     """
     d, comm = manager.domain_parallel_size, manager.domain_group
-    plan = describe(build().double(), shape, d, custom_converters=custom)
-    result, error = _outcome(comm, lambda: run_both(build, shape, manager, seed=seed, custom_converters=custom))
+    plan = describe(build().double(), shape, d, custom_converters=custom, shard_dim=shard_dim)
+    result, error = _outcome(comm, lambda: run_both(build, shape, manager, seed=seed, custom_converters=custom,
+                                                    shard_dim=shard_dim))
     flags = comm.allgather((plan.exact, error is None))
     assert all(f == flags[0] for f in flags), flags
     if plan.exact:

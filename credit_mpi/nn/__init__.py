@@ -45,6 +45,7 @@ from .norm import (
     DomainParallelInstanceNorm3d,
     DomainParallelLayerNorm,
 )
+from .outside import Band
 from .plan import GridPlan, Plan, PlanRow, describe
 from .resample import (
     DomainParallelAdaptiveAvgPool1d,
@@ -81,6 +82,7 @@ __all__ = [
     "Traffic",
     "GridPlan",
     "ConversionError",
+    "Band",
     "DomainParallelConv1d",
     "DomainParallelConv2d",
     "DomainParallelConv3d",

@@ -275,6 +275,16 @@ def _unjudged(root: torch.nn.Module, shard_dim: int, manager: Any, inputs: Any) 
 #: function applied to a band (installed from above: that module builds on this one).
 judged: Callable[[torch.nn.Module, int, Any, Any], contextlib.AbstractContextManager] = _unjudged
 
+#: ``(comm, args, kwargs, shard_dim, manager) -> None``: raises (collectively, on every rank) when a converted forward's new inputs are
+#: not bands (the whole field on every rank); ``(tracker, manager, out) -> out``: the root's output checked and
+#: marked with its placement. Both set by :mod:`credit_mpi.nn.outside` (installed from above, as ``judged``).
+def inputs_checked(comm: Any, args: tuple, kwargs: dict, shard_dim: int, manager: Any) -> None:  # noqa: D103
+    return None
+
+
+def placed_output(tracker: Any, manager: Any, out: Any) -> Any:  # noqa: D103
+    return out
+
 
 class ForwardGuard:
     """A converted model's ``forward`` (an instance attribute of its root): no rank waits for one that failed.
@@ -315,8 +325,10 @@ class ForwardGuard:
         same = forward_start(comm, mine, self._last_inputs, self.path.name)
         self._last_inputs = mine
         try:
+            if not same:  # a new input (the first call, a new shape): bands, not the field on every rank
+                inputs_checked(comm, args, kwargs, self.shard_dim, manager)
             with paths.using(self.path), quiet_forward(comm, same), judged(module, self.shard_dim, manager, (args, kwargs)) as tracker:
-                out = _at_root(tracker, module, forward, args, kwargs)
+                out = placed_output(tracker, manager, _at_root(tracker, module, forward, args, kwargs))
         except Exception as exc:  # noqa: BLE001 - raised again on every rank
             share_failure(comm, exc)
         forward_done(comm)

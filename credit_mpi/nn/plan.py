@@ -38,8 +38,10 @@ from .errors import ConversionError
 from .judge import attention
 from .judge.attention import sdpa_path
 from .judge.pointwise import VALUE_CALLS
+from .judge.recompute import checked_dry_run, checked_report
 from .judge.registry import Refusal
 from .judge.tracker import Tracker
+from .outside import check_output
 from .replicated import is_replicated, replicated
 from .traffic import (
     AGREEMENT_BYTES,
@@ -281,7 +283,7 @@ def _dry_forward(dry: nn.Module, input_shape: tuple[int, ...], requires_grad: bo
     """The converted copy's forward on the meta device, under a :class:`Tracker` whose hooks are ``rec``'s."""
     # grad on (meta tensors: no memory, no compute): a layer sees whether its input requires grad
     with torch.enable_grad(), Tracker(dry, rec.shard_dim, None, rec.sizes_of, rec.layer, judge=rec.n > 1,
-                                      adopt_layout=rec.adopt) as tracker, _DryRun(tracker, rec.attention, rec.value):
+                                      adopt_layout=rec.adopt) as tracker, _DryRun(tracker, checked_report(tracker, rec.attention), rec.value):
         rec.tracker = tracker
         dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
         x = torch.empty(input_shape, device="meta", dtype=dtype, requires_grad=requires_grad)
@@ -289,8 +291,14 @@ def _dry_forward(dry: nn.Module, input_shape: tuple[int, ...], requires_grad: bo
         tracker.grid = rec.grid  # the domain grid (the rules without one on a grid refuse it in the dry run too)
         tracker.on_join, tracker.on_conflict = rec.joined, rec.conflict  # joins of bands; bands of two layouts combined
         tracker.plan_rows = rec.plan.rows  # what a module's forward communicated (judge.rows: a band of no window)
+        checked_dry_run(tracker)  # a move inside a custom autograd Function refused as the run does (judge.recompute)
         tracker.mark_inputs(x)
-        dry(x)
+        out = dry(x)
+        tracker.trusted += 1  # the output's placement, as the run checks it (credit_mpi.nn.outside)
+        try:
+            check_output(tracker, out)
+        finally:
+            tracker.trusted -= 1
 
 
 def _unseen_values_error(plan: Plan, exc: Exception) -> ConversionError | None:

@@ -9,7 +9,9 @@
 * one module per family of rules: :mod:`~credit_mpi.nn.judge.pointwise`,
   :mod:`~credit_mpi.nn.judge.reductions`, :mod:`~credit_mpi.nn.judge.shapes`,
   :mod:`~credit_mpi.nn.judge.indexing`, :mod:`~credit_mpi.nn.judge.conv_pool`,
-  :mod:`~credit_mpi.nn.judge.rows`, :mod:`~credit_mpi.nn.judge.attention`.
+  :mod:`~credit_mpi.nn.judge.rows`, :mod:`~credit_mpi.nn.judge.attention`;
+* :mod:`~credit_mpi.nn.judge.recompute`: a recomputation in backward (activation checkpointing)
+  judged as its forward; a custom autograd Function whose forward moves rows refused.
 
 Importing this package registers every rule (:mod:`credit_mpi.nn` imports it).
 """
@@ -19,6 +21,7 @@ from . import (  # noqa: F401 - each family registers its rules at import
     conv_pool,
     indexing,
     pointwise,
+    recompute,
     reductions,
     rows,
     shapes,
