@@ -52,6 +52,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .. import sharding
+from ..transport import paths
 from . import base
 from .errors import ConversionError
 from .judge.pointwise import POINTWISE
@@ -79,10 +80,12 @@ class Band(torch.Tensor):
     Attributes:
         band_dim: The sharded dim (non-negative).
         band_manager: The manager of the model that returned it.
+        band_path: The model's data path (``transport=``): a loss on the band moves on it, as the model's layers.
     """
 
     band_dim: int
     band_manager: Any
+    band_path: Any
     _credit_mpi_band = True  # what gather_tensor looks for (no import of this module there)
 
     def as_plain(self) -> torch.Tensor:
@@ -162,7 +165,7 @@ def _along_other_dims(func, args, kwargs, x: Band) -> Any:
     dims = dims_of(args[1] if len(args) > 1 and not isinstance(args[1], torch.Tensor) else kwargs.get("dim"), x.ndim) or []
     moved = x.band_dim - sum(1 for d in dims if d < x.band_dim)
     out = func(*args, **kwargs)
-    return tree_map_only(torch.Tensor, lambda t: _wrap(t, x.band_dim if t.ndim == x.ndim else moved, x.band_manager)
+    return tree_map_only(torch.Tensor, lambda t: _wrap(t, x.band_dim if t.ndim == x.ndim else moved, x.band_manager, x)
                          if t.ndim in (x.ndim, x.ndim - len(dims)) else t, out)
 
 
@@ -177,7 +180,7 @@ def _join(func, args, kwargs, band: Band, name: str) -> Any:
     if any(not isinstance(t, Band) and (t.ndim < back or t.shape[t.ndim - back] != rows) for t in parts):
         return func(*args, **kwargs)  # not all of the band's rows: a plain tensor
     out = func(*args, **kwargs)
-    return _wrap(out, out.ndim - back, band.band_manager)
+    return _wrap(out, out.ndim - back, band.band_manager, band)
 
 
 def _refused(band: Band, op: str, why: str) -> ConversionError:
@@ -191,11 +194,13 @@ def _refused(band: Band, op: str, why: str) -> ConversionError:
         f"backward (it sums each band's part of the gradients)")
 
 
-def _wrap(t: Any, dim: int, manager: Any) -> Any:
+def _wrap(t: Any, dim: int, manager: Any, like: Band | None = None) -> Any:
+    """``t`` as a Band along ``dim``; its data path is ``like``'s, else the converted forward's running now."""
     if not isinstance(t, torch.Tensor) or isinstance(t, Band):
         return t
     out = torch.Tensor.as_subclass(t, Band)
     out.band_dim, out.band_manager = dim, manager
+    out.band_path = like.band_path if like is not None else paths.current()
     return out
 
 
@@ -216,7 +221,7 @@ def _elementwise(func, args, kwargs, bands: list[Band], name: str) -> Any:
     if any(t.shape[t.ndim - back] != rows for t in bands):
         raise _refused(first, f"{name}()", "it combines bands of different rows")
     out = func(*args, **kwargs)
-    return tree_map_only(torch.Tensor, lambda t: _wrap(t, t.ndim - back, first.band_manager) if t.ndim >= back else t, out)
+    return tree_map_only(torch.Tensor, lambda t: _wrap(t, t.ndim - back, first.band_manager, first) if t.ndim >= back else t, out)
 
 
 def _band_dims(band: Band) -> tuple[int, ...]:
@@ -237,16 +242,17 @@ def _reduce(func, args, kwargs, band: Band, name: str) -> Any:
         out = func(*args, **kwargs)
         keep = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
         moved = x.band_dim if keep else x.band_dim - sum(1 for d in dims if d < x.band_dim)
-        return _wrap(out, moved, x.band_manager)
+        return _wrap(out, moved, x.band_manager, x)
     if dims is not None and not all(d in dims for d in split):
         raise _refused(band, f"{name}()", "it reduces over the latitude of a latitude x longitude block but not its "
                                           "longitude (no rule outside the model: gather the field first)")
     dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
     keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
-    return field_reduction(x.as_plain() if isinstance(x, Band) else x, name, dims, keepdim, dtype, x.band_manager)
+    return field_reduction(x.as_plain() if isinstance(x, Band) else x, name, dims, keepdim, dtype, x.band_manager, x.band_path)
 
 
-def field_reduction(x: torch.Tensor, op: str, dims: list[int] | None, keepdim: bool, dtype: Any, manager: Any) -> torch.Tensor:
+def field_reduction(x: torch.Tensor, op: str, dims: list[int] | None, keepdim: bool, dtype: Any, manager: Any,
+                    path: Any = None) -> torch.Tensor:
     """``op`` (sum, mean, nansum, nanmean) of the field over ``dims`` (None: every dim) from this rank's band ``x``:
     one ``Allreduce`` of the partial sums and counts over the domain group; the same value on every rank, whose
     gradient is each band's part (the identity onto the band's partial sum)."""
@@ -261,7 +267,9 @@ def field_reduction(x: torch.Tensor, op: str, dims: list[int] | None, keepdim: b
     else:
         count = torch.zeros((0,), device=part.device)
     packed = torch.cat([part.detach().reshape(-1).to(torch.float64), count.reshape(-1).to(torch.float64)])
-    total = allreduce_sum(packed, manager.domain_group, path=f"{op}() of a band outside the model")
+    comm = manager.domain_group
+    transport = "mpi" if path is None else path.transport(comm)
+    total = allreduce_sum(packed, comm, transport=transport, path=f"{op}() of a band outside the model")
     field = total[: part.numel()].reshape(part.shape).to(part.dtype)
     out = part + (field - part.detach())  # the field's value; the gradient: the band's part
     if op in ("mean", "nanmean"):
@@ -283,7 +291,7 @@ def _loss(func, args, kwargs, band: Band, name: str) -> Any:
         return elementwise
     if reduction not in ("mean", "sum"):
         raise _refused(band, f"{name}()", f"reduction={reduction!r}")
-    return field_reduction(elementwise.as_plain(), reduction, None, False, None, band.band_manager)
+    return field_reduction(elementwise.as_plain(), reduction, None, False, None, band.band_manager, band.band_path)
 
 
 # -- the converted forward's inputs and outputs (installed in credit_mpi.nn.base) -----------------------
