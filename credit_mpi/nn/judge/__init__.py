@@ -9,7 +9,8 @@
 * one module per family of rules: :mod:`~credit_mpi.nn.judge.pointwise`,
   :mod:`~credit_mpi.nn.judge.reductions`, :mod:`~credit_mpi.nn.judge.shapes`,
   :mod:`~credit_mpi.nn.judge.indexing`, :mod:`~credit_mpi.nn.judge.conv_pool`,
-  :mod:`~credit_mpi.nn.judge.rows`, :mod:`~credit_mpi.nn.judge.attention`.
+  :mod:`~credit_mpi.nn.judge.rows`, :mod:`~credit_mpi.nn.judge.attention`;
+* :mod:`~credit_mpi.nn.judge.longitude`: on a latitude x longitude grid, the longitude's own tracker.
 
 Importing this package registers every rule (:mod:`credit_mpi.nn` imports it).
 """
@@ -18,6 +19,7 @@ from . import (  # noqa: F401 - each family registers its rules at import
     attention,
     conv_pool,
     indexing,
+    longitude,
     pointwise,
     reductions,
     rows,
