@@ -76,14 +76,28 @@ class Attention(nn.Module):
         return o.transpose(1, 2).reshape(b, h * w, c).transpose(1, 2).reshape(b, c, h, w)
 
 
+class CircularPad(nn.Module):
+    """A circular ``F.pad`` of the longitude, then a convolution that reads it (no longitude padding of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inc, self.conv = nn.Conv2d(2, 2, 1), nn.Conv2d(2, 2, 3, padding=(1, 0))
+
+    def forward(self, x):
+        return self.conv(F.pad(self.inc(x), (1, 1, 0, 0), mode="circular"))
+
+
+# name -> (build, exact on a grid of more than one column)
 ALONG_LONGITUDE = {
-    "mean_lon": lambda: Then(lambda x: x - x.mean(-1, keepdim=True)),
-    "sum_lon_divided": lambda: Then(lambda x: x.sum(-1, keepdim=True) / x.shape[-1] * x),
-    "roll_lon": lambda: Then(lambda x: torch.roll(x, 2, -1)),
-    "flip_lon": lambda: Then(lambda x: x.flip(-1)),
-    "softmax_lon": lambda: Then(lambda x: x.softmax(-1)),
-    "circular_pad_lon": lambda: Then(lambda x: F.pad(x, (1, 1, 0, 0), mode="circular")[..., 2:]),
-    "sdpa_causal": lambda: Attention(True),
+    "mean_lon": (lambda: Then(lambda x: x - x.mean(-1, keepdim=True)), True),
+    "sum_lon": (lambda: Then(lambda x: x * x.sum((1, -1))[:, None, :, None]), True),
+    "nanmean_lon": (lambda: Then(lambda x: x.nanmean(-1, keepdim=True) + x), True),
+    "roll_lon": (lambda: Then(lambda x: torch.roll(x, 2, -1)), True),
+    "roll_both": (lambda: Then(lambda x: torch.roll(x, (-3, 1), (-1, 1))), True),
+    "flip_lon": (lambda: Then(lambda x: x.flip(-1)), True),
+    "softmax_lon": (lambda: Then(lambda x: x.softmax(-1)), False),
+    "circular_pad_lon": (CircularPad, True),
+    "sdpa_causal": (lambda: Attention(True), False),
 }
 
 
@@ -91,13 +105,11 @@ ALONG_LONGITUDE = {
 @pytest.mark.parametrize("name", sorted(ALONG_LONGITUDE))
 def test_along_the_longitude_on_grid(name, make_manager):
     """Each op along the longitude: describe()'s verdict is the run's on every grid, even and uneven blocks."""
+    build, exact = ALONG_LONGITUDE[name]
     for grid, manager in grid_managers(make_manager):
         for shape in ((2 * grid[0] + 4, 2 * grid[1] + 6), (2 * grid[0] + 5, 2 * grid[1] + 7)):
-            plan = grid_verdict_is_the_run(name, ALONG_LONGITUDE[name], (2, 2, *shape), manager)
-            if grid[1] > 1:  # a longitude split: refused (no exact rule there yet) in the plan and the run
-                assert not plan.exact and not plan.longitude.exact, (name, grid, str(plan))
-            else:  # latitude bands: the longitude is whole on every rank, each op is exact
-                assert plan.exact, (name, grid, str(plan))
+            plan = grid_verdict_is_the_run(name, build, (2, 2, *shape), manager)
+            assert plan.exact == (exact or grid[1] == 1), (name, grid, str(plan))
 
 
 @pytest.mark.mpi(min_size=2)
@@ -108,9 +120,9 @@ def test_attention_without_mask_on_grid(make_manager):
             grid_verdict_is_the_run("sdpa", lambda: Attention(False), (2, 2, *shape), manager)
 
 
-def test_describe_refuses_along_the_longitude():
-    """The dry run alone (no MPI): each case refused on a 2x2 grid in the longitude plan, exact on 4x1 bands."""
-    for name, build in ALONG_LONGITUDE.items():
+def test_describe_along_the_longitude():
+    """The dry run alone (no MPI): each case's verdict on a 2x2 grid, in the longitude plan; exact on 4x1 bands."""
+    for name, (build, exact) in ALONG_LONGITUDE.items():
         plan = describe(build(), (1, 2, 9, 10), domain_grid=(2, 2))
-        assert not plan.longitude.exact, name
+        assert plan.longitude.exact == exact and plan.exact == exact, (name, str(plan))
         assert describe(build(), (1, 2, 9, 10), domain_grid=(4, 1)).exact, name

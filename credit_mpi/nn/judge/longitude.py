@@ -41,7 +41,19 @@ from torch.overrides import TorchFunctionMode
 from . import tracker as _tracker
 from .tracker import Sharded, Tracker, grid_columns
 
-__all__ = ["LongitudeTracker", "judge_longitude"]
+__all__ = ["LongitudeTracker", "judge_longitude", "along_longitude", "circular_pad_longitude"]
+
+
+def along_longitude(tr: Tracker) -> bool:
+    """True when ``tr`` follows the longitude blocks of a grid of more than one column: the run's
+    :class:`LongitudeTracker`, or describe()'s longitude plan (the dry run of shard dim -1 on a grid).
+
+    Its rules move data among the blocks of one grid row (the longitude is then a 1-D band
+    decomposition: a row move, a domain sum over the longitude are exact there)."""
+    if isinstance(tr, LongitudeTracker):
+        return True
+    grid = getattr(tr, "grid", None)
+    return tr.manager is None and grid is not None and grid[1] > 1 and tr.shard_dim == -1
 
 
 class _RowView:
@@ -116,6 +128,44 @@ class LongitudeTracker(Tracker):
         with self._as_active() as mine:
             return self._post(module, args, out) if mine else None
 
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs)
+        if self.trusted or self._owner is None:
+            return out
+        return self._latitude_follows(func, args, kwargs or {}, out)
+
+    def _latitude_follows(self, func, args: tuple, kwargs: dict, out: Any) -> Any:
+        """The latitude's placements of what a longitude rule made (a row move, a domain sum): the latitude tracker
+        did not see those tensors made (the collectives' kernels run outside the modes).
+
+        A sum over the longitude is whole along it on every block of the grid row, not over the domain: its
+        :class:`~credit_mpi.nn.replicated.Replicated` mark (every rank's) is dropped, and it stays the latitude
+        band its input was.
+        """
+        from ..replicated import Replicated
+        from .registry import dims_of, op_name, tensors_in
+
+        lat = self._owner
+        ins = tensors_in((args, kwargs))
+        held = [(t, q) for t in ins if (q := lat.get(t)) is not None]
+        if len(held) != 1 or not isinstance(out, torch.Tensor) or any(o is out for o in ins):
+            return out
+        (x, q), y = held[0], out
+        if isinstance(y, Replicated) and not any(isinstance(t, Replicated) for t in ins):
+            with torch._C.DisableTorchFunction():
+                y = y.as_subclass(torch.Tensor)
+        if lat.get(y) is not None:
+            return y
+        dim = q.dim
+        if y.ndim != x.ndim and op_name(func) in ("sum", "mean", "nansum", "nanmean"):  # dims reduced away
+            from .registry import argument
+
+            dims = dims_of(argument(args, kwargs, 1, "dim"), x.ndim) or list(range(x.ndim))
+            dim = None if dim in dims else dim - sum(d < dim for d in dims)
+        if dim is not None and dim < y.ndim and y.shape[dim] == x.shape[q.dim]:
+            lat.set(y, q.moved(dim))
+        return y
+
     def _fold_edge_rows(self, module: torch.nn.Module, args: tuple) -> tuple | None:
         return None  # the longitude's edges are periodic: no zero rows folded (a zero pad of it is refused)
 
@@ -149,3 +199,37 @@ def judge_longitude(root: torch.nn.Module, manager: Any, inputs: Any):
     with LongitudeTracker(root, manager) as lon:
         lon.mark_inputs(inputs)
         yield lon
+
+
+def circular_pad_longitude(tr: Tracker, func, args: tuple, kwargs: dict, p: Sharded, pad: list, pair: int) -> torch.Tensor:
+    """``F.pad(x, ..., mode="circular")`` of the longitude on a grid: the field's periodic padding.
+
+    The first block of the grid row gains the ``before`` columns at the end of the field, the last block the
+    ``after`` columns at its start (the row map ``circular_halo_along`` of :mod:`credit_mpi.ops.rows`: one
+    ``Alltoallv`` among the blocks of the grid row, differentiable, then a local ``cat``); the other dims'
+    padding runs first, as the forward asked (judged by the latitude's tracker).
+    """
+    from .rows import _moved, _reported
+
+    x, before, after = args[0], pad[2 * pair], pad[2 * pair + 1]
+    others = [0 if i in (2 * pair, 2 * pair + 1) else v for i, v in enumerate(pad)]
+    y = func(x, others, mode="circular") if any(others) else x
+    if tr.manager is not None:
+        halo = _moved(tr, y, p, "circular_halo_along", before=before, after=after)
+        lat = getattr(tr, "_owner", None)
+        if lat is not None and (q := lat.get(y)) is not None:
+            lat.set(halo, q)  # the latitude's rows of the band it came from (made where the modes do not look)
+        rank, last = tr.manager.domain_rank, tr.manager.domain_parallel_size - 1
+        parts = ([halo.narrow(p.dim, 0, before)] if rank == 0 else []) + [y] + (
+            [halo.narrow(p.dim, halo.shape[p.dim] - after, after)] if rank == last else [])
+        out = torch.cat(parts, p.dim) if len(parts) > 1 else y.clone()
+        tr.set(out, p)
+        return out
+    rows = y.shape[p.dim]
+    _reported(tr, y, p, "circular_halo_along", before=before, after=after)
+    out = tr.run(func, args, kwargs, p)  # the dry run: the field's own padding
+    sizes = tr.band_sizes(rows) if tr.band_sizes is not None else [rows]
+    padded = [s + (before if i == 0 else 0) + (after if i == len(sizes) - 1 else 0) for i, s in enumerate(sizes)]
+    if tr.adopt_layout is not None and not tr.adopt_layout(rows + before + after, padded):
+        tr.keep_layout(out, padded)  # another layout than an earlier tensor of that height's
+    return out

@@ -61,6 +61,7 @@ import torch
 
 from ...grid import grid_of
 from .registry import Refusal, argument, conversion_error, dims_of, module_rule, op_name, rule
+from .longitude import along_longitude
 from .tracker import Sharded, Tracker, tracked_columns
 
 __all__ = ["window_rows", "strided_rows", "STRIDED_WINDOWS"]
@@ -172,19 +173,21 @@ def _pair(value: Any) -> list[int]:
 
 
 def _moved(tr: Tracker, t: torch.Tensor, p: Sharded, name: str, **params: Any) -> torch.Tensor:
-    """At run time: band ``t`` moved by the row map ``name`` of :mod:`credit_mpi.ops.rows` along ``p.dim``."""
-    if tracked_columns(tr) > 1:
+    """At run time: band ``t`` moved by the row map ``name`` of :mod:`credit_mpi.ops.rows` along ``p.dim`` (on a grid:
+    along the longitude, among the blocks of the grid row)."""
+    if tracked_columns(tr) > 1 and not along_longitude(tr):
         raise Refusal(f"the row move {name}() along the sharded dim has no rule on a latitude x longitude domain grid "
                       f"yet")
     from ...ops.rows import move_along
 
-    return move_along(t, name, p.dim, tr.manager.domain_group, tr.stack[-1][0], **params)
+    with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's (the latitude's judge sees none)
+        return move_along(t, name, p.dim, tr.manager.domain_group, tr.stack[-1][0], **params)
 
 
 def _reported(tr: Tracker, t: torch.Tensor, p: Sharded, name: str, **params: Any) -> torch.Tensor:
     """In the dry run: the row map ``name``'s move of ``t`` reported to describe() (its plan row and traffic); returns
     ``t`` (the caller applies the torch function to the field)."""
-    if tracked_columns(tr) > 1:
+    if tracked_columns(tr) > 1 and not along_longitude(tr):
         raise Refusal(f"the row move {name}() along the sharded dim has no rule on a latitude x longitude domain grid "
                       f"yet")
     from ...ops.rows import moves_of
