@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from ...partition import normalize_dim
-from .longitude import along_longitude, circular_pad_longitude
+from .longitude import along_longitude
+from .rows import circular_pad_longitude
 from .registry import Refusal, argument, op_name, rule
 
 

@@ -38,10 +38,11 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import base
 from . import tracker as _tracker
-from .tracker import Sharded, Tracker, grid_columns
+from .tracker import Sharded, Tracker, grid_columns, judge_forward
 
-__all__ = ["LongitudeTracker", "judge_longitude", "along_longitude", "circular_pad_longitude"]
+__all__ = ["LongitudeTracker", "judge_longitude", "along_longitude"]
 
 
 def along_longitude(tr: Tracker) -> bool:
@@ -201,35 +202,16 @@ def judge_longitude(root: torch.nn.Module, manager: Any, inputs: Any):
         yield lon
 
 
-def circular_pad_longitude(tr: Tracker, func, args: tuple, kwargs: dict, p: Sharded, pad: list, pair: int) -> torch.Tensor:
-    """``F.pad(x, ..., mode="circular")`` of the longitude on a grid: the field's periodic padding.
+@contextlib.contextmanager
+def judge_forward_on_grid(root: torch.nn.Module, shard_dim: int, manager: Any, inputs: Any):
+    """:func:`~credit_mpi.nn.judge.tracker.judge_forward`, and on a grid of more than one column the longitude's
+    tracker inside it (the converted forward's judge: ``credit_mpi.nn.base.judged``)."""
+    with judge_forward(root, shard_dim, manager, inputs) as tracker:
+        if tracker is None:
+            yield None
+            return
+        with judge_longitude(root, manager, inputs):
+            yield tracker
 
-    The first block of the grid row gains the ``before`` columns at the end of the field, the last block the
-    ``after`` columns at its start (the row map ``circular_halo_along`` of :mod:`credit_mpi.ops.rows`: one
-    ``Alltoallv`` among the blocks of the grid row, differentiable, then a local ``cat``); the other dims'
-    padding runs first, as the forward asked (judged by the latitude's tracker).
-    """
-    from .rows import _moved, _reported
 
-    x, before, after = args[0], pad[2 * pair], pad[2 * pair + 1]
-    others = [0 if i in (2 * pair, 2 * pair + 1) else v for i, v in enumerate(pad)]
-    y = func(x, others, mode="circular") if any(others) else x
-    if tr.manager is not None:
-        halo = _moved(tr, y, p, "circular_halo_along", before=before, after=after)
-        lat = getattr(tr, "_owner", None)
-        if lat is not None and (q := lat.get(y)) is not None:
-            lat.set(halo, q)  # the latitude's rows of the band it came from (made where the modes do not look)
-        rank, last = tr.manager.domain_rank, tr.manager.domain_parallel_size - 1
-        parts = ([halo.narrow(p.dim, 0, before)] if rank == 0 else []) + [y] + (
-            [halo.narrow(p.dim, halo.shape[p.dim] - after, after)] if rank == last else [])
-        out = torch.cat(parts, p.dim) if len(parts) > 1 else y.clone()
-        tr.set(out, p)
-        return out
-    rows = y.shape[p.dim]
-    _reported(tr, y, p, "circular_halo_along", before=before, after=after)
-    out = tr.run(func, args, kwargs, p)  # the dry run: the field's own padding
-    sizes = tr.band_sizes(rows) if tr.band_sizes is not None else [rows]
-    padded = [s + (before if i == 0 else 0) + (after if i == len(sizes) - 1 else 0) for i, s in enumerate(sizes)]
-    if tr.adopt_layout is not None and not tr.adopt_layout(rows + before + after, padded):
-        tr.keep_layout(out, padded)  # another layout than an earlier tensor of that height's
-    return out
+base.judged = judge_forward_on_grid

@@ -601,12 +601,9 @@ def judge_forward(root: torch.nn.Module, shard_dim: int, manager: Any, inputs: A
     if active_tracker() is not None:  # a converted model inside a converted forward: judged by the outer one
         yield None
         return
-    from .longitude import judge_longitude  # on a grid: the longitude judged too (its own tracker, inside this one)
-
     with Tracker(root, shard_dim, manager) as tracker:
         tracker.mark_inputs(inputs)
-        with judge_longitude(root, manager, inputs):
-            yield tracker
+        yield tracker
 
 
 base.judged = judge_forward
