@@ -75,8 +75,12 @@ class _RowView:
         """The ranks of this grid row (longitude blocks in order), made once per manager (collective on first use)."""
         comm = getattr(self._manager, "_dp_longitude_row", None)
         if comm is None:
-            cart = self._manager.domain_cart
-            comm = cart.Sub([False, True])
+            from ... import watchdog
+
+            comm = self._manager.domain_cart.Sub([False, True])  # freed by manager.free()
+            comm.Set_name(f"credit_mpi.grid_row[{self._manager.domain_rank // self.domain_parallel_size}]")
+            if getattr(self._manager, "timeout", None) is not None:
+                watchdog.set_timeout(comm, self._manager.timeout)
             self._manager._dp_longitude_row = comm
         return comm
 
