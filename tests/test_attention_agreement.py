@@ -23,7 +23,6 @@ from credit_mpi.nn import convert_to_domain_parallel  # noqa: E402
 from credit_mpi.nn.judge import attention  # noqa: E402
 from credit_mpi.partition import band_sizes  # noqa: E402
 
-
 RANKS = MPI.COMM_WORLD.Get_size()
 TOKENS_W = 3
 

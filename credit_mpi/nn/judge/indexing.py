@@ -9,8 +9,8 @@ import torch
 
 from ...partition import normalize_dim
 from .longitude import along_longitude
-from .rows import circular_pad_longitude
 from .registry import Refusal, argument, op_name, rule
+from .rows import circular_pad_longitude
 
 
 @rule("narrow", "select", "index_select", "gather", "chunk", "split", "tensor_split", "unbind",

@@ -11,9 +11,9 @@ import torch
 
 from ...partition import normalize_dim
 from ..replicated import is_replicated, replicated
+from .longitude import along_longitude
 from .pointwise import _pointwise
 from .registry import Refusal, argument, conversion_error, dims_of, op_name, rule, without_bands
-from .longitude import along_longitude
 from .tracker import Sharded, Tracker, tracked_columns
 
 

@@ -60,8 +60,8 @@ from typing import Any
 import torch
 
 from ...grid import grid_of
-from .registry import Refusal, argument, conversion_error, dims_of, module_rule, op_name, rule
 from .longitude import along_longitude
+from .registry import Refusal, argument, conversion_error, dims_of, module_rule, op_name, rule
 from .tracker import Sharded, Tracker, tracked_columns
 
 __all__ = ["window_rows", "strided_rows", "STRIDED_WINDOWS", "circular_pad_longitude"]
