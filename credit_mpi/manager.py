@@ -388,7 +388,8 @@ class DomainParallelManager:
             return
         if self._torch is not None:
             self._torch.teardown(self)  # detaches them
-        for comm in (self._cart, self._domain_group, self._dp_group):
+        row = self.__dict__.pop("_dp_longitude_row", None)  # a grid row's communicator (credit_mpi.nn.judge.longitude)
+        for comm in (row, self._cart, self._domain_group, self._dp_group):
             if comm is not None:
                 watchdog.forget_timeout(comm)
                 forget_agreements(comm)  # no remembered plan outlives its communicator
@@ -410,7 +411,8 @@ class DomainParallelManager:
         global _LEAKED, _LIVE
         _LEAKED += 1
         _LIVE -= 1
-        for comm in (self._cart, self._domain_group, self._dp_group):
+        row = self.__dict__.pop("_dp_longitude_row", None)  # a grid row's communicator (credit_mpi.nn.judge.longitude)
+        for comm in (row, self._cart, self._domain_group, self._dp_group):
             if comm is not None:
                 watchdog.forget_timeout(comm)  # its Python object dies here: another may take its id
                 forget_agreements(comm)

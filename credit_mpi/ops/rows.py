@@ -96,7 +96,8 @@ def move_rows(t: torch.Tensor, dim: int, moves: RowMoves, transfer: Any) -> torc
     send = moved[_index(moves.send, t.device)]  # a new contiguous tensor, in the receivers' order
     recv = torch.empty((sum(len(r) for r in moves.recv),) + rest, dtype=t.dtype, device=t.device)
     transfer.alltoallv(send, [len(s) * row_bytes for s in moves.send], recv, [len(r) * row_bytes for r in moves.recv])
-    out = torch.empty((moves.rows_out,) + rest, dtype=t.dtype, device=t.device)
+    whole = sum(len(r) for r in moves.recv) == moves.rows_out  # else rows no input row maps to (an adjoint): zeros
+    out = (torch.empty if whole else torch.zeros)((moves.rows_out,) + rest, dtype=t.dtype, device=t.device)
     out[_index(moves.recv, t.device)] = recv
     return out.movedim(0, dim)
 
@@ -162,6 +163,29 @@ def _flip(counts: tuple[int, ...], path: str) -> Layouts:
     """``torch.flip(field)``: output row ``j`` is input row ``H - 1 - j``; the layout stays."""
     last = sum(counts) - 1
     return counts, counts, lambda j: last - j
+
+
+def _check_pads(path: str, before: int, after: int) -> None:
+    for name, value in (("before", before), ("after", after)):
+        _check_int(path, name, value)
+        if value < 0:
+            raise ValueError(f"{path}: a circular pad of {name}={value} rows; give rows >= 0")
+
+
+@row_map("circular_halo_along", "the rows a circular pad of the field adds: the first band's from the last rows, "
+         "the last band's from the first rows (ops.rows)", check=_check_pads)
+def _circular_halo(counts: tuple[int, ...], path: str, before: int, after: int) -> Layouts:
+    """The rows ``F.pad(field, (before, after), mode="circular")`` adds along the dim, alone: the first band receives
+    the field's last ``before`` rows, the last band its first ``after`` rows, the others none (each input row
+    goes to at most one band, so the adjoint is the move back; the caller joins them to its band)."""
+    total = sum(counts)
+    if before + after > total:
+        raise ValueError(f"{path}: a circular pad of {before} + {after} rows of a field of {total} rows (each row "
+                         f"padded once at most)")
+    out = [0] * len(counts)
+    out[0] += before
+    out[-1] += after
+    return counts, tuple(out), lambda j: np.where(j < before, total - before + j, j - before)
 
 
 def moves_of(name: str, counts: tuple[int, ...], path: str = "", **params: Any) -> tuple[tuple, tuple, Callable]:

@@ -12,6 +12,7 @@
   :mod:`~credit_mpi.nn.judge.rows`, :mod:`~credit_mpi.nn.judge.attention`;
 * :mod:`~credit_mpi.nn.judge.recompute`: a recomputation in backward (activation checkpointing)
   judged as its forward; a custom autograd Function whose forward moves rows refused.
+* :mod:`~credit_mpi.nn.judge.longitude`: on a latitude x longitude grid, the longitude's own tracker.
 
 Importing this package registers every rule (:mod:`credit_mpi.nn` imports it).
 """
@@ -20,6 +21,7 @@ from . import (  # noqa: F401 - each family registers its rules at import
     attention,
     conv_pool,
     indexing,
+    longitude,
     pointwise,
     recompute,
     reductions,

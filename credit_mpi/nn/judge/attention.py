@@ -152,15 +152,16 @@ def _path(tr) -> str:
     return tr.stack[-1][0]
 
 
-def _gather(tr, t: torch.Tensor, dim: int) -> torch.Tensor:
-    """``t`` (a band along ``dim``) joined with every other band: the field's tensor (the dry run: already it)."""
+def _gather(tr, t: torch.Tensor, dim: int, path: str | None = None) -> torch.Tensor:
+    """``t`` (a band along ``dim``) joined with every other band: the field's tensor (the dry run: already it);
+    ``path`` names the call in the agreement (attention's carries its masking: agreed with the gather)."""
     if tr.manager is None:
         _report_gather(tr, t, dim)
         return t.view(t.shape)  # global shapes already; a new tensor object, not a band
     from ...ops.allgather_along import allgather_along
 
     comm = tr.manager.domain_group
-    return allgather_along(t, dim, comm, _path(tr), transport=paths.current().transport(comm))
+    return allgather_along(t, dim, comm, path or _path(tr), transport=paths.current().transport(comm))
 
 
 def _report_gather(tr, t: torch.Tensor, dim: int) -> None:
@@ -353,16 +354,46 @@ def _sdpa(tr, func, args, kwargs, held):
     return out
 
 
+def _masking(mask: Any, causal: bool, **more: Any) -> str:
+    """What every rank must agree on of a call's masking: ``is_causal`` and each mask's presence, shape and dtype
+    (the values are the model's, in the field's coordinates, as any tensor every rank holds whole)."""
+    def spec(m):
+        return None if not isinstance(m, torch.Tensor) else (tuple(m.shape), str(m.dtype).removeprefix("torch."))
+
+    parts = [f"is_causal={bool(causal)}", f"attn_mask={spec(mask)}"] + [f"{n}={spec(m)}" for n, m in more.items()]
+    return f" [{', '.join(parts)}]"
+
+
+def _agree_masking(tr, tag: str) -> None:
+    """One agreement of the masking ``tag`` over the domain (a path that moves no data otherwise: a global memory):
+    ranks that differ raise the same ValueError everywhere, before any of them attends."""
+    from ...agreement import agree_values
+
+    def explain(values: list) -> None:
+        detail = "; ".join(f"rank {r}:{v}" for r, v in enumerate(values))
+        raise ValueError(f"{_path(tr)}: the ranks call attention with different masking ({detail}); is_causal and "
+                         f"the masks must be the same on every rank (the field's, as on one process)")
+
+    agree_values(tr.manager.domain_group, "attention masking", lambda: tag, explain)
+
+
 def _attend(tr, func, q, k, v, mask, causal, rest, memory=False):
-    """This band's queries attended to every band's keys (or to a global memory: nothing to move)."""
+    """This band's queries attended to every band's keys (or to a global memory: nothing to move).
+
+    ``is_causal`` and the mask's presence, shape and dtype are agreed with the first collective (its path carries
+    them: ranks that differ raise on every rank); the global memory, which moves nothing else, agrees them alone.
+    """
     comm, path = tr.manager.domain_group, _path(tr)
     ranks, rank = comm.Get_size(), comm.Get_rank()
     layout = "memory" if memory else sdpa_path(q, k, v, ranks, bool(rest.get("enable_gqa")), SDPA_PATH)
+    tagged = path + _masking(mask, causal)
+    if layout == "memory" and ranks > 1:
+        _agree_masking(tr, _masking(mask, causal))
     if layout == "alltoall":
         from ...ops.alltoall import alltoall
 
         moves = paths.current().transport(comm)
-        qh, kh = alltoall(q, -3, -2, comm, path=path, transport=moves), alltoall(k, -3, -2, comm, path=path, transport=moves)
+        qh, kh = alltoall(q, -3, -2, comm, path=tagged, transport=moves), alltoall(k, -3, -2, comm, path=path, transport=moves)
         vh = kh if v is k else alltoall(v, -3, -2, comm, path=path, transport=moves)
         heads = q.shape[-3] // ranks
         if mask is not None and mask.ndim >= 3 and mask.shape[-3] == q.shape[-3] and q.shape[-3] > 1:
@@ -372,9 +403,9 @@ def _attend(tr, func, q, k, v, mask, causal, rest, memory=False):
     if layout == "ring":
         from ...ops.ring import ring_attention
 
-        return ring_attention(q, k, v, comm, attn_mask=mask, is_causal=causal, scale=rest.get("scale"), path=path,
+        return ring_attention(q, k, v, comm, attn_mask=mask, is_causal=causal, scale=rest.get("scale"), path=tagged,
                               transport=paths.current().transport(comm))
-    kg = k if memory else _gather(tr, k, k.ndim - 2)
+    kg = k if memory else _gather(tr, k, k.ndim - 2, tagged)
     vg = v if memory else kg if v is k else _gather(tr, v, v.ndim - 2)
     if mask is not None or causal:
         counts = _counts(tr, q.shape[-2])
@@ -434,8 +465,11 @@ def _mha(tr, func, args, kwargs, held):
         raise Refusal("static_k / static_v with bands has no rule")
     if any(p is not None and p.outer != 1 for p in (pk, pv)) or (pq.outer != 1 and (a["attn_mask"] is not None or a["is_causal"])):
         raise Refusal("attention across bands of merged windows (outer > 1) has no rule: the tokens of whole rows are needed")
+    tag = _masking(a["attn_mask"], a["is_causal"], key_padding_mask=a["key_padding_mask"])
+    if tr.manager is not None and pk is None and tr.manager.domain_group.Get_size() > 1:
+        _agree_masking(tr, tag)  # keys and values without bands: nothing else moves before the masks are used
     if pk is not None:
-        gathered = _gather(tr, key, 0)
+        gathered = _gather(tr, key, 0, None if tr.manager is None else _path(tr) + tag)
         a["value"] = gathered if value is key else _gather(tr, value, 0)
         a["key"] = gathered
     if tr.manager is not None and a["attn_mask"] is not None:

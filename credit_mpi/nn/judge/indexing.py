@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 from ...partition import normalize_dim
+from .longitude import along_longitude
 from .registry import Refusal, argument, op_name, rule
+from .rows import circular_pad_longitude
 
 
 @rule("narrow", "select", "index_select", "gather", "chunk", "split", "tensor_split", "unbind",
@@ -93,6 +95,8 @@ def _pad(tr, func, args, kwargs, held):
         return tr.run(func, args, kwargs, p)
     before, after = pad[2 * pair], pad[2 * pair + 1]
     mode = argument(args, kwargs, 2, "mode", "constant")
+    if mode == "circular" and along_longitude(tr) and min(before, after) >= 0 and p.outer * p.inner == 1:
+        return circular_pad_longitude(tr, func, args, kwargs, p, pad, pair)  # the longitude is periodic: its halo
     if mode != "constant" or before < 0 or after < 0 or p.outer * p.inner != 1:
         raise Refusal(f"F.pad(mode={mode!r}) of the sharded dim by {[before, after]} has no rule (only constant padding "
                    f"of the field's edges: the rows next to a band are the neighbours')")

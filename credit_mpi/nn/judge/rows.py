@@ -61,10 +61,11 @@ import torch
 
 from ...grid import grid_of
 from ...transport import paths
+from .longitude import along_longitude
 from .registry import Refusal, argument, conversion_error, dims_of, module_rule, op_name, rule
 from .tracker import Sharded, Tracker, tracked_columns
 
-__all__ = ["window_rows", "strided_rows", "STRIDED_WINDOWS"]
+__all__ = ["window_rows", "strided_rows", "STRIDED_WINDOWS", "circular_pad_longitude"]
 
 
 @rule("flip", "fliplr", "flipud")
@@ -174,20 +175,22 @@ def _pair(value: Any) -> list[int]:
 
 
 def _moved(tr: Tracker, t: torch.Tensor, p: Sharded, name: str, **params: Any) -> torch.Tensor:
-    """At run time: band ``t`` moved by the row map ``name`` of :mod:`credit_mpi.ops.rows` along ``p.dim``."""
-    if tracked_columns(tr) > 1:
+    """At run time: band ``t`` moved by the row map ``name`` of :mod:`credit_mpi.ops.rows` along ``p.dim`` (on a grid:
+    along the longitude, among the blocks of the grid row)."""
+    if tracked_columns(tr) > 1 and not along_longitude(tr):
         raise Refusal(f"the row move {name}() along the sharded dim has no rule on a latitude x longitude domain grid "
                       f"yet")
     from ...ops.rows import move_along
 
     comm = tr.manager.domain_group
-    return move_along(t, name, p.dim, comm, tr.stack[-1][0], transport=paths.current().transport(comm), **params)
+    with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's (the latitude's judge sees none)
+        return move_along(t, name, p.dim, comm, tr.stack[-1][0], transport=paths.current().transport(comm), **params)
 
 
 def _reported(tr: Tracker, t: torch.Tensor, p: Sharded, name: str, **params: Any) -> torch.Tensor:
     """In the dry run: the row map ``name``'s move of ``t`` reported to describe() (its plan row and traffic); returns
     ``t`` (the caller applies the torch function to the field)."""
-    if tracked_columns(tr) > 1:
+    if tracked_columns(tr) > 1 and not along_longitude(tr):
         raise Refusal(f"the row move {name}() along the sharded dim has no rule on a latitude x longitude domain grid "
                       f"yet")
     from ...ops.rows import moves_of
@@ -195,6 +198,38 @@ def _reported(tr: Tracker, t: torch.Tensor, p: Sharded, name: str, **params: Any
     sizes_in, sizes_out, moves = moves_of(name, tuple(dim_sizes(tr, t, p)), tr.stack[-1][0], **params)
     report_move(tr, tr.stack[-1][0], f"{name}()", t, p.dim, sizes_in, sizes_out, moves)
     return t
+
+
+def circular_pad_longitude(tr: Tracker, func, args: tuple, kwargs: dict, p: Sharded, pad: list, pair: int) -> torch.Tensor:
+    """``F.pad(x, ..., mode="circular")`` of the longitude on a grid: the field's periodic padding.
+
+    The first block of the grid row gains the ``before`` columns at the end of the field, the last block the
+    ``after`` columns at its start (the row map ``circular_halo_along`` of :mod:`credit_mpi.ops.rows`: one
+    ``Alltoallv`` among the blocks of the grid row, differentiable, then a local ``cat``); the other dims'
+    padding runs first, as the forward asked (judged by the latitude's tracker).
+    """
+    x, before, after = args[0], pad[2 * pair], pad[2 * pair + 1]
+    others = [0 if i in (2 * pair, 2 * pair + 1) else v for i, v in enumerate(pad)]
+    y = func(x, others, mode="circular") if any(others) else x
+    if tr.manager is not None:
+        halo = _moved(tr, y, p, "circular_halo_along", before=before, after=after)
+        lat = getattr(tr, "_owner", None)
+        if lat is not None and (q := lat.get(y)) is not None:
+            lat.set(halo, q)  # the latitude's rows of the band it came from (made where the modes do not look)
+        rank, last = tr.manager.domain_rank, tr.manager.domain_parallel_size - 1
+        parts = ([halo.narrow(p.dim, 0, before)] if rank == 0 else []) + [y] + (
+            [halo.narrow(p.dim, halo.shape[p.dim] - after, after)] if rank == last else [])
+        out = torch.cat(parts, p.dim) if len(parts) > 1 else y.clone()
+        tr.set(out, p)
+        return out
+    rows = y.shape[p.dim]
+    _reported(tr, y, p, "circular_halo_along", before=before, after=after)
+    out = tr.run(func, args, kwargs, p)  # the dry run: the field's own padding
+    sizes = tr.band_sizes(rows) if tr.band_sizes is not None else [rows]
+    padded = [s + (before if i == 0 else 0) + (after if i == len(sizes) - 1 else 0) for i, s in enumerate(sizes)]
+    if tr.adopt_layout is not None and not tr.adopt_layout(rows + before + after, padded):
+        tr.keep_layout(out, padded)  # another layout than an earlier tensor of that height's
+    return out
 
 
 def dim_sizes(tr: Tracker, t: torch.Tensor, p: Sharded) -> list[int]:
