@@ -179,9 +179,19 @@ def _along_sharded(tr: Tracker, y: torch.Tensor, p: Sharded, step: str, n: Any, 
     whole, counts, _ = pencil_transposed(y, d, to, comm, path=path)
     field = sum(counts)
     m = _length(step, n, field)  # (after the transpose: every rank has the agreed field rows, the same decision)
-    out = _one(whole, step, d, m, norm)
+    out = _transformed(whole, step, d, m, norm, to)
     back = tuple(counts) if out.shape[d] == field else None  # the input's bands, or the even split of a new length
     return pencil_transpose(out, to, d, comm, sizes=back, path=path)
+
+
+def _transformed(whole: torch.Tensor, step: str, d: int, m: int | None, norm: Any, to: int) -> torch.Tensor:
+    """The transform of this rank's columns; none (fewer columns than ranks): an empty result still in the graph
+    (its backward runs the transpose's adjoint, a collective), the transform of one zero column cut to none."""
+    if whole.shape[to]:
+        return _one(whole, step, d, m, norm)
+    shape = list(whole.shape)
+    shape[to] = 1
+    return _one(torch.cat([whole, whole.new_zeros(shape)], to), step, d, m, norm).narrow(to, 0, 0)
 
 
 def _report(tr: Tracker, path: str, op: str, t: torch.Tensor, dim: int, to: int, counts: list, sizes: list,
