@@ -239,3 +239,63 @@ def test_the_transposes_receive_what_describe_counts(make_manager):
     plan = describe(build().double(), shape, d)
     sent = sum(t.forward_bytes for r in plan.rows if r.kind.startswith("pencil_transpose()") for t in r.traffic)
     assert received * 16 == sent  # complex128: 16 bytes an element; one forward (the reference's own runs on one process)
+
+
+class SFNOBlock(nn.Module):
+    """An SFNO block (torch-harmonics): RealSHT, complex weights per degree l mixing the channels (SFNO's "dhconv"
+    filter), InverseRealSHT, plus a 1x1 convolution of the input, then GELU."""
+
+    def __init__(self, c: int, nlat: int, nlon: int, grid: str = "equiangular"):
+        super().__init__()
+        th = pytest.importorskip("torch_harmonics")
+        self.embed = nn.Conv2d(2, c, 3, padding=1)
+        lmax = (nlat + 1) // 2  # (torch-harmonics 0.9 warns unless given)
+        self.sht = th.RealSHT(nlat, nlon, lmax=lmax, grid=grid)
+        self.isht = th.InverseRealSHT(nlat, nlon, lmax=lmax, grid=grid)
+        self.weight = nn.Parameter(torch.randn(c, c, self.sht.lmax, 2) / c)
+        self.local = nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        x = self.embed(x)
+        coeffs = self.sht(x)  # (batch, channels, lmax, mmax)
+        coeffs = torch.einsum("bilm,iol->bolm", coeffs, torch.view_as_complex(self.weight))
+        return F.gelu(self.isht(coeffs) + self.local(x))
+
+
+SFNO_CASES = {
+    "equiangular": (lambda h: SFNOBlock(3, h, 2 * h), lambda h: (2, 2, h, 2 * h)),
+    "gauss_odd_lon": (lambda h: SFNOBlock(2, h, 2 * h + 1, "legendre-gauss"), lambda h: (1, 2, h, 2 * h + 1)),
+}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", sorted(SFNO_CASES))
+def test_sfno_block_is_exact_on_bands(name, make_manager):
+    pytest.importorskip("torch_harmonics")
+    build, shape = SFNO_CASES[name]
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            for h in (2 * d + 2, 2 * d + 3):  # even bands (on 1 and 2 ranks), then uneven ones
+                plan = verdict_is_the_run(name, lambda: build(h), shape(h), manager)
+                assert plan.exact, str(plan)
+                if d > 1:
+                    assert [r.kind for r in plan.rows if r.kind.startswith("pencil")] == [
+                        "pencil_transpose() (RealSHT)", "pencil_transpose() (InverseRealSHT, back)"], str(plan)
+
+
+@pytest.mark.parametrize("d", [2, 3, 4])
+def test_describe_counts_one_alltoall_of_the_spectrum_per_sht(d):
+    """A RealSHT / InverseRealSHT pair: two all-to-alls of the half spectrum (nlat x mmax) in all, as the theory says."""
+    th = pytest.importorskip("torch_harmonics")
+    b, c, h, w = 2, 3, 4 * d + 1, 8 * d
+    plan = describe(SFNOBlock(c, h, w).double(), (b, 2, h, w), d, requires_grad=True)
+    rows = [r for r in plan.rows if r.kind.startswith("pencil_transpose()")]
+    assert len(rows) == 2 and all(r.exact for r in rows), str(plan)
+    mmax = th.RealSHT(h, w, lmax=(h + 1) // 2).mmax
+    counts, orders = split(h, d, uneven=True), split(mmax, d, uneven=True)
+    spectrum = (b, c, h, mmax)
+    assert [t.forward_bytes for t in rows[0].traffic] == _theory(spectrum, 16, counts, 2, 3)
+    back = [orders[r] * (h - counts[r]) * b * c * 16 for r in range(d)]  # its orders of the other ranks' latitudes
+    assert [t.forward_bytes for t in rows[1].traffic] == back
+    assert [t.backward_bytes for t in rows[0].traffic] == back and [t.backward_bytes for t in rows[1].traffic] == [
+        t.forward_bytes for t in rows[0].traffic]

@@ -198,17 +198,26 @@ def _report(tr: Tracker, path: str, op: str, t: torch.Tensor, dim: int, to: int,
             to_columns: bool) -> None:
     """In the dry run: one transpose of the field ``t`` from split ``dim`` (``counts``) to split ``to`` (``sizes``) for
     describe()'s plan: its row (the sharded dim's bands before and after) and its traffic."""
+    report_transpose(tr, path, op.removeprefix("fft_"), tuple(t.shape), t.element_size(), t.requires_grad, dim, to,
+                     counts, sizes, to_columns)
+
+
+def report_transpose(tr: Tracker, path: str, what: str, shape: tuple, itemsize: int, grad: bool, dim: int, to: int,
+                     counts: list, sizes: list, to_columns: bool) -> None:
+    """In the dry run: one :func:`~credit_mpi.ops.transpose.pencil_transpose` of a field of ``shape`` from split ``dim``
+    (``counts``) to split ``to`` (``sizes``), a row of describe()'s plan ``pencil_transpose() (<what>[, back])`` with
+    its traffic; ``to_columns``: the way from the bands (else the way back to them)."""
     on_move = tr.on_move
     if on_move is None:
         return
     from ...ops.transpose import transpose_bytes
     from ..traffic import Traffic
 
-    moved = transpose_bytes(tuple(t.shape), t.element_size(), dim, to, counts, sizes)
-    traffic = [Traffic(f, 1, *((b, 1) if t.requires_grad else (0, 0)), 1) for f, b in moved]
-    bands, rows = (counts, t.shape[dim]) if to_columns else (sizes, t.shape[to])
+    moved = transpose_bytes(shape, itemsize, dim, to, counts, sizes)
+    traffic = [Traffic(f, 1, *((b, 1) if grad else (0, 0)), 1) for f, b in moved]
+    bands, rows = (counts, shape[dim]) if to_columns else (sizes, shape[to])
     whole = [rows] * len(bands)
-    kind = f"pencil_transpose() ({op.removeprefix('fft_')}{'' if to_columns else ', back'})"
+    kind = f"pencil_transpose() ({what}{'' if to_columns else ', back'})"
     on_move(path, kind, rows, bands if to_columns else whole, whole if to_columns else bands, traffic)
 
 
