@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 
 from credit_mpi.layout import split
-from credit_mpi.ops.transpose import column_sizes, pencil_transpose, pencil_transposed, received_elements, transpose_bytes
+from credit_mpi.ops.transpose import (
+    column_sizes,
+    pencil_transpose,
+    pencil_transposed,
+    received_elements,
+    transpose_bytes,
+)
 
 from ..test_describe_traffic import counting
 from .conformance import Conformance, agreed_failure, one_channel_less, other_dtype, torch
@@ -28,7 +34,8 @@ class TestPencilTranspose(Conformance):
     kinds = ("torch",)
 
     def call(self, part, manager, form, **change):
-        return pencil_transpose(part, -2, -1, manager.domain_group, **change)
+        change = dict(change)
+        return pencil_transpose(part, -2, change.pop("to_dim", -1), manager.domain_group, **change)
 
     def expected(self, field, manager, form):
         n, rank = manager.domain_parallel_size, manager.domain_rank
