@@ -161,6 +161,7 @@ CASES = {
 }
 
 
+@pytest.mark.one_domain_size
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_spectral_blocks_are_exact_on_bands(name, make_manager):
@@ -172,6 +173,7 @@ def test_spectral_blocks_are_exact_on_bands(name, make_manager):
                 assert plan.exact, str(plan)
 
 
+@pytest.mark.one_domain_size
 @pytest.mark.mpi(min_size=1)
 def test_every_transform_pair_is_exact(make_manager):
     with prefix_managers(make_manager) as managers:
@@ -181,6 +183,7 @@ def test_every_transform_pair_is_exact(make_manager):
                 assert plan.exact, str(plan)
 
 
+@pytest.mark.one_domain_size
 @pytest.mark.mpi(min_size=1)
 def test_the_fno_paper_form_is_the_runs_verdict(make_manager):
     """The low modes of both dims sliced by the field's indices along the latitude: the plan says what the run does
@@ -268,6 +271,7 @@ SFNO_CASES = {
 }
 
 
+@pytest.mark.one_domain_size
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("name", sorted(SFNO_CASES))
 def test_sfno_block_is_exact_on_bands(name, make_manager):
