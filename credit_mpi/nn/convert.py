@@ -58,6 +58,7 @@ from . import conv, dropout, judge, norm, resample  # noqa: F401 - the layers re
 from .base import DomainParallelModule, adopt, guard_forward
 from .errors import ConversionError
 from .rules import BANDS_ONLY, RULES, local_rule, refusal_of
+from .sht import sht_converter
 
 __all__ = ["convert_to_domain_parallel", "keep_local", "ConversionError", "RULES"]
 
@@ -155,7 +156,7 @@ def _custom_for(module: nn.Module, custom: dict) -> Callable | None:
     for cls in type(module).__mro__:
         if cls in custom:
             return custom[cls]
-    return None
+    return sht_converter(module)  # torch-harmonics' RealSHT / InverseRealSHT (credit_mpi.nn.sht), else None
 
 
 def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict) -> nn.Module:

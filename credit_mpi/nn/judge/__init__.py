@@ -9,7 +9,8 @@
 * one module per family of rules: :mod:`~credit_mpi.nn.judge.pointwise`,
   :mod:`~credit_mpi.nn.judge.reductions`, :mod:`~credit_mpi.nn.judge.shapes`,
   :mod:`~credit_mpi.nn.judge.indexing`, :mod:`~credit_mpi.nn.judge.conv_pool`,
-  :mod:`~credit_mpi.nn.judge.rows`, :mod:`~credit_mpi.nn.judge.attention`;
+  :mod:`~credit_mpi.nn.judge.rows`, :mod:`~credit_mpi.nn.judge.attention`,
+  :mod:`~credit_mpi.nn.judge.spectral`;
 * :mod:`~credit_mpi.nn.judge.recompute`: a recomputation in backward (activation checkpointing)
   judged as its forward; a custom autograd Function whose forward moves rows refused.
 * :mod:`~credit_mpi.nn.judge.longitude`: on a latitude x longitude grid, the longitude's own tracker.
@@ -27,6 +28,7 @@ from . import (  # noqa: F401 - each family registers its rules at import
     reductions,
     rows,
     shapes,
+    spectral,
 )
 from .registry import DuplicateRule, Refusal, check_wrappers, rule, wraps
 from .tracker import Extent, Sharded, Tracker, active_tracker

@@ -1,0 +1,236 @@
+"""Spectral rules: ``torch.fft`` transforms over the sharded dim by the pencil transpose, and complex views.
+
+A discrete Fourier transform along the sharded dim needs every row of the
+field. ``torch.fft.fft/ifft/rfft/irfft``, ``fft2/ifft2/rfft2/irfft2`` and
+``fftn/ifftn/rfftn/irfftn`` over dims that include it run as separable
+one-dim transforms (the normalisation of a multi-dim transform is the
+product of the one-dim ones, for every ``norm``):
+
+1. the transforms along the other dims, locally on the band (an ``rfft``
+   along the longitude first: the half spectrum moves, not the field);
+2. the pencil transpose (:func:`credit_mpi.ops.transpose.pencil_transpose`):
+   the split moved from the sharded dim to another one (another
+   transformed dim, the longitude's modes, else the last dim), so that every
+   rank holds every row of its columns; one ``Alltoallv``;
+3. the transform along the sharded dim, locally;
+4. the transpose back to bands of the sharded dim (the input's layout when
+   the transform keeps its length; else the even split of the new length);
+   an ``irfft`` along the longitude last.
+
+So a forward transform and its inverse move the field twice each (two
+all-to-alls per transform, four per pair: the spectrum is held as bands of
+its latitude modes between them, where every other rule applies to it).
+Autograd goes through both transposes (their adjoints are the transposes
+back) and torch's own transforms. A size ``n``/``s`` along the sharded dim is
+taken when it is the band's (read from ``x.shape``: an
+:class:`~credit_mpi.nn.judge.tracker.Extent`) or the field's rows; a
+truncation or zero padding along it is refused, as is any transform on a
+latitude x longitude domain grid (the longitude is split there too).
+
+``torch.view_as_real`` / ``view_as_complex`` keep the band (the sharded dim
+is not the complex pair's).
+
+In describe()'s dry run the transform runs on the field and each transpose
+is a plan row of its own, ``pencil_transpose() (<op>)``, with its traffic
+(:func:`credit_mpi.ops.transpose.transpose_bytes`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...partition import normalize_dim
+from .registry import Refusal, argument, op_name, rule
+from .tracker import Extent, Sharded, Tracker, tracked_columns
+
+__all__ = ["FFT_OPS"]
+
+# op name -> (kind, multi): kind "c2c" (complex to complex), "r2c" (real to half spectrum), "c2r" (its inverse);
+# multi: "1" one dim (n, dim), "2" two dims (s, dim=(-2, -1)), "n" any dims (s, dim=None: all, or the last len(s))
+FFT_OPS: dict[str, tuple[str, str, bool]] = {
+    "fft_fft": ("c2c", "1", False), "fft_ifft": ("c2c", "1", True),
+    "fft_rfft": ("r2c", "1", False), "fft_irfft": ("c2r", "1", True),
+    "fft_fft2": ("c2c", "2", False), "fft_ifft2": ("c2c", "2", True),
+    "fft_rfft2": ("r2c", "2", False), "fft_irfft2": ("c2r", "2", True),
+    "fft_fftn": ("c2c", "n", False), "fft_ifftn": ("c2c", "n", True),
+    "fft_rfftn": ("r2c", "n", False), "fft_irfftn": ("c2r", "n", True),
+}
+
+
+def _dims_and_sizes(op: str, x: torch.Tensor, args: tuple, kwargs: dict) -> tuple[list[int], list[Any]]:
+    """The transformed dims (normalised, in torch's order) and the size asked for along each (None: its own)."""
+    kind, multi, _ = FFT_OPS[op]
+    if multi == "1":
+        dims = [normalize_dim(int(argument(args, kwargs, 2, "dim", -1)), x.ndim)]
+        sizes = [argument(args, kwargs, 1, "n", None)]
+        return dims, sizes
+    s = argument(args, kwargs, 1, "s", None)
+    dim = argument(args, kwargs, 2, "dim", (-2, -1) if multi == "2" else None)
+    if dim is None:
+        dims = list(range(x.ndim)) if s is None else list(range(x.ndim - len(s), x.ndim))
+    else:
+        dims = [normalize_dim(int(d), x.ndim) for d in ([dim] if isinstance(dim, int) else dim)]
+    sizes = [None] * len(dims) if s is None else list(s)
+    if len(sizes) != len(dims):
+        raise Refusal(f"s={s!r} and dim={dim!r} differ in length")  # (torch's own error on one process)
+    return dims, sizes
+
+
+def _one(x: torch.Tensor, step: str, d: int, n: Any, norm: Any) -> torch.Tensor:
+    """One one-dim transform ``step`` ("fft", "ifft", "rfft", "irfft") of ``x`` along ``d``."""
+    return getattr(torch.fft, step)(x, n=n, dim=d, norm=norm)
+
+
+def _steps(kind: str, inverse: bool, dims: list[int], sizes: list[Any]) -> list[tuple[str, int, Any]]:
+    """The separable one-dim transforms ``(step, dim, n)`` of a multi-dim one, in an order torch's result allows."""
+    c2c = "ifft" if inverse else "fft"
+    if kind == "c2c":
+        return [(c2c, d, n) for d, n in zip(dims, sizes, strict=True)]
+    last, n_last = dims[-1], sizes[-1]
+    rest = [(c2c, d, n) for d, n in zip(dims[:-1], sizes[:-1], strict=True)]
+    if kind == "r2c":  # the real transform along the last dim first, then the complex ones
+        return [("rfft", last, n_last)] + rest
+    return rest + [("irfft", last, n_last)]  # c2r: the complex ones first, the real one last
+
+
+@rule(*FFT_OPS)
+def _fft(tr: Tracker, func, args, kwargs, held):
+    """A transform over dims that do not include the sharded one: local; over it: the pencil transpose around it."""
+    op = op_name(func)
+    x = args[0] if args else kwargs.get("input")
+    p = tr.get(x)
+    if p is None:
+        raise Refusal("a band as a transform's argument other than its input")
+    dims, sizes = _dims_and_sizes(op, x, args, kwargs)
+    if tracked_columns(tr) > 1:
+        raise Refusal("a Fourier transform of a band has no rule on a latitude x longitude domain grid yet (the "
+                      "longitude is split there too)")
+    if p.dim not in dims:
+        return tr.run(func, args, kwargs, p)
+    if p.outer * p.inner != 1:
+        raise Refusal(f"it transforms a dim that holds the bands' rows merged with another dim ({p.describe()}); "
+                      f"transform the field before the merge")
+    kind, _, inverse = FFT_OPS[op]
+    norm = argument(args, kwargs, 3, "norm", None)
+    steps = _steps(kind, inverse, dims, sizes)
+    k = next(i for i, (_, d, _) in enumerate(steps) if d == p.dim)
+    step, _, n = steps[k]
+    if isinstance(n, Extent):  # read from the band's shape: the band's own rows stand for the field's
+        if step == "irfft" or int(n) != x.shape[p.dim]:
+            _refuse_length(n)
+        n = None
+    if step in ("rfft", "irfft") and x.ndim < 2:
+        raise Refusal("a real transform along the sharded dim of a tensor of one dim (no other dim to split)")
+    to = _to_dim(p.dim, dims, x.ndim)
+    y = x
+    for s, d, m in steps[:k]:  # along the other dims: local on the band
+        y = _one(y, s, d, m, norm)
+    y = _along_sharded(tr, y, p, step, n, norm, to, op)
+    for s, d, m in steps[k + 1 :]:
+        y = _one(y, s, d, m, norm)
+    tr.set(y, p)
+    return y
+
+
+def _to_dim(dim: int, dims: list[int], ndim: int) -> int:
+    """The dim split while the sharded one is whole: the last other transformed dim, else the last other dim."""
+    others = [d for d in dims if d != dim]
+    return others[-1] if others else max(d for d in range(ndim) if d != dim)
+
+
+def _length(step: str, n: int | None, field: int) -> int | None:
+    """The transform's length along the sharded dim (None: its own): an irfft's output rows as asked; for the others
+    the field's rows, or refused (zero padding or truncation of the field)."""
+    if n is None or step == "irfft":
+        return n
+    return None if int(n) == field else _refuse_length(n)
+
+
+def _refuse_length(n: Any) -> None:
+    raise Refusal(f"a length n/s={int(n)} along the sharded dim that is not the field's rows (zero padding or "
+                  f"truncation of the field) has no rule")
+
+
+def _along_sharded(tr: Tracker, y: torch.Tensor, p: Sharded, step: str, n: Any, norm: Any, to: int,
+                   op: str) -> torch.Tensor:
+    """The one-dim transform ``step`` along the sharded dim: the transpose, the transform, the transpose back."""
+    path = tr.stack[-1][0]
+    d = p.dim
+    if tr.manager is None:  # the dry run: the field's transform, its two transposes reported
+        from ...ops.transpose import column_sizes
+        from .rows import dim_sizes
+
+        counts = dim_sizes(tr, y, p)
+        field = sum(counts)
+        m = _length(step, n, field)
+        out = _one(y, step, d, m, norm)
+        n_ranks = len(counts)
+        _report(tr, path, op, y, d, to, counts, column_sizes(y.shape[to], n_ranks), True)
+        back = counts if out.shape[d] == field else column_sizes(out.shape[d], n_ranks)
+        _report(tr, path, op, out, to, d, column_sizes(out.shape[to], n_ranks), back, False)
+        if back != counts and tr.band_sizes(out.shape[d]) != back:
+            tr.keep_layout(out, back)
+        return out
+    from ...ops.transpose import pencil_transpose, pencil_transposed
+
+    comm = tr.manager.domain_group
+    whole, counts, _ = pencil_transposed(y, d, to, comm, path=path)
+    field = sum(counts)
+    m = _length(step, n, field)  # (after the transpose: every rank has the agreed field rows, the same decision)
+    out = _transformed(whole, step, d, m, norm, to)
+    back = tuple(counts) if out.shape[d] == field else None  # the input's bands, or the even split of a new length
+    return pencil_transpose(out, to, d, comm, sizes=back, path=path)
+
+
+def _transformed(whole: torch.Tensor, step: str, d: int, m: int | None, norm: Any, to: int) -> torch.Tensor:
+    """The transform of this rank's columns; none (fewer columns than ranks): an empty result still in the graph
+    (its backward runs the transpose's adjoint, a collective), the transform of one zero column cut to none."""
+    if whole.shape[to]:
+        return _one(whole, step, d, m, norm)
+    shape = list(whole.shape)
+    shape[to] = 1
+    return _one(torch.cat([whole, whole.new_zeros(shape)], to), step, d, m, norm).narrow(to, 0, 0)
+
+
+def _report(tr: Tracker, path: str, op: str, t: torch.Tensor, dim: int, to: int, counts: list, sizes: list,
+            to_columns: bool) -> None:
+    """In the dry run: one transpose of the field ``t`` from split ``dim`` (``counts``) to split ``to`` (``sizes``) for
+    describe()'s plan: its row (the sharded dim's bands before and after) and its traffic."""
+    report_transpose(tr, path, op.removeprefix("fft_"), tuple(t.shape), t.element_size(), t.requires_grad, dim, to,
+                     counts, sizes, to_columns)
+
+
+def report_transpose(tr: Tracker, path: str, what: str, shape: tuple, itemsize: int, grad: bool, dim: int, to: int,
+                     counts: list, sizes: list, to_columns: bool) -> None:
+    """In the dry run: one :func:`~credit_mpi.ops.transpose.pencil_transpose` of a field of ``shape`` from split ``dim``
+    (``counts``) to split ``to`` (``sizes``), a row of describe()'s plan ``pencil_transpose() (<what>[, back])`` with
+    its traffic; ``to_columns``: the way from the bands (else the way back to them)."""
+    on_move = tr.on_move
+    if on_move is None:
+        return
+    from ...ops.transpose import transpose_bytes
+    from ..traffic import Traffic
+
+    moved = transpose_bytes(shape, itemsize, dim, to, counts, sizes)
+    traffic = [Traffic(f, 1, *((b, 1) if grad else (0, 0)), 1) for f, b in moved]
+    bands, rows = (counts, shape[dim]) if to_columns else (sizes, shape[to])
+    whole = [rows] * len(bands)
+    kind = f"pencil_transpose() ({what}{'' if to_columns else ', back'})"
+    on_move(path, kind, rows, bands if to_columns else whole, whole if to_columns else bands, traffic)
+
+
+@rule("view_as_real")
+def _view_as_real(tr: Tracker, func, args, kwargs, held):
+    """A complex band as pairs of floats in a new last dim: the band stays where it is."""
+    return tr.run(func, args, kwargs, tr.get(args[0]))
+
+
+@rule("view_as_complex")
+def _view_as_complex(tr: Tracker, func, args, kwargs, held):
+    """Pairs of floats in the last dim as complex numbers: the band stays unless it is that last dim."""
+    x, p = args[0], tr.get(args[0])
+    if p.dim == x.ndim - 1:
+        raise Refusal("it takes the sharded dim as the complex pairs' dim")
+    return tr.run(func, args, kwargs, p)
