@@ -31,6 +31,7 @@ from credit_mpi.transport.torch_moves import TorchMoves
 
 from .conftest import ROOT
 from .nn_reference import assert_same, run_both, same_error_everywhere
+from .test_spectral import FNOBlock
 
 TIMEOUT = timedelta(seconds=120)
 _MOVES = ("post", "exchange", "allgatherv", "alltoallv", "allreduce", "allgather_slices")
@@ -89,7 +90,8 @@ def _even_offsets(d: int) -> list[int]:
 # build, shape (of the domain size d), band sizes (None: array_split, uneven where it does not divide)
 BUILDS = {"unet": (unet, lambda d: (2, 2, 16, 8), None),
           "everything": (Everything, lambda d: (2, 2, sum(_even_offsets(d)), 6), _even_offsets),
-          "attention": (Attention, lambda d: (1, 2, 7, 4), None)}
+          "attention": (Attention, lambda d: (1, 2, 7, 4), None),
+          "fno": (FNOBlock, lambda d: (1, 3, 2 * d + 3, 8), None)}  # the pencil transposes (uneven bands)
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..layout import offsets
+from ..transport import paths
 from .judge.spectral import report_transpose
 from .judge.tracker import Sharded, active_tracker
 
@@ -98,7 +99,7 @@ class BandedRealSHT(_Banded):
         from ..ops.transpose import pencil_transposed
 
         y = _helpers(sht).rfft(x, nmodes=sht.mmax, dim=-1, norm="forward")  # (..., rows, mmax): local on the band
-        y, counts, _ = pencil_transposed(y, -2, -1, comm, path=self._path())  # (..., nlat, this rank's orders)
+        y, counts, _ = pencil_transposed(y, -2, -1, comm, path=self._path(), transport=paths.current().transport(comm))  # (..., nlat, this rank's orders)
         if sum(counts) != sht.nlat:  # (agreed: every rank raises it)
             raise ValueError(f"{self._path()}: RealSHT of {sht.nlat} latitudes on bands of {list(counts)} rows")
         start, count = _my_orders(sht.mmax, comm)
@@ -137,7 +138,7 @@ class BandedInverseRealSHT(_Banded):
         re = torch.einsum("...ml,mkl->...km", y.real.contiguous(), w)
         im = torch.einsum("...ml,mkl->...km", y.imag.contiguous(), w)
         y = torch.complex(re.contiguous(), im.contiguous())  # (..., nlat, this rank's orders)
-        y = pencil_transpose(y, -1, -2, comm, path=self._path())  # (..., this band's latitudes, mmax)
+        y = pencil_transpose(y, -1, -2, comm, path=self._path(), transport=paths.current().transport(comm))  # (..., this band's latitudes, mmax)
         return _helpers(sht).irfft(y, n=sht.nlon, dim=-1, norm="forward")
 
 

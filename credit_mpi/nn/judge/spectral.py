@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ...partition import normalize_dim
+from ...transport import paths
 from .registry import Refusal, argument, op_name, rule
 from .tracker import Extent, Sharded, Tracker, tracked_columns
 
@@ -176,12 +177,13 @@ def _along_sharded(tr: Tracker, y: torch.Tensor, p: Sharded, step: str, n: Any, 
     from ...ops.transpose import pencil_transpose, pencil_transposed
 
     comm = tr.manager.domain_group
-    whole, counts, _ = pencil_transposed(y, d, to, comm, path=path)
+    moves = paths.current().transport(comm)  # the converted model's data path (transport=)
+    whole, counts, _ = pencil_transposed(y, d, to, comm, path=path, transport=moves)
     field = sum(counts)
     m = _length(step, n, field)  # (after the transpose: every rank has the agreed field rows, the same decision)
     out = _transformed(whole, step, d, m, norm, to)
     back = tuple(counts) if out.shape[d] == field else None  # the input's bands, or the even split of a new length
-    return pencil_transpose(out, to, d, comm, sizes=back, path=path)
+    return pencil_transpose(out, to, d, comm, sizes=back, path=path, transport=moves)
 
 
 def _transformed(whole: torch.Tensor, step: str, d: int, m: int | None, norm: Any, to: int) -> torch.Tensor:
