@@ -159,7 +159,8 @@ CASES = {
     "global_attention": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), GlobalAttention(4)), 2, 3, 1),
 }
 # what the run must do (True: exact wherever the plan says so; the verdict equals the run in every case)
-NEVER_EXACT = {"coord_attention"}  # the attention case runs exactly (credit_mpi.nn.judge.attention)
+NEVER_EXACT: set = set()
+ALWAYS_EXACT = {"coord_attention"}  # replicated rows joined to a band and split back (credit_mpi.nn.judge.field)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -176,6 +177,8 @@ def _verdict_case(name, build, c, width, unit, d, manager):
         plan = verdict_is_the_run(name, build, (2, c, h, width), manager)
         if d > 1 and name in NEVER_EXACT:
             assert not plan.exact, str(plan)
+        if name in ALWAYS_EXACT:
+            assert plan.exact, str(plan)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -151,13 +151,7 @@ def split_joined(tr: Tracker, func, x: torch.Tensor, p: Sharded, sizes: Any, dim
     """
     if not tr.joins or p != Sharded(dim) or not isinstance(sizes, (list, tuple)) or len(sizes) != 2:
         return None
-    sizes = [int(s) for s in sizes]
-    for height, extra, at_end, info in reversed(tr.joins):
-        tail = sizes[1] if at_end else sizes[0]
-        if tail == extra:
-            break
-    else:
-        return None
+    height, extra, at_end, info = tr.joins[-1]  # the forward's last join (its structure: the same on every rank)
     if tr.manager is None:  # the dry run: the whole joined field, in the joined layout
         rows = int(x.shape[dim])
         layout = tr.layout_of(x)
@@ -165,8 +159,10 @@ def split_joined(tr: Tracker, func, x: torch.Tensor, p: Sharded, sizes: Any, dim
         if rows != height or tuple(layout) != info:
             raise Refusal(f"it splits along the sharded dim a band of {rows} rows (bands {layout}) where replicated rows "
                           f"were joined to a band of another layout ({list(info)}): no rule")
-        if sum(sizes) != rows:
-            raise Refusal(f"it splits {rows} rows along the sharded dim into {sizes}")
+        owner = len(layout) - 1 if at_end else 0
+        for r in range(len(layout)):  # each band's sizes as the run reads them (sizes read from a band: its own)
+            mine = [int(v.bands[r]) if getattr(v, "bands", None) is not None else int(v) for v in sizes]
+            _check_sizes(mine, at_end, extra, info[r] - (extra if r == owner else 0), rows - extra, r == owner)
         field = rows - extra
         band_part, rest = (x.narrow(dim, 0, field), x.narrow(dim, field, extra)) if at_end else \
             (x.narrow(dim, extra, field), x.narrow(dim, 0, extra))
@@ -185,9 +181,8 @@ def split_joined(tr: Tracker, func, x: torch.Tensor, p: Sharded, sizes: Any, dim
     if counts != info:  # agreed values: the same on every rank
         raise Refusal(f"it splits along the sharded dim bands of {list(counts)} rows where replicated rows were "
                       f"joined to bands of {list(info)} rows: no rule")
-    if sum(sizes) != int(x.shape[dim]) + (0 if owner else extra):
-        raise Refusal(f"it splits {sum(counts)} rows along the sharded dim into {sizes}")
     mine = int(x.shape[dim]) - (extra if owner else 0)
+    _check_sizes([int(v) for v in sizes], at_end, extra, mine, height - extra, owner)
     band_part = x.narrow(dim, 0, mine) if (at_end or not owner) else x.narrow(dim, extra, mine)
     # the owner's rows, zeros elsewhere; every rank's graph the same (the backward's collectives in one order)
     held = extra if owner else 0
@@ -199,6 +194,15 @@ def split_joined(tr: Tracker, func, x: torch.Tensor, p: Sharded, sizes: Any, dim
     rest = replicated(domain_sum(rest.contiguous(), plan))
     tr.set(band_part, Sharded(dim))
     return (band_part, rest) if at_end else (rest, band_part)
+
+
+def _check_sizes(sizes: list[int], at_end: bool, extra: int, band_rows: int, field_rows: int, owner: bool) -> None:
+    """A band's split sizes of a joined field: the band's rows (its own, or the field's), then the replicated rows
+    (their count; elsewhere than on their owner also 0: a size read from the band, ``y.shape[2] - h``)."""
+    head, tail = (sizes[0], sizes[1]) if at_end else (sizes[1], sizes[0])
+    if head not in (band_rows, field_rows) or tail not in ((extra,) if owner else (extra, 0)):
+        raise Refusal(f"it splits along the sharded dim a band of a field joined with {extra} replicated rows into "
+                      f"{sizes}, which are neither the band's rows nor the field's and the replicated ones")
 
 
 def _joined_counts(counts: tuple, extra: int, at_end: bool) -> tuple:

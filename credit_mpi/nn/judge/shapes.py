@@ -8,7 +8,6 @@ import math
 import torch
 
 from ...partition import normalize_dim
-from ..replicated import is_replicated
 from .field import field_partner, join_replicated
 from .registry import Refusal, argument, op_name, rule
 from .tracker import Extent, Sharded, Tracker, follows_band, grid_columns
