@@ -9,7 +9,8 @@ run on the meta device) a :class:`Tracker` (a
 that holds bands and judges each torch function applied to one:
 
 * what leaves the sharded dim alone passes: pointwise ops (a broadcast
-  partner must have one row along it), reductions over other dims, softmax, norms, ``linear``,
+  partner has one row along it, or the field's rows: the band takes its own rows of it,
+  :mod:`credit_mpi.nn.judge.field`), reductions over other dims, softmax, norms, ``linear``,
   ``matmul`` and ``cat`` over other dims, permutes, reshapes that keep the
   band's rows whole;
 * what has an exact rule runs it: ``F.interpolate`` along the sharded dim by
