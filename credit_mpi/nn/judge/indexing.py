@@ -9,6 +9,7 @@ import torch
 
 from ...partition import normalize_dim
 from .longitude import along_longitude
+from .field import field_partner, split_joined
 from .registry import Refusal, argument, op_name, rule
 from .rows import circular_pad_longitude
 
@@ -23,6 +24,11 @@ def _indexed(tr, func, args, kwargs, held):
     dim = argument(args, kwargs, index, "dim", 0 if op in ("chunk", "split", "tensor_split", "unbind", "split_with_sizes") else None)
     if op == "unfold" and "dimension" in kwargs:
         dim = kwargs["dimension"]
+    if op in ("split", "split_with_sizes") and p is not None and dim is not None and normalize_dim(int(dim), x.ndim) == p.dim:
+        out = split_joined(tr, func, x, p, argument(args, kwargs, 1, "split_size_or_sections",
+                                                     argument(args, kwargs, 1, "split_sizes")), p.dim, kwargs)
+        if out is not None:  # replicated rows joined to a band, taken apart again (credit_mpi.nn.judge.field)
+            return out
     if p is None or dim is None or normalize_dim(int(dim), x.ndim) == p.dim:
         raise Refusal(f"it selects along the sharded dim (dim={dim}): a band's index is not the field's")
     d = normalize_dim(int(dim), x.ndim)
@@ -58,6 +64,8 @@ def _getitem(tr, func, args, kwargs, held):
     p = tr.get(x)
     if p is None:
         raise Refusal("a band written into a tensor that is not one" if op_name(func) == "__setitem__" else "a band as an index")
+    if op_name(func) == "__setitem__" and _whole_mask(x, index):  # x[mask] = v: a masked write of the band's rows
+        return _masked_write(tr, func, args, kwargs, p)
     items = _index_dims(x, index)
     if any(isinstance(i, (torch.Tensor, list, tuple, bool)) for _, i in items):
         raise Refusal("advanced (tensor or mask) indexing of a band has no rule")
@@ -83,6 +91,28 @@ def _getitem(tr, func, args, kwargs, held):
                 raise Refusal("it writes a tensor that is not a band into a band's rows")
         return func(*args, **kwargs)
     return tr.run(func, args, kwargs, p.moved(out_dim))
+
+
+def _whole_mask(x: torch.Tensor, index: Any) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype == torch.bool and index.ndim == x.ndim
+
+
+def _masked_write(tr, func, args, kwargs, p):
+    """``x[mask] = v`` with a mask of ``x``'s dims: the band's mask (made from the band), or the field's cut to its rows.
+
+    A value that is a tensor must be a scalar (one value for every selected element): the selected
+    elements of a band are not the field's in order.
+    """
+    x, mask, value = args[0], args[1], args[2]
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise Refusal("it writes a tensor into the elements a mask selects (a band's selected elements are not the "
+                      "field's in order): write a scalar, or use torch.where")
+    q = tr.get(mask)
+    if q is None and mask.shape[p.dim] != 1:
+        mask = field_partner(tr, x, p, mask, p.dim)
+    elif q is not None and q != p:
+        raise Refusal(f"it writes through a mask whose bands are along {q.describe()}, into bands along {p.describe()}")
+    return func(x, mask, value, *args[3:], **kwargs)
 
 
 @rule("pad")

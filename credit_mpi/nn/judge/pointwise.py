@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
-from ..replicated import is_replicated
+import torch
+from torch.utils._pytree import tree_map_only
+
+from .field import field_partner
 from .registry import Refusal, argument, op_name, rule, tensors_in
 from .tracker import Sharded, Tracker
 
@@ -44,12 +47,14 @@ def _pointwise(tr: Tracker, func, args, kwargs, held):
     d, outer, inner = dims.pop()
     if len({t.shape[d - (ndim - t.ndim)] for t, _ in held}) > 1:  # else a band of one row would broadcast silently
         raise Refusal(_OTHER_LAYOUTS)
+    cut = {}  # a partner of the field's size along the sharded dim: the band's rows of it (credit_mpi.nn.judge.field)
     for t in tensors:
         k = d - (ndim - t.ndim)
         if tr.get(t) is None and k >= 0 and t.shape[k] != 1:
-            what = "a replicated tensor (a global mean)" if is_replicated(t) else "a tensor that is not a band (a parameter or buffer, or one made in the forward)"
-            raise Refusal(f"it combines a band with {what} of {t.shape[k]} rows along the sharded dim "
-                       f"(make it from the band, or give it one row along that dim)")
+            band, p = held[0]
+            cut[id(t)] = field_partner(tr, band, Sharded(p.dim, outer, inner), t, k)
+    if cut:
+        args, kwargs = tree_map_only(torch.Tensor, lambda t: cut.get(id(t), t), (args, kwargs))
     return tr.run(func, args, kwargs, lambda out: Sharded(d - (ndim - out.ndim), outer, inner) if out.ndim >= ndim - d else None)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ...partition import normalize_dim
 from ...transport import paths
-from ..replicated import is_replicated
+from .field import field_partner, join_replicated
 from .registry import Refusal, argument, op_name, rule
 from .tracker import Extent, Sharded, Tracker, follows_band, grid_columns
 
@@ -186,13 +186,18 @@ def _join(tr, func, args, kwargs, held):
         if len(got) > 1 or None in got:
             raise Refusal(f"it joins tensors whose bands are along different dims ({sorted(map(str, got))})")
     q = got.pop()
+    if op != "stack" and dim == q.dim and q == Sharded(dim) and any(pl is None for pl in places):
+        return join_replicated(tr, func, args, kwargs, parts, places, dim)  # coordinate attention's pooled rows
     if op != "stack" and dim == q.dim:
         raise Refusal("it joins along the sharded dim: on bands the rows would not follow the field's order "
                    "(a replicated row joined to every band would be counted once per rank)")
-    for t, pl in zip(parts, places, strict=True):
-        if pl is None and t.ndim > q.dim and t.shape[q.dim] != 1:
-            what = "a replicated tensor (a global mean)" if is_replicated(t) else "a tensor that is not a band"
-            raise Refusal(f"it joins a band with {what} that has {t.shape[q.dim]} rows along the sharded dim")
+    cut = False
+    for i, (t, pl) in enumerate(zip(parts, places, strict=True)):
+        if pl is None and t.ndim > q.dim and t.shape[q.dim] != 1:  # the field's rows (coordinates): the band's of them
+            band = next(u for u, w in zip(parts, places, strict=True) if w is not None)
+            parts[i], cut = field_partner(tr, band, q, t, q.dim), True
+    if cut:
+        args, kwargs = _with_parts(args, kwargs, parts)
     bands = [i for i, (t, pl) in enumerate(zip(parts, places, strict=True)) if pl is not None and t.ndim > q.dim]
     if len(bands) > 1:
         parts, target = _joined(tr, parts, [places[i] for i in bands], bands, q.dim)
