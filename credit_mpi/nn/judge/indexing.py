@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from ...partition import normalize_dim
-from .longitude import along_longitude
 from .field import field_partner, split_joined
+from .longitude import along_longitude
 from .registry import Refusal, argument, op_name, rule
 from .rows import circular_pad_longitude
 
