@@ -32,7 +32,7 @@ from torch import nn
 from ..base import adopt
 from ..rules import BANDS_ONLY, RULES, refusal_of
 from .registry import Refusal, argument, op_name, rule
-from .fields import band_layout, field_extent, on_bands
+from .fields import band_layout, band_value, field_extent, on_bands
 from .tracker import Sharded, Tracker, follows_band, grid_columns, tracked_columns
 
 # each function's positional arguments after the input, as torch names them
@@ -277,6 +277,10 @@ def _band_size(tr, func, x, p, args, kwargs, size, nsp, mode, align):
     mine, theirs = _rows_and_target(tr, x, p, target, path)
     if mine == theirs:
         _report_size(tr, path, x, p.dim, list(mine), list(theirs))
+        if on_bands(tr) and tr.manager is not None:  # the field's size given: this band's rows of it
+            size = [band_value(tr, v) if i == sd else v for i, v in enumerate(_per_dim(size, nsp))]
+            kw = {"mode": mode} if align is None else {"mode": mode, "align_corners": align}
+            return tr.run(func, (x,), {"size": size, **kw}, p)
         return tr.run(func, args, kwargs, p)
     rows, total = sum(mine), sum(theirs)
     if rows == 0 or total % rows or total < rows:
