@@ -101,7 +101,7 @@ CASES = {
 # the run may refuse a later op than describe() (see verdict_is_the_run)
 LATER_OP = {"wxformer"}
 # exact on every domain size (the others: exact where describe() says so)
-EXACT = {"attention_global", "cube_embedding", "crossformer_interp", "nextgen_wxformer", "wxformer", "wxformer_cross_embed", "wxformer_cross_embed_s1",
+EXACT = {"attention_global", "cube_embedding", "fuxi", "crossformer_interp", "nextgen_wxformer", "wxformer", "wxformer_cross_embed", "wxformer_cross_embed_s1",
          "unet", "unet_uneven", "nextgen_wxformer_uneven"}
 # refused on more than one band, at this op
 REFUSED_AT: dict[str, str] = {}

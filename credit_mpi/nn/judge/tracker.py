@@ -456,9 +456,11 @@ class Tracker(TorchFunctionMode):
                                   "spread over the bands (windows moved into the batch dim)")
                 return True, p
             if p is not None and p != want and self.as_band(t, p) != want:
-                identity = traits_of(module).identity
+                identity, local_on = traits_of(module).identity, traits_of(module).local_on
                 if identity is not None and identity(module):
                     return True, p  # the identity now (dropout: p == 0 or eval) on any placement
+                if local_on is not None and local_on(module, t, p.dim):
+                    return True, p  # reads no other row of the dim that holds the bands (channels-last LayerNorm)
                 raise conversion_error(self._path(module), "its forward",
                               f"its input holds the bands along {p.describe()} (after a permute or a reshape), "
                               f"but the layer runs on bands along the sharded dim ({want.describe() if want else self.shard_dim})")
