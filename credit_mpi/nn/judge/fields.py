@@ -75,8 +75,12 @@ def band_layout(tr: Tracker, t: torch.Tensor, p: Sharded) -> tuple[int, ...]:
 
     tr.field_reads += 1
     path = f"{tr.stack[-1][0]}: the field's size along the sharded dim (read {tr.field_reads})"
+    from ... import watchdog
+
+    seq = watchdog.STATE.seq
     with torch._C.DisableTorchFunction():  # the agreement's own tensor calls are not the model's
         (sizes,) = agree_rows([rows], [t], p.dim, tr.manager.domain_group, path, quiet=_always)
+    tr.size_agreements += watchdog.STATE.seq - seq  # moves no data (a module running a phantom window may make it)
     rec.bands = tuple(int(s) for s in sizes)
     return rec.bands
 
@@ -104,6 +108,8 @@ def field_extent(tr: Tracker, t: torch.Tensor, p: Sharded) -> Extent:
     """The field's size of ``t`` along its band's dim, with every band's."""
     sizes = band_layout(tr, t, p)
     merged = p.outer * p.inner
+    if tr.manager is None and merged * sum(sizes) != t.shape[p.dim]:  # phantom windows (see reshape_band)
+        return Extent(t.shape[p.dim], [merged * s for s in sizes])
     return Extent(merged * sum(sizes), [merged * s for s in sizes])
 
 
@@ -162,8 +168,10 @@ def reshape_band(tr: Tracker, func, args: tuple, kwargs: dict, x: torch.Tensor, 
     from .registry import op_name
 
     sizes = band_layout(tr, x, p)
-    if sum(sizes) <= 1:
-        return None  # a field of one row: no band holds more than it (the band's own reshape)
+    if sum(sizes) <= 1 or (tr.manager is None and p.outer * sum(sizes) * p.inner != x.shape[p.dim]):
+        # a field of one row (no band holds more than it), or the dry run inside a module whose bands without a
+        # window run a phantom one (its layout holds more rows than the field): the band's own reshape
+        return None
     shape_in = field_shape(x, p, sizes)
     if tr.manager is None:
         field_in = x

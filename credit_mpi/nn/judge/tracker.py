@@ -221,6 +221,7 @@ class Tracker(TorchFunctionMode):
         self.stack: list[tuple[str, bool, tuple | None]] = [(self._path(root), bool(self.trusted), None)]
         self.records: dict[int, Placement] = {}  # one per tensor the forward placed, by id (checked by its ref)
         self.field_reads = 0  # band layouts agreed in this forward (credit_mpi.nn.judge.fields: a size of the field read)
+        self.size_agreements = 0  # the collectives those made (they move no data: not a module's communication)
         self._births = 0
         self.own_layouts = 0  # the dry run: how many tensors have a layout of their own (none: nothing to inherit)
         self._layouts_in_rule: dict[int, list[int]] = {}  # while a rule runs: the layouts of its held tensors, by their rows
