@@ -21,7 +21,6 @@ from torch import nn  # noqa: E402
 from credit_mpi.nn import describe  # noqa: E402
 
 from .halo_reference import first_ranks, prefix_managers  # noqa: E402
-from .nn_reference import assert_same, run_both  # noqa: E402
 from .verdict_reference import verdict_is_the_run  # noqa: E402
 
 F = torch.nn.functional
@@ -195,7 +194,7 @@ def test_field_sizes_exact_on_every_band(name, uneven, make_manager):
     with prefix_managers(make_manager) as managers:
         for d, manager in managers:
             h = height_of(d, uneven)
-            plan = verdict_is_the_run(name, lambda: build(h), shape_of(h), manager)
+            plan = verdict_is_the_run(name, lambda h=h: build(h), shape_of(h), manager)
             assert plan.exact, str(plan)
 
 

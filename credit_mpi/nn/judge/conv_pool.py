@@ -31,8 +31,8 @@ from torch import nn
 
 from ..base import adopt
 from ..rules import BANDS_ONLY, RULES, refusal_of
-from .registry import Refusal, argument, op_name, rule
 from .fields import band_layout, band_value, field_extent, on_bands
+from .registry import Refusal, argument, op_name, rule
 from .tracker import Sharded, Tracker, follows_band, grid_columns, tracked_columns
 
 # each function's positional arguments after the input, as torch names them

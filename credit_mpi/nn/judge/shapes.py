@@ -9,8 +9,8 @@ import torch
 
 from ...partition import normalize_dim
 from ..replicated import is_replicated
-from .registry import Refusal, argument, op_name, rule
 from .fields import band_layout, field_extent, field_numel, field_shape, on_bands, reshape_band
+from .registry import Refusal, argument, op_name, rule
 from .tracker import Extent, Sharded, Tracker, follows_band, grid_columns
 
 RESHAPES = "reshape view view_as reshape_as flatten unflatten squeeze unsqueeze ravel".split()
