@@ -89,7 +89,7 @@ CASES = {
     # (without the interpolation: tests/test_long_attention.py), its last F.interpolate(size=(image_height,
     # image_width)), a size stored for the whole field, in global coordinates (the output banded as the input): exact
     "crossformer_interp": (lambda: _crossformer(interp=True), lambda d: (1, 3, 1, 32 * d, 32)),
-    # reshapes to its stored global patches_resolution: refused, by describe() and by the run
+    # reshapes to its stored global patches_resolution: the field's sizes, mapped to each band (whole patches): exact
     "cube_embedding": (lambda: crossformer.CubeEmbedding((1, 4 * _D, 8), (1, 2, 2), 3, 8), lambda d: (1, 3, 1, 4 * d, 8)),
     "debugger": (lambda: _debugger(), lambda d: (1, 3, 1, 3 * d + 1, 8)),
     "upblock_ps": (lambda: wxformer.UpBlockPS(4, 4, 2), lambda d: (1, 4, 4 * d + 1, 4)),
@@ -106,7 +106,7 @@ CASES = {
 # the run may refuse a later op than describe() (see verdict_is_the_run)
 LATER_OP = {"wxformer"}
 # exact on every domain size (the others: exact where describe() says so)
-EXACT = {"upblock_coordinate", "upblock_coordinate_uneven", "attention_global", "crossformer_interp", "nextgen_wxformer", "wxformer", "wxformer_cross_embed", "wxformer_cross_embed_s1",
+EXACT = {"upblock_coordinate", "upblock_coordinate_uneven", "attention_global", "cube_embedding", "fuxi", "crossformer_interp", "nextgen_wxformer", "wxformer", "wxformer_cross_embed", "wxformer_cross_embed_s1",
          "unet", "unet_uneven", "nextgen_wxformer_uneven"}
 # refused on more than one band, at this op
 REFUSED_AT: dict[str, str] = {}
@@ -200,26 +200,21 @@ def test_credit_model_exact_or_refused_on_every_rank(name, make_manager):
                 _D = 1
 
 
-@pytest.mark.mpi(min_size=2)
-def test_stored_global_size_is_refused_by_describe_and_by_the_run(make_manager):
-    """CubeEmbedding reshapes to the patch grid it stored for the whole field: describe() refuses it as the run does."""
-    manager = make_manager(MPI.COMM_WORLD.Get_size())
-    d = manager.domain_parallel_size
-    height = 4 * d + 2  # uneven where the domain allows
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
+def test_stored_patch_grid_is_the_fields(uneven, make_manager):
+    """CubeEmbedding reshapes to the patch grid it stored for the whole field: the sizes are the field's, so the
+    reshape maps them to each band. Exact on even and uneven bands (its strided patch conv gives each band whole
+    patches of the field's grid)."""
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            height = 4 * d + (2 if uneven and d > 1 else 0)
 
-    def build():
-        return crossformer.CubeEmbedding((1, height, 8), (1, 2, 2), 3, 8).double()
+            def build(height=height):
+                return crossformer.CubeEmbedding((1, height, 8), (1, 2, 2), 3, 8)
 
-    plan = describe(build(), (1, 3, 1, height, 8), d)
-    (row,) = [r for r in plan.rows if not r.exact]
-    assert row.kind == "reshape()" and "stored for the whole field" in row.note and "x.shape" in row.note, row
-    from .nn_reference import bands_of
-
-    start, stop = bands_of(height, manager)
-    x = torch.randn(1, 3, 1, height, 8, dtype=torch.float64)[..., start:stop, :]
-    model = convert_to_domain_parallel(build(), manager)
-    message = same_error_everywhere(manager.domain_group, lambda: model(x), ConversionError)
-    assert "<root> (CubeEmbedding)" in message and "reshape()" in message and "x.shape" in message, message
+            plan = verdict_is_the_run("cube_embedding", build, (1, 3, 1, height, 8), manager)
+            assert plan.exact, str(plan)
 
 
 class _Windows(torch.nn.Module):
@@ -233,7 +228,8 @@ class _Windows(torch.nn.Module):
 
 @pytest.mark.mpi(min_size=3)
 def test_rank_local_einops_error_is_every_ranks_exception(make_manager):
-    """Uneven bands (3, 3, 2 rows) and windows of 2: einops raises on the ranks of 3 rows only; every rank raises."""
+    """Uneven bands (3, 3, 2 rows) and windows of 2: einops sees the field's 8 rows (credit_mpi.nn.judge.fields), and
+    the reshape into windows of 2 that it computes is refused on every rank (bands of 3 rows are not whole windows)."""
 
     with first_ranks(make_manager, 3) as manager:
         if manager is None:
@@ -252,7 +248,7 @@ def test_rank_local_einops_error_is_every_ranks_exception(make_manager):
         mine = (type(raised).__name__, str(raised))
         every = comm.allgather(mine)
         assert raised is not None and len(set(every)) == 1, every
-        assert "rank(s) 0, 1" in mine[1] and "rearrange" in mine[1] and "divide axis of length 3" in mine[1], mine
+        assert mine[0] == "ConversionError" and "whole number of windows" in mine[1] and "[3, 3, 2]" in mine[1], mine
         # the model still runs afterwards (nobody was left inside a collective)
         ok = convert_to_domain_parallel(crossformer.Attention(8, attn_type="short", window_size=2, dim_head=4).double(), manager)
         assert ok(torch.randn(1, 8, 2, 4, dtype=torch.float64)).shape == (1, 8, 2, 4)

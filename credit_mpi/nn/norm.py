@@ -354,7 +354,12 @@ class DomainParallelInstanceNorm3d(_InstanceNormMixin, nn.InstanceNorm3d):
     _nd = 3
 
 
-@layer_rule(nn.LayerNorm)
+def _normalises_other_dims(layer: nn.LayerNorm, x: torch.Tensor, dim: int) -> bool:
+    """True when ``dim`` of ``x`` is none of the dims a LayerNorm normalises (its last ``len(normalized_shape)``)."""
+    return 0 <= dim < x.ndim - len(layer.normalized_shape)
+
+
+@layer_rule(nn.LayerNorm, local_on=_normalises_other_dims)
 class DomainParallelLayerNorm(DomainParallelModule, nn.LayerNorm):
     """``nn.LayerNorm``: global statistics when the sharded dim is normalised, else the local module.
 

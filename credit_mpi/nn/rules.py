@@ -20,7 +20,7 @@ current mode; the judge reads :func:`traits_of` and names no layer type).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -34,6 +34,9 @@ class LayerTraits(NamedTuple):
     folds_edge_rows: bool = False  # an F.pad by zeros of the sharded dim just before it becomes its own padding (convs)
     batch_statistics: bool = False  # it takes statistics over the batch: windows moved into the batch are refused
     identity: Callable[[nn.Module], bool] | None = None  # identity(layer): the identity now, on any placement (dropout)
+    # local_on(layer, x, dim): the layer reads no other row of dim ``dim`` of ``x`` (a LayerNorm over the last dims
+    # that hold no band: channels-last tokens), so it runs locally on bands along that dim
+    local_on: Callable[[nn.Module, Any, int], bool] | None = None
 
 #: original module type -> the credit_mpi layer that replaces it
 RULES: dict[type, type] = {}
@@ -46,7 +49,8 @@ _PLAIN = LayerTraits()
 
 def layer_rule(*originals: type, grid: bool = True, refuses: Callable[[nn.Module], str] | None = None,
                folds_edge_rows: bool = False, batch_statistics: bool = False,
-               identity: Callable[[nn.Module], bool] | None = None):
+               identity: Callable[[nn.Module], bool] | None = None,
+               local_on: Callable[[nn.Module, Any, int], bool] | None = None):
     """Class decorator: the layer replaces each of ``originals`` (exact types) when a model is converted.
 
     Args:
@@ -59,9 +63,11 @@ def layer_rule(*originals: type, grid: bool = True, refuses: Callable[[nn.Module
             bands were moved into the batch dim (windows) is refused.
         identity: ``identity(layer) -> bool``: the layer is the identity now (dropout in eval or with p=0), so
             it runs on an input of any placement.
+        local_on: ``local_on(layer, x, dim) -> bool``: the layer reads no other row along dim ``dim`` of its
+            input ``x`` (the bands are there after a permute), so it runs its original forward on those bands.
     """
     def register(cls: type) -> type:
-        _TRAITS[cls] = LayerTraits(folds_edge_rows, batch_statistics, identity)
+        _TRAITS[cls] = LayerTraits(folds_edge_rows, batch_statistics, identity, local_on)
         for original in originals:
             if original in RULES:
                 raise ValueError(f"{original.__name__} already has a layer rule ({RULES[original].__name__})")

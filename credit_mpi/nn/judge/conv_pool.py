@@ -32,6 +32,7 @@ from torch import nn
 from ...transport import paths
 from ..base import adopt
 from ..rules import BANDS_ONLY, RULES, refusal_of
+from .fields import band_layout, band_value, field_extent, on_bands
 from .registry import Refusal, argument, op_name, rule
 from .tracker import Sharded, Tracker, follows_band, grid_columns, tracked_columns
 
@@ -105,11 +106,11 @@ def layer_of_call(op: str, args: tuple, kwargs: dict) -> nn.Module:
     return make(nd, _bound(names, args, kwargs))
 
 
-def _window_along(module: nn.Module, sd: int, rows: int) -> tuple[int, int, Any]:
+def _window_along(module: nn.Module, sd: int, rows: int, field: bool = False) -> tuple[int, int, Any]:
     """``(kernel, stride, padding)`` of ``module`` along spatial dim ``sd`` (an adaptive pool: its output rows)."""
     if isinstance(module, nn.modules.pooling._AdaptiveAvgPoolNd):
         size = _per_dim(module.output_size, sd + 1)[sd]
-        return (1, 1, 0) if _keeps_rows(size, rows) else (0, 0, 0)
+        return (1, 1, 0) if _keeps_rows(size, rows, field) else (0, 0, 0)
     kernel = _per_dim(module.kernel_size, sd + 1)[sd]
     stride = _per_dim(module.stride or module.kernel_size, sd + 1)[sd]
     padding = module.padding if isinstance(module.padding, str) else _per_dim(module.padding, sd + 1)[sd]
@@ -118,10 +119,19 @@ def _window_along(module: nn.Module, sd: int, rows: int) -> tuple[int, int, Any]
     return kernel, stride, 0 if padding == "valid" or (padding == "same" and kernel == 1) else padding
 
 
-def _keeps_rows(size: Any, rows: int) -> bool:
-    """True when an adaptive pool's output ``size`` along the sharded dim keeps the band's rows: None, or the band's own
-    rows read from its shape. A plain int is the field's rows (the layer decides; at run time ``rows`` is the band's)."""
-    return size is None or (follows_band(size) and size == rows)
+def _keeps_rows(size: Any, rows: int, field: bool = False) -> bool:
+    """True when an adaptive pool's output ``size`` along the sharded dim keeps the rows: None, or ``rows``. With
+    ``field`` (latitude bands: :mod:`credit_mpi.nn.judge.fields`) ``rows`` and every size are the field's; else
+    (a grid's blocks) only a size read from the block's shape is its own rows (a plain int: the layer decides)."""
+    return size is None or ((field or follows_band(size)) and size == rows)
+
+
+def _pooled_rows(tr: Tracker, module: nn.Module, x: torch.Tensor, p: Sharded) -> tuple[int, bool]:
+    """``(rows, field)`` an adaptive pool's output size is compared with: the field's rows on latitude bands (agreed
+    only where an output size is given), else the band's own."""
+    if on_bands(tr) and getattr(module, "output_size", None) is not None:
+        return int(field_extent(tr, x, p)), True
+    return x.shape[p.dim], False
 
 
 def _check_output_size(module: nn.Module, sd: int, rows: int) -> None:
@@ -151,8 +161,10 @@ def _layer_call(tr: Tracker, func, args, kwargs, held):
     if sd < 0:
         raise Refusal("it mixes the channels, which hold the bands")
     module = layer_of_call(op, args, kwargs)
-    _check_output_size(module, sd, x.shape[p.dim])
-    window = _window_along(module, sd, x.shape[p.dim])
+    rows, field = _pooled_rows(tr, module, x, p)
+    if not field:
+        _check_output_size(module, sd, rows)
+    window = _window_along(module, sd, rows, field)
     if window in ((1, 1, 0), (1, 1, (0, 0))):
         return tr.run(func, args, kwargs, p)  # one row of the band per output row: local
     if p.outer * p.inner != 1:
@@ -181,7 +193,9 @@ def _no_layer(tr: Tracker, func, args, kwargs, held):
     if sd < 0:
         raise Refusal("it mixes the channels, which hold the bands")
     if op.startswith("adaptive"):
-        trivial = _keeps_rows(_per_dim(_bound(_ADAPTIVE_ARGS, args, kwargs)["output_size"], nd)[sd], x.shape[p.dim])
+        size = _per_dim(_bound(_ADAPTIVE_ARGS, args, kwargs)["output_size"], nd)[sd]
+        field = on_bands(tr) and size is not None
+        trivial = _keeps_rows(size, int(field_extent(tr, x, p)) if field else x.shape[p.dim], field)
     else:
         given = _bound(_LP_ARGS, args, kwargs)
         kernel = _per_dim(given["kernel_size"], nd)[sd]
@@ -212,8 +226,9 @@ def _interpolate(tr, func, args, kwargs, held):
     rows = x.shape[p.dim]
     if size is not None:
         target = _per_dim(size, nsp)[sd]
-        if not follows_band(target) and not torch.compiler.is_compiling():  # (a traced forward's sizes: plain ints)
-            return _stored_size(tr, x, p, args, kwargs, mode, align)
+        if not torch.compiler.is_compiling() and (not follows_band(target) or (
+                on_bands(tr) and getattr(target, "bands", None) is None)):  # (a traced forward's sizes: plain ints)
+            return _stored_size(tr, x, p, args, kwargs, mode, align)  # the field's rows (no band's share known)
         if not torch.compiler.is_compiling() and (tr.manager is None or grid_columns(tr.manager) == 1):
             return _band_size(tr, func, x, p, args, kwargs, size, nsp, mode, align)
         if target == rows:
@@ -263,6 +278,10 @@ def _band_size(tr, func, x, p, args, kwargs, size, nsp, mode, align):
     mine, theirs = _rows_and_target(tr, x, p, target, path)
     if mine == theirs:
         _report_size(tr, path, x, p.dim, list(mine), list(theirs))
+        if on_bands(tr) and tr.manager is not None:  # the field's size given: this band's rows of it
+            size = [band_value(tr, v) if i == sd else v for i, v in enumerate(_per_dim(size, nsp))]
+            kw = {"mode": mode} if align is None else {"mode": mode, "align_corners": align}
+            return tr.run(func, (x,), {"size": size, **kw}, p)
         return tr.run(func, args, kwargs, p)
     rows, total = sum(mine), sum(theirs)
     if rows == 0 or total % rows or total < rows:
@@ -286,7 +305,10 @@ def _band_size(tr, func, x, p, args, kwargs, size, nsp, mode, align):
 
 def _rows_and_target(tr, x, p, target, path: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Every band's rows of ``x`` and of an interpolation's target read from a band: agreed at run time, the layouts in
-    the dry run (``x``'s own or its height's; the target's from its :class:`Extent`)."""
+    the dry run (``x``'s own or its height's; the target's from its :class:`Extent`). On latitude bands the target is
+    the field's size of a band and carries every band's (:mod:`credit_mpi.nn.judge.fields`)."""
+    if on_bands(tr) and getattr(target, "bands", None) is not None:
+        return band_layout(tr, x, p), tuple(target.bands)
     if tr.manager is not None:
         from ...ops.reband import agree_rows, one_layout
 

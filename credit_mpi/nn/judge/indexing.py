@@ -9,9 +9,11 @@ import torch
 
 from ...partition import normalize_dim
 from .field import field_partner, split_joined
+from .fields import band_layout, keep_bands, on_bands, select_rows
 from .longitude import along_longitude
 from .registry import Refusal, argument, op_name, rule
 from .rows import circular_pad_longitude
+from .tracker import Sharded
 
 
 @rule("narrow", "select", "index_select", "gather", "chunk", "split", "tensor_split", "unbind",
@@ -29,6 +31,14 @@ def _indexed(tr, func, args, kwargs, held):
                                                      argument(args, kwargs, 1, "split_sizes")), p.dim, kwargs)
         if out is not None:  # replicated rows joined to a band, taken apart again (credit_mpi.nn.judge.field)
             return out
+    if op == "narrow" and p is not None and dim is not None and normalize_dim(int(dim), x.ndim) == p.dim and \
+            on_bands(tr) and isinstance(argument(args, kwargs, 2, "start"), int):
+        start, length = int(argument(args, kwargs, 2, "start")), int(argument(args, kwargs, 3, "length"))
+        rows = sum(band_layout(tr, x, p)) if start < 0 else 0
+        local, after = select_rows(tr, x, p, slice(start + rows, start + rows + length), "narrow()")
+        out = tr.run(torch.narrow, (x, p.dim, local.start, local.stop - local.start), {}, Sharded(p.dim))
+        keep_bands(tr, out, Sharded(p.dim), after)
+        return out
     if p is None or dim is None or normalize_dim(int(dim), x.ndim) == p.dim:
         raise Refusal(f"it selects along the sharded dim (dim={dim}): a band's index is not the field's")
     d = normalize_dim(int(dim), x.ndim)
@@ -69,15 +79,19 @@ def _getitem(tr, func, args, kwargs, held):
     items = _index_dims(x, index)
     if any(isinstance(i, (torch.Tensor, list, tuple, bool)) for _, i in items):
         raise Refusal("advanced (tensor or mask) indexing of a band has no rule")
-    out_dim, d_out, last = None, 0, -1
-    for d, item in items:
+    out_dim, d_out, last, after = None, 0, -1, None
+    for k, (d, item) in enumerate(items):
         if d is None:
             d_out += 1
             continue
         last = d
         if d == p.dim:
             if not _whole(item):
-                raise Refusal(f"it indexes the sharded dim with {item!r}: a band's row numbers are not the field's")
+                if not (isinstance(item, slice) and on_bands(tr) and op_name(func) == "__getitem__"):
+                    raise Refusal(f"it indexes the sharded dim with {item!r}: a row of the field that one band holds")
+                local, after = select_rows(tr, x, p, item, f"x[{item.start}:{item.stop}]")  # the band's share
+                items[k] = (d, local)
+                args = (x, tuple(i for _, i in items), *args[2:])
             out_dim = d_out
         if not isinstance(item, int):
             d_out += 1
@@ -90,7 +104,11 @@ def _getitem(tr, func, args, kwargs, held):
             if vd >= 0 and value.shape[vd] != 1:
                 raise Refusal("it writes a tensor that is not a band into a band's rows")
         return func(*args, **kwargs)
-    return tr.run(func, args, kwargs, p.moved(out_dim))
+    if after is None:
+        return tr.run(func, args, kwargs, p.moved(out_dim))
+    out = tr.run(func, args, kwargs, Sharded(out_dim))  # the selected rows: a plain band
+    keep_bands(tr, out, Sharded(out_dim), after)
+    return out
 
 
 def _whole_mask(x: torch.Tensor, index: Any) -> bool:
@@ -151,7 +169,7 @@ def _padded(tr, func, args, kwargs, p, x, pad, pair, before, after, rows):
         pad[2 * pair], pad[2 * pair + 1] = (before if rank == 0 else 0), (after if rank == size - 1 else 0)
         rest = [a for i, a in enumerate(args) if i > 1]
         return tr.run(func, (x, tuple(pad), *rest), {k: v for k, v in kwargs.items() if k != "pad"}, p)
-    sizes = tr.band_sizes(rows) if tr.band_sizes is not None else [rows]
+    sizes = list(band_layout(tr, x, p)) if tr.band_sizes is not None else [rows]
     padded = [s + (before if i == 0 else 0) + (after if i == len(sizes) - 1 else 0) for i, s in enumerate(sizes)]
     out = tr.run(func, args, kwargs, p)
     if tr.adopt_layout is not None and not tr.adopt_layout(rows + before + after, padded):

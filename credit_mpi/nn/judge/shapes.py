@@ -9,7 +9,9 @@ import torch
 
 from ...partition import normalize_dim
 from ...transport import paths
+from ..replicated import is_replicated
 from .field import field_partner, join_replicated
+from .fields import band_layout, field_extent, field_numel, field_shape, on_bands, reshape_band
 from .registry import Refusal, argument, op_name, rule
 from .tracker import Extent, Sharded, Tracker, follows_band, grid_columns
 
@@ -97,6 +99,10 @@ def _reshape(tr, func, args, kwargs, held):
     x, p = args[0], tr.get(args[0])
     if p is None:
         raise Refusal("a band as the shape of another tensor")
+    if on_bands(tr) and op_name(func) not in ("view_as", "reshape_as"):  # the sizes are the field's
+        out = reshape_band(tr, func, args, kwargs, x, p)
+        if out is not None:
+            return out
     requested = _requested(func, x, args, kwargs)
     try:
         out = func(*args, **kwargs)
@@ -109,14 +115,31 @@ def _reshape(tr, func, args, kwargs, held):
 
 @rule("shape", "size")
 def _shape(tr, func, args, kwargs, held):
-    """The band's size along its dim is an :class:`Extent` (what a reshape computed from it is told from stored sizes)."""
+    """The size along the band's dim is the field's, an :class:`Extent` (:mod:`credit_mpi.nn.judge.fields`; on a
+    latitude x longitude grid still the block's)."""
     x, p = args[0], tr.get(args[0])
     out = func(*args, **kwargs)
     if p is None:
         return out
+    if on_bands(tr):
+        if isinstance(out, int):
+            return field_extent(tr, x, p) if normalize_dim(int(argument(args, kwargs, 1, "dim")), x.ndim) == p.dim else out
+        return torch.Size([field_extent(tr, x, p) if i == p.dim else v for i, v in enumerate(out)])
     if isinstance(out, int):
         return _extent(tr, out, p) if normalize_dim(int(argument(args, kwargs, 1, "dim")), x.ndim) == p.dim else out
     return torch.Size([_extent(tr, v, p) if i == p.dim else v for i, v in enumerate(out)])
+
+
+@rule("numel", "nelement", "__len__")
+def _numel(tr, func, args, kwargs, held):
+    """The field's element count (``len``: the field's rows when the bands are along dim 0)."""
+    x, p = args[0], tr.get(args[0])
+    out = func(*args, **kwargs)
+    if p is None or not on_bands(tr):
+        return out
+    if op_name(func) == "__len__":
+        return field_extent(tr, x, p) if p.dim == 0 else out
+    return field_numel(tr, x, p)
 
 
 def _extent(tr: Tracker, size: int, p: Sharded) -> Extent:
@@ -148,12 +171,28 @@ def _expand(tr, func, args, kwargs, held):
         if k >= 0 and x.shape[k] != 1:
             raise Refusal("it expands a tensor that is not a band to a band's shape")
         return tr.run(func, args, kwargs, q)
+    if op_name(func) in ("expand", "broadcast_to") and on_bands(tr):
+        args, kwargs = _expanded_to_band(tr, x, p, args, kwargs)
     out = func(*args, **kwargs)
     d = p.dim + out.ndim - x.ndim
     if out.shape[d] != x.shape[p.dim]:
         raise Refusal("it repeats the sharded dim")
     tr.set(out, p.moved(d))
     return out
+
+
+def _expanded_to_band(tr, x, p, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``expand``/``broadcast_to`` given the field's size along the band's dim: the band keeps its rows (``-1``)."""
+    given = list(args[1:]) if len(args) > 1 else [kwargs.get("size", kwargs.get("shape", ()))]
+    if len(given) == 1 and isinstance(given[0], (tuple, list, torch.Size)):
+        given = list(given[0])
+    if not given or not all(isinstance(v, int) for v in given):
+        return args, kwargs
+    d = p.dim + len(given) - x.ndim
+    if 0 <= d < len(given) and given[d] != -1 and given[d] == field_shape(x, p, band_layout(tr, x, p))[p.dim]:
+        given[d] = -1
+        return (x, tuple(given)), {k: v for k, v in kwargs.items() if k not in ("size", "shape")}
+    return args, kwargs
 
 
 _LAYOUTS_DIFFER = (

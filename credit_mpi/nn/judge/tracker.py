@@ -32,11 +32,12 @@ that holds bands and judges each torch function applied to one:
   ``nansum``, ``nanmean`` over dims that include the sharded one (or every
   dim): the band's partial sum, one sum over the domain, replicated
   (:mod:`credit_mpi.nn.judge.reductions`);
-* a reshape's sizes along the band must follow the band: ``x.shape`` of a
-  band gives its size along the sharded dim as an :class:`Extent` (what is
-  computed from it stays one), so a size stored for the whole field is told
-  from one read from the band in the dry run (which sees the field) as on
-  every band;
+* sizes are the field's: ``x.shape`` (``size``, ``numel``, ``len``) of a band
+  gives the whole field's size along the sharded dim as an :class:`Extent`
+  (an int of the field's value carrying every band's), so a stored image size
+  compares equal and a branch goes as in one process; a reshape, a slice, a
+  pad given the field's sizes or row indices maps them to the band
+  (:mod:`credit_mpi.nn.judge.fields`);
 * everything else that touches the sharded dim raises ``ConversionError``
   naming the module's path and the op. At run time the converted model's
   :class:`~credit_mpi.nn.base.ForwardGuard` makes it every rank's exception;
@@ -58,7 +59,6 @@ a reshape back recovers the band.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -122,6 +122,8 @@ class Placement:
       which a convolution that takes it folds in;
     * ``sized_by_band``: in the dry run, a tensor that is not a band made with a size read from a band
       (the field's size on the meta device, the band's at run time: :meth:`Tracker.mark_band_sized`).
+    * ``bands``: at run time, every band's rows of the placement, once a size of the field was needed
+      (:func:`credit_mpi.nn.judge.fields.band_layout`).
     """
 
     ref: weakref.ref
@@ -131,25 +133,21 @@ class Placement:
     global_dims: frozenset = frozenset()
     edge_pad: tuple | None = None
     sized_by_band: bool = False
+    bands: tuple | None = None  # at run time: every band's rows, once agreed or derived (credit_mpi.nn.judge.fields)
 
 
 class Extent(int):
     """A size read from a band's shape along the band (``H = x.shape[-2]`` in a forward), and what is computed from it.
 
-    The dry run sees the whole field's sizes, so ``x.reshape(B, C, H, W)`` with ``H`` read from
-    ``x.shape`` and ``x.reshape(B, C, *self.stored_resolution)`` look the same there, while on a
-    band the first fits and the second does not. ``x.shape`` and ``x.size()`` of a band return
-    the band's dim as an ``Extent``; arithmetic keeps the mark (``H // 2``, ``H * W``), so a
-    reshape can tell a size that follows the band from one stored for the whole field, in the
-    dry run and on every band alike. Its hash differs from the int's so that caches keyed by
-    shapes (einops' recipes) do not hand back sizes computed from plain ints.
-
-    In the dry run an ``Extent`` also carries every band's value (``bands``), so a comparison with a
-    plain int is judged there as on each band: ``H == self.img_size[0]`` (a size stored for the
-    whole field) is equal on one process and not on a band, and is refused alike (:func:`_compared`).
+    Its value is the whole FIELD's size (:mod:`credit_mpi.nn.judge.fields`): comparisons, branches
+    and arithmetic (float too) go as in one process, on every rank. It also carries every band's
+    value (``bands``, in rank order), which arithmetic keeps (``H // 2``, ``H * W``), so an op given
+    such a size knows each band's share of it (``F.interpolate(size=skip.shape[-2:])``: the skip's
+    layout). Its hash differs from the int's so that caches keyed by shapes (einops' recipes) do not
+    hand back sizes computed from plain ints.
     """
 
-    bands: tuple[int, ...] | None = None  # every band's value (the dry run), None at run time
+    bands: tuple[int, ...] | None = None  # every band's value (None: unknown, e.g. an empty band divided)
 
     def __new__(cls, value: int, bands: Any = None) -> Extent:
         out = super().__new__(cls, value)
@@ -160,47 +158,8 @@ class Extent(int):
     def __hash__(self) -> int:
         return hash(("credit_mpi.Extent", int(self)))
 
-    def __eq__(self, other: Any) -> bool:
-        return _compared(self, other, "==")
-
-    def __ne__(self, other: Any) -> bool:
-        out = _compared(self, other, "!=")
-        return out if out is NotImplemented else not out
-
-
-# plain ints a size read from the band may be compared with on every band (an empty band, one row, -1 for "any")
-_COMPARABLE = (0, 1, -1)
-
-
-def _compared(extent: Extent, other: Any, op: str):
-    """``extent == other``, refused where the band's rows are compared with a plain int that is not the band's.
-
-    A plain int that is not the band's size (on some band, in the dry run) is one that does not follow the
-    band (a size stored for the whole field, or a constant): the run would take another branch on a band
-    than one process takes on the field. Judged in user code only (not inside a rule or a layer, whose
-    own shapes are the band's), and not against 0, 1 or -1 (an empty band, a row, "any").
-    """
-    if type(other) is not int or other in _COMPARABLE:
-        return int.__eq__(extent, other)
-    tr = active_tracker()
-    values = extent.bands if extent.bands is not None else (int(extent),)
-    if tr is None or tr.trusted or not _in_user_code(tr, sys._getframe(2)) or all(v == other for v in values):
-        return int.__eq__(extent, other)
-    raise conversion_error(tr.stack[-1][0], f"x.shape {op} {other}",
-                  f"it compares the band's rows ({', '.join(map(str, sorted(set(values))))} rows, read from x.shape) "
-                  f"with a size stored for the whole field ({other}, e.g. set in __init__ from the image size), "
-                  f"which the bands do not have: compare with sizes computed from x.shape in the forward, or build "
-                  f"the module with the band's height")
-
-
-def _in_user_code(tr: Tracker, frame) -> bool:
-    """True in the model's own code: not credit_mpi's (the tracker's hooks and rules, whose shapes are the band's),
-    not torch's inside a rule (the tracker is then off torch's mode stack) or with dispatch disabled."""
-    from torch.overrides import _get_current_function_mode_stack
-
-    if frame.f_globals.get("__name__", "").startswith("credit_mpi."):
-        return False
-    return torch._C._is_torch_function_enabled() and any(m is tr for m in _get_current_function_mode_stack())
+    __eq__ = int.__eq__
+    __ne__ = int.__ne__
 
 
 def _keeps_mark(name: str):
@@ -215,7 +174,7 @@ def _keeps_mark(name: str):
         theirs = [getattr(o, "bands", None) or (o,) * len(self.bands) for o in other]
         try:
             return Extent(out, [method(int(b), *(int(t[i]) for t in theirs)) for i, b in enumerate(self.bands)])
-        except ArithmeticError:  # an empty band divided: its value is unknown (not judged)
+        except (ArithmeticError, IndexError):  # an empty band divided: its value is unknown (not judged)
             return Extent(out)
 
     op.__name__ = name
@@ -265,6 +224,8 @@ class Tracker(TorchFunctionMode):
         self.trusted = int(self._trusts(root) or not judge)
         self.stack: list[tuple[str, bool, tuple | None]] = [(self._path(root), bool(self.trusted), None)]
         self.records: dict[int, Placement] = {}  # one per tensor the forward placed, by id (checked by its ref)
+        self.field_reads = 0  # band layouts agreed in this forward (credit_mpi.nn.judge.fields: a size of the field read)
+        self.size_agreements = 0  # the collectives those made (they move no data: not a module's communication)
         self._births = 0
         self.own_layouts = 0  # the dry run: how many tensors have a layout of their own (none: nothing to inherit)
         self._layouts_in_rule: dict[int, list[int]] = {}  # while a rule runs: the layouts of its held tensors, by their rows
@@ -502,9 +463,11 @@ class Tracker(TorchFunctionMode):
                                   "spread over the bands (windows moved into the batch dim)")
                 return True, p
             if p is not None and p != want and self.as_band(t, p) != want:
-                identity = traits_of(module).identity
+                identity, local_on = traits_of(module).identity, traits_of(module).local_on
                 if identity is not None and identity(module):
                     return True, p  # the identity now (dropout: p == 0 or eval) on any placement
+                if local_on is not None and local_on(module, t, p.dim):
+                    return True, p  # reads no other row of the dim that holds the bands (channels-last LayerNorm)
                 raise conversion_error(self._path(module), "its forward",
                               f"its input holds the bands along {p.describe()} (after a permute or a reshape), "
                               f"but the layer runs on bands along the sharded dim ({want.describe() if want else self.shard_dim})")

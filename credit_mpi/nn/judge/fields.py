@@ -1,0 +1,240 @@
+"""Field sizes: inside a converted forward, the sizes read along the sharded dim are the whole field's.
+
+A model is written for the whole field: ``B, C, H, W = x.shape`` then ``assert H == self.img_size[0]``,
+``if H % 2``, ``x.sum((2, 3), keepdim=True) / (H * W)``, ``x.view(B, C, H // ws, ws, W)``,
+``F.pad(x, (0, 0, 0, (ws - H % ws) % ws))`` and ``x[:, :, :H]``. On a band, each of these must see
+the field's ``H``, as DTensor and PhysicsNeMo's ShardTensor give. While a converted forward runs on
+latitude bands (and in describe()'s dry run, which sees the field):
+
+* ``x.shape``, ``x.size()``, ``x.size(d)``, ``x.numel()`` and ``len(x)`` of a band give the field's
+  size along the sharded dim, an :class:`~credit_mpi.nn.judge.tracker.Extent` (an ``int`` of the
+  field's value that also carries every band's): every comparison, branch and number computed from
+  it (float arithmetic too) is the one process's, on every rank;
+* the ops that take sizes or row indices along the sharded dim map them from the field to the band:
+  a reshape is judged and run in the field's coordinates (:func:`reshape_band`: its output sizes
+  are the field's, the band's share of the dim that holds the rows is computed from the band
+  layout; a split into windows needs every band to hold whole windows), a slice, ``narrow`` and
+  ``index_select`` over the sharded dim with field indices keep each band's share of the selected
+  rows (:func:`select_rows`), ``F.pad`` pads the field's edges (the first and last band,
+  :mod:`credit_mpi.nn.judge.indexing`), ``F.interpolate(size=)`` and the adaptive pools take the
+  field's rows.
+
+What it costs. The band layout of a tensor (every rank's rows) is what a size needs: the dry run has
+it; at run time it is agreed the first time a forward reads a size of that tensor along the sharded
+dim (or passes it sizes): one fixed-size ``Allgather`` (:func:`credit_mpi.ops.reband.agree_rows`)
+per read, remembered as making no MPI call after it, so a later forward whose inputs are the last
+one's (every training step of one shape) skips it on every rank
+(:func:`credit_mpi.agreement.quiet_forward`); a tensor made by a reshape or a selection of a band
+whose layout is known has its layout without an agreement. Nothing of it runs outside a converted
+forward (the halo exchange and the gather are untouched), nor on a forward that reads no size of a
+band. On a latitude x longitude grid the sizes stay the block's (no rule there yet).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .registry import Refusal
+from .tracker import Extent, Sharded, Tracker, tracked_columns
+
+__all__ = ["on_bands", "band_layout", "field_extent", "field_shape", "reshaped_field", "reshape_band", "select_rows",
+           "band_value"]
+
+
+def on_bands(tr: Tracker) -> bool:
+    """True where field sizes hold: latitude bands, an eager forward (a traced one's sizes are plain ints)."""
+    return tracked_columns(tr) == 1 and not torch.compiler.is_compiling()
+
+
+def _always(counts: Any) -> bool:
+    return True
+
+
+def band_layout(tr: Tracker, t: torch.Tensor, p: Sharded) -> tuple[int, ...]:
+    """Every band's rows of ``t`` (in rows of its placement: ``t.shape[p.dim] // (outer * inner)``), in rank order.
+
+    The dry run: the layout a reshape or a selection gave it, else its height's. At run time: known when the forward made ``t``
+    from a band of known layout, else agreed (collective over the domain: every rank reads the same
+    sizes at the same point of the same forward, as one process does; a repeat of a forward with
+    the last one's inputs skips the agreement).
+    """
+    rows = t.shape[p.dim] // (p.outer * p.inner)
+    if tr.manager is None:  # the layout a reshape or a selection here gave it, else its height's
+        rec = tr.record_of(t)
+        if rec is not None and rec.bands is not None and sum(rec.bands) == rows:
+            return rec.bands
+        return tuple(int(s) for s in tr.band_sizes(rows))
+    rec = tr.record(t)
+    rank = tr.manager.domain_rank
+    if rec.bands is not None and rec.bands[rank] == rows:
+        return rec.bands
+    from ...ops.reband import agree_rows
+
+    tr.field_reads += 1
+    path = f"{tr.stack[-1][0]}: the field's size along the sharded dim (read {tr.field_reads})"
+    from ... import watchdog
+
+    seq = watchdog.STATE.seq
+    with torch._C.DisableTorchFunction():  # the agreement's own tensor calls are not the model's
+        (sizes,) = agree_rows([rows], [t], p.dim, tr.manager.domain_group, path, quiet=_always)
+    tr.size_agreements += watchdog.STATE.seq - seq  # moves no data (a module running a phantom window may make it)
+    rec.bands = tuple(int(s) for s in sizes)
+    return rec.bands
+
+
+def keep_bands(tr: Tracker, t: torch.Tensor, q: Sharded, sizes: tuple[int, ...]) -> None:
+    """``t`` (placed at ``q``) has the band layout ``sizes``: remembered (at run time: no agreement when a size of it
+    is read); in the dry run also its own layout (:meth:`Tracker.keep_layout`)."""
+    sizes = tuple(int(s) for s in sizes)
+    tr.record(t).bands = sizes
+    if tr.manager is not None:
+        return
+    # the dry run: its own layout, also where it is its height's here (inside a module re-banded to whole windows the
+    # layers' rows are planned from a tensor's own layout, else from the layout of its height outside the module)
+    tr.keep_layout(t, list(sizes))
+
+
+def field_shape(t: torch.Tensor, p: Sharded, sizes: tuple[int, ...]) -> list[int]:
+    """``t``'s shape on the whole field (the band's dim holds every band's rows)."""
+    shape = [int(v) for v in t.shape]
+    shape[p.dim] = p.outer * sum(sizes) * p.inner
+    return shape
+
+
+def field_extent(tr: Tracker, t: torch.Tensor, p: Sharded) -> Extent:
+    """The field's size of ``t`` along its band's dim, with every band's."""
+    sizes = band_layout(tr, t, p)
+    merged = p.outer * p.inner
+    if tr.manager is None and merged * sum(sizes) != t.shape[p.dim]:  # phantom windows (see reshape_band)
+        return Extent(t.shape[p.dim], [merged * s for s in sizes])
+    return Extent(merged * sum(sizes), [merged * s for s in sizes])
+
+
+def field_numel(tr: Tracker, t: torch.Tensor, p: Sharded) -> Extent:
+    """The field's element count of ``t``, with every band's."""
+    sizes = band_layout(tr, t, p)
+    rest = math.prod(v for i, v in enumerate(t.shape) if i != p.dim) * p.outer * p.inner
+    return Extent(rest * sum(sizes), [rest * s for s in sizes])
+
+
+def band_value(tr: Tracker, size: Any) -> int:
+    """This rank's value of a size read along a band (an :class:`Extent`; a plain int is itself)."""
+    bands = getattr(size, "bands", None)
+    if bands is None or tr.manager is None:
+        return int(size)
+    return int(bands[tr.manager.domain_rank])
+
+
+def reshaped_field(shape_in: list[int], p: Sharded, shape_out: list[int],
+                   sizes: tuple[int, ...]) -> tuple[Sharded, tuple[int, ...]]:
+    """Where the band's rows go when the FIELD of shape ``shape_in`` (bands ``sizes`` along ``p``) is reshaped to
+    ``shape_out``: ``(placement, the output's band layout)``, or :class:`Refusal`.
+
+    In flat-index terms the field's rows are the digits of strides ``[after, after * rows)``. The
+    output dim ``j`` that holds the top digit either holds every row digit (merged with whole
+    neighbours: ``Sharded(j, outer, inner)``, the same layout) or holds windows of ``w`` rows whose
+    rows lie in the dims after it (``Sharded(j, outer, 1)`` of the window counts: every band must
+    be a whole number of windows). Anything else splits the rows so that no band keeps its own.
+    """
+    rows = sum(sizes)
+    after = p.inner * math.prod(shape_in[p.dim + 1:])
+    top = after * rows
+    for j, size in enumerate(shape_out):
+        stride = math.prod(shape_out[j + 1:])
+        if not stride < top <= stride * size:
+            continue
+        if (stride * size) % top == 0:
+            outer = stride * size // top
+            if after % stride == 0:
+                return Sharded(j, outer, after // stride), tuple(sizes)
+            if stride % after == 0 and rows % (stride // after) == 0:
+                window = stride // after
+                if any(s % window for s in sizes):
+                    raise Refusal(f"it splits the sharded dim into windows of {window} rows, and not every band is a "
+                                  f"whole number of windows (bands of {list(sizes)} rows of the field's {rows}): "
+                                  f"choose band sizes that are multiples of {window}, or give the module a "
+                                  f"window_size attribute (its input is then re-banded to whole windows)")
+                return Sharded(j, outer, 1), tuple(s // window for s in sizes)
+        break
+    raise Refusal(f"a reshape of the field {tuple(shape_in)} (bands along {p.describe()}) to {tuple(shape_out)} mixes "
+                  f"the rows of the sharded dim with other dims so that no band keeps its own rows whole")
+
+
+def reshape_band(tr: Tracker, func, args: tuple, kwargs: dict, x: torch.Tensor, p: Sharded) -> torch.Tensor:
+    """A reshape of band ``x`` judged and run in the field's coordinates (the sizes it was given are the field's)."""
+    from .registry import op_name
+
+    sizes = band_layout(tr, x, p)
+    if sum(sizes) <= 1 or (tr.manager is None and p.outer * sum(sizes) * p.inner != x.shape[p.dim]):
+        # a field of one row (no band holds more than it), or the dry run inside a module whose bands without a
+        # window run a phantom one (its layout holds more rows than the field): the band's own reshape
+        return None
+    shape_in = field_shape(x, p, sizes)
+    if tr.manager is None:
+        field_in = x
+    else:
+        field_in = torch.empty(shape_in, device="meta", dtype=x.dtype)
+    try:
+        field_out = func(field_in, *args[1:], **kwargs)
+    except RuntimeError as exc:
+        raise Refusal(f"the reshape does not fit the field ({exc})") from None
+    shape_out = [int(v) for v in field_out.shape]
+    q, out_sizes = reshaped_field(shape_in, p, shape_out, sizes)
+    if tr.manager is None:
+        out = field_out
+    else:
+        band_out = list(shape_out)
+        band_out[q.dim] = shape_out[q.dim] * (x.shape[p.dim] // (p.outer * p.inner)) // sum(sizes)
+        out = x.view(band_out) if op_name(func) in ("view",) else x.reshape(band_out)
+    tr.set(out, q)
+    keep_bands(tr, out, q, out_sizes)
+    return out
+
+
+def _row_range(index: Any, rows: int) -> tuple[int, int] | None:
+    """``(start, stop)`` of a slice of step one over ``rows`` rows (None: another step)."""
+    start, stop, step = slice(*(None if v is None else int(v) for v in (index.start, index.stop, index.step))).indices(rows)
+    if step != 1:
+        return None
+    return start, max(start, stop)
+
+
+def select_rows(tr: Tracker, x: torch.Tensor, p: Sharded, wanted: Any, what: str) -> tuple[Any, tuple[int, ...]]:
+    """The band's share of the field's rows ``wanted`` (a slice of step one, or a sorted 1-D index tensor of field
+    rows): ``(local index: a slice or an index tensor, every band's rows after)``; Refusal otherwise. Rows merged
+    with whole inner ones (``Sharded(dim, 1, inner)``) are a block of the dim: the output is a plain band
+    (``Sharded(dim)``) of those."""
+    if p.outer != 1:
+        raise Refusal(f"{what} selects rows of a dim that holds the bands' rows merged with another ({p.describe()})")
+    sizes = tuple(p.inner * s for s in band_layout(tr, x, p))  # rows merged with whole inner ones: a block of the dim
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    rank = 0 if tr.manager is None else tr.manager.domain_rank
+    if isinstance(wanted, slice):
+        got = _row_range(wanted, sum(sizes))
+        if got is None:
+            raise Refusal(f"{what} selects every n-th row of the sharded dim (a slice step): no rule on bands")
+        a, b = got
+        after = tuple(max(0, min(b, o + s) - max(a, o)) for o, s in zip(starts, sizes, strict=True))
+        if tr.manager is None:
+            return slice(a, b), after
+        lo = min(max(a - starts[rank], 0), sizes[rank])
+        return slice(lo, lo + after[rank]), after
+    idx = wanted
+    with torch._C.DisableTorchFunction():
+        if idx.ndim != 1 or idx.dtype in (torch.bool,) or idx.is_floating_point():
+            raise Refusal(f"{what} indexes the sharded dim with a tensor that is not a 1-D index of rows")
+        idx = torch.where(idx < 0, idx + sum(sizes), idx)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= sum(sizes)):
+            raise Refusal(f"{what} indexes rows outside the field's {sum(sizes)}")
+        if idx.numel() > 1 and not bool((idx[1:] >= idx[:-1]).all()):
+            raise Refusal(f"{what} takes the field's rows out of order (a permutation of the sharded dim: no rule on "
+                          f"bands; a sorted index keeps each band's rows)")
+        after = tuple(int(((idx >= o) & (idx < o + s)).sum()) for o, s in zip(starts, sizes, strict=True))
+        if tr.manager is None:
+            return wanted, after
+        o, s = starts[rank], sizes[rank]
+        local = idx[(idx >= o) & (idx < o + s)] - o
+    return local, after
