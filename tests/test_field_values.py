@@ -112,7 +112,7 @@ class Tokens(nn.Module):
 
 
 class FromTheBand(nn.Module):
-    """Coordinates made from the band's own rows (``x.shape``), not the field's: refused alike by describe() and the run."""
+    """Coordinates made from ``x.shape``: the field's rows (sizes read from a band are the field's), cut to the band's."""
 
     def __init__(self, height):
         super().__init__()
@@ -124,8 +124,7 @@ class FromTheBand(nn.Module):
 
 
 EXACT = {"positional_embedding": PositionalEmbedding, "latitude_weight": LatitudeWeight, "coordinates": Coordinates,
-         "masks": Masks, "token_embedding": Tokens}
-NOT_THE_FIELD = {"from_the_band": FromTheBand}
+         "masks": Masks, "token_embedding": Tokens, "from_the_band": FromTheBand}
 
 
 def _heights(d):
@@ -142,20 +141,6 @@ def test_field_sized_values_are_the_bands_rows(name, make_manager):
             for h in _heights(d):
                 plan = verdict_is_the_run(name, lambda h=h: EXACT[name](h), (2, 2, h, W), manager)
                 assert plan.exact, str(plan)
-
-
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.one_domain_size
-@pytest.mark.parametrize("name", sorted(NOT_THE_FIELD))
-def test_a_tensor_of_the_bands_rows_is_refused_alike(name, make_manager):
-    """A tensor made from the band's rows is not the field's size on a band: refused by describe() and the run."""
-    with prefix_managers(make_manager) as managers:
-        for d, manager in managers:
-            for h in _heights(d):
-                plan = verdict_is_the_run(name, lambda h=h: NOT_THE_FIELD[name](h), (2, 2, h, W), manager)
-                assert plan.exact == (d == 1), str(plan)
-                if d > 1:
-                    assert "not the field's size" in plan.rows[-1].note, str(plan)
 
 
 class CoordinateAttention(nn.Module):

@@ -485,18 +485,12 @@ class _DryRun(TorchFunctionMode):
                 self.tracker.trusted or all(self.tracker.get(t) is None for t in tensors)):
             return self.on_value(self.tracker, name, tensors[0])
         if any(t.is_meta for t in tensors) and any(not t.is_meta and t.ndim for t in tensors):
-            args, kwargs = tree_map(self._to_meta, (args, kwargs))
+            args, kwargs = tree_map(_to_meta, (args, kwargs))
         if name == "scaled_dot_product_attention":
             named = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(("query", "key", "value"))]
             self.on_call(self.tracker, *named, bool(args[7] if len(args) > 7 else kwargs.get("enable_gqa", False)))
         return func(*args, **kwargs)
 
-    def _to_meta(self, t):
-        """:func:`_to_meta`, keeping the tracker's mark of a tensor made from a band's size (its ``sized_by_band``)."""
-        out = _to_meta(t)
-        if out is not t and (rec := self.tracker.record_of(t)) is not None and rec.sized_by_band:
-            self.tracker.record(out).sized_by_band = True
-        return out
 
 
 def _stand_in(op: str, t: torch.Tensor):

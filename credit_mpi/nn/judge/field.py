@@ -76,10 +76,8 @@ def field_partner(tr: Tracker, band: torch.Tensor, p: Sharded, partner: torch.Te
     if tracked_columns(tr) > 1:
         raise Refusal(_not_a_band(partner, rows) + " on a latitude x longitude domain grid (no rule yet)")
     if tr.manager is None:  # the dry run: the band is the whole field
-        rec = tr.record_of(partner)
-        if rows != band.shape[p.dim] or (rec is not None and rec.sized_by_band):
-            raise Refusal(_not_a_band(partner, rows) + " that is not the field's size "
-                          f"({band.shape[p.dim]}){' (made from the band rows x.shape gives)' if rows == band.shape[p.dim] else ''}: "
+        if rows != band.shape[p.dim]:
+            raise Refusal(_not_a_band(partner, rows) + f" that is not the field's size ({band.shape[p.dim]}): "
                           "make it from the band, or give it one row along that dim, or the field's rows")
         return partner
     start, stop, total = _band_rows(tr, band, p.dim)

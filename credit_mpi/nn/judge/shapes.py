@@ -9,7 +9,6 @@ import torch
 
 from ...partition import normalize_dim
 from ...transport import paths
-from ..replicated import is_replicated
 from .field import field_partner, join_replicated
 from .fields import band_layout, field_extent, field_numel, field_shape, on_bands, reshape_band
 from .registry import Refusal, argument, op_name, rule

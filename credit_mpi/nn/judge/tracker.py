@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from ...partition import normalize_dim
 from .. import base
@@ -120,8 +120,6 @@ class Placement:
     * ``global_dims``: dims that hold the whole field's tokens (gathered keys: attention's scores);
     * ``edge_pad``: an ``F.pad`` of the field's edges by zeros, ``(input, (before, after), other pads)``,
       which a convolution that takes it folds in;
-    * ``sized_by_band``: in the dry run, a tensor that is not a band made with a size read from a band
-      (the field's size on the meta device, the band's at run time: :meth:`Tracker.mark_band_sized`).
     * ``bands``: at run time, every band's rows of the placement, once a size of the field was needed
       (:func:`credit_mpi.nn.judge.fields.band_layout`).
     """
@@ -132,7 +130,6 @@ class Placement:
     layout: list[int] | None = None
     global_dims: frozenset = frozenset()
     edge_pad: tuple | None = None
-    sized_by_band: bool = False
     bands: tuple | None = None  # at run time: every band's rows, once agreed or derived (credit_mpi.nn.judge.fields)
 
 
@@ -486,10 +483,6 @@ class Tracker(TorchFunctionMode):
                     handled, out = spread(self, func, args, kwargs)
                     if handled:
                         return out
-            if self.manager is None:  # the dry run: a tensor made from a band's size is not the field's size
-                out = func(*args, **kwargs)
-                self.mark_band_sized(args, kwargs, out)
-                return out
             return func(*args, **kwargs)
         op = op_name(func)
         rule = rule_for(op) or rule_for(op.rstrip("_") if not op.startswith("__") else op)
@@ -509,19 +502,6 @@ class Tracker(TorchFunctionMode):
         finally:
             if here is not None:
                 self._layouts_in_rule = here
-
-    def mark_band_sized(self, args: tuple, kwargs: dict, out: Any) -> None:
-        """The dry run: a tensor made with a size read from a band (``torch.ones(H)``, ``H = x.shape[-2]``), or from one.
-
-        On the meta device that size is the field's, at run time each band's own: such a tensor is not
-        the field's size on a band, and :func:`credit_mpi.nn.judge.field.field_partner` refuses it in the
-        dry run as the run does. Only where some band's value differs from the field's.
-        """
-        leaves = tree_flatten((args, kwargs))[0]
-        if any(isinstance(v, Extent) and v.bands is not None and any(b != int(v) for b in v.bands) for v in leaves) or \
-                any((rec := self.record_of(t)) is not None and rec.sized_by_band for t in leaves if isinstance(t, torch.Tensor)):
-            for t in tensors_in(out):
-                self.record(t).sized_by_band = True
 
     # -- the dry run's layouts per tensor ----------------------------------------------------------
 
