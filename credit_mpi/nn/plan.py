@@ -36,7 +36,7 @@ from .base import DomainParallelModule, guard_forward
 from .convert import _convert, check_custom
 from .errors import ConversionError
 from .judge import attention
-from .judge.attention import sdpa_path
+from .judge.attention import learned_mask, sdpa_path
 from .judge.pointwise import VALUE_CALLS
 from .judge.recompute import checked_dry_run, checked_report
 from .judge.registry import Refusal
@@ -376,7 +376,7 @@ class _Recorder:
 
         return traffic
 
-    def attention(self, tracker, q, k, v, gqa=False):
+    def attention(self, tracker, q, k, v, gqa=False, mask_grad=False):
         """Attention over every band's tokens (the run gathers K and V): a row of its own, in the calling module."""
         places = [tracker.get(t) for t in (q, k, v)]
         if self.grid or self.n == 1 or tracker.trusted or any(
@@ -384,7 +384,7 @@ class _Recorder:
             return  # inside a trusted module (not judged), windows in the batch dim (no gather); the rule refuses the rest
         p = places[1]
         counts = [p.inner * s for s in self.sizes_of(k.shape[-2] // p.inner)]
-        layout = sdpa_path(q, k, v, self.n, gqa, attention.SDPA_PATH)  # as the run decides it
+        layout = sdpa_path(q, k, v, self.n, gqa, attention.SDPA_PATH, mask_grad)  # as the run decides it
         how, traffic = _ATTENTION_LAYOUTS[layout]
         moved = traffic((k,) if v is k else (k, v), counts, self.n) if layout == "gather" else traffic(q, k, v, counts, self.n)
         self.add(_module_path(tracker.stack[-1][0]), "scaled_dot_product_attention()", k.shape[-2], q.shape[-2], counts,
@@ -487,8 +487,9 @@ class _DryRun(TorchFunctionMode):
         if any(t.is_meta for t in tensors) and any(not t.is_meta and t.ndim for t in tensors):
             args, kwargs = tree_map(_to_meta, (args, kwargs))
         if name == "scaled_dot_product_attention":
-            named = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(("query", "key", "value"))]
-            self.on_call(self.tracker, *named, bool(args[7] if len(args) > 7 else kwargs.get("enable_gqa", False)))
+            named = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(("query", "key", "value", "attn_mask"))]
+            self.on_call(self.tracker, *named[:3], bool(args[7] if len(args) > 7 else kwargs.get("enable_gqa", False)),
+                         learned_mask(named[3]))
         return func(*args, **kwargs)
 
 

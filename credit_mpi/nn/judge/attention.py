@@ -298,11 +298,18 @@ def _global_mask(mask, causal: bool, q0: int, nq: int, lq: int, s: int, like: to
     return mask + torch.zeros(allowed.shape, dtype=mask.dtype, device=like.device).masked_fill(~allowed, float("-inf"))
 
 
-def sdpa_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: int, gqa: bool, forced: str = "auto") -> str:
+def learned_mask(mask) -> bool:
+    """A mask that takes a gradient (a learned relative-position bias): the ring cannot carry it."""
+    return isinstance(mask, torch.Tensor) and mask.requires_grad and torch.is_grad_enabled()
+
+
+def sdpa_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: int, gqa: bool, forced: str = "auto",
+              mask_grad: bool = False) -> str:
     """The layout of attention across bands, from the shapes alone (the same decision on every rank).
 
     ``alltoall`` when the heads (dim -3) divide among the ranks, ``ring`` when q, k, v have the same
-    batch dims, else ``gather``; ``forced`` (``SDPA_PATH``) picks one where it applies.
+    batch dims (and the mask takes no gradient, ``mask_grad``: :func:`learned_mask`), else ``gather``;
+    ``forced`` (``SDPA_PATH``) picks one where it applies.
     """
     if forced not in _PATHS:
         raise ValueError(f"credit_mpi.nn.judge.attention.SDPA_PATH={forced!r}; valid: {', '.join(_PATHS)}")
@@ -310,7 +317,7 @@ def sdpa_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: int, gqa
     heads = same and q.shape[-3] % ranks == 0
     if forced == "alltoall" and heads or forced == "auto" and heads:
         return "alltoall"
-    if forced in ("auto", "ring") and same:
+    if forced in ("auto", "ring") and same and not mask_grad:
         return "ring"
     return "gather"
 
@@ -345,7 +352,7 @@ def _sdpa(tr, func, args, kwargs, held):
         rest["enable_gqa"] = True
     if tr.manager is None:  # the dry run: global shapes, every layout gives the one-process result
         ranks = len(tr.band_sizes(q.shape[-2]))
-        if (mask is not None or causal) and (memory or sdpa_path(q, k, v, ranks, gqa, SDPA_PATH) == "gather"):
+        if (mask is not None or causal) and (memory or sdpa_path(q, k, v, ranks, gqa, SDPA_PATH, learned_mask(mask)) == "gather"):
             _report_counts(tr, ranks)  # the run's offsets of the global mask (_attend)
         out = func(q, k, v, attn_mask=_on(mask, q), is_causal=causal, **rest)
     else:
@@ -385,7 +392,7 @@ def _attend(tr, func, q, k, v, mask, causal, rest, memory=False):
     """
     comm, path = tr.manager.domain_group, _path(tr)
     ranks, rank = comm.Get_size(), comm.Get_rank()
-    layout = "memory" if memory else sdpa_path(q, k, v, ranks, bool(rest.get("enable_gqa")), SDPA_PATH)
+    layout = "memory" if memory else sdpa_path(q, k, v, ranks, bool(rest.get("enable_gqa")), SDPA_PATH, learned_mask(mask))
     tagged = path + _masking(mask, causal)
     if layout == "memory" and ranks > 1:
         _agree_masking(tr, _masking(mask, causal))
