@@ -27,12 +27,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("einops")
 pytest.importorskip("credit")
 
-from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe  # noqa: E402
+from credit_mpi.nn import convert_to_domain_parallel  # noqa: E402
 
 from .credit_stand_ins import credit_models, timm_models  # noqa: E402
 from .halo_reference import first_ranks, prefix_managers  # noqa: E402
-from .nn_reference import same_error_everywhere  # noqa: E402
-from .verdict_reference import verdict_is_the_run  # noqa: E402
+from .verdict_reference import refused_at_conversion, verdict_is_the_run  # noqa: E402
 
 crossformer, wxformer = credit_models()
 TIMM = timm_models()
@@ -168,12 +167,7 @@ def _skip_unless_runs_here(name):
 
 def _verdict(name, build, shape, manager):
     """describe()'s verdict is the run's; a model refused at conversion (a module type) is refused on every rank."""
-    try:
-        describe(build().double(), shape, manager.domain_parallel_size)
-    except ConversionError as exc:
-        message = same_error_everywhere(manager.domain_group, lambda: convert_to_domain_parallel(build().double(), manager),
-                                        ConversionError)
-        assert message == str(exc), (message, str(exc))
+    if (message := refused_at_conversion(build, shape, manager)) is not None:
         assert "custom_converters" in message, message
         return None
     return verdict_is_the_run(name, build, shape, manager, seed=5, same_op=name not in LATER_OP)

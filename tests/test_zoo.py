@@ -43,12 +43,9 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe  # noqa: E402
-
 from .credit_stand_ins import _StandInFinder  # noqa: E402
 from .halo_reference import prefix_managers  # noqa: E402
-from .nn_reference import same_error_everywhere  # noqa: E402
-from .verdict_reference import verdict_is_the_run  # noqa: E402
+from .verdict_reference import refused_at_conversion, verdict_is_the_run  # noqa: E402
 
 EXACT = "exact"
 
@@ -426,12 +423,7 @@ def _verdict(case: Case, name: str, shape: tuple, manager) -> str:
     """EXACT, or the refusal (the plan's refusing row, ``path kind: note``; a module refused at conversion: the
     ConversionError's message, the same on every rank), after checking that the run is describe()'s verdict."""
     build = lambda: EveryParameter(case.build(shape))  # noqa: E731
-    try:
-        describe(build().double(), shape, manager.domain_parallel_size)
-    except ConversionError as exc:
-        message = same_error_everywhere(manager.domain_group, lambda: convert_to_domain_parallel(build().double(), manager),
-                                        ConversionError)
-        assert message == str(exc), (message, str(exc))
+    if (message := refused_at_conversion(build, shape, manager)) is not None:
         return f"conversion: {message}"
     plan = verdict_is_the_run(name, build, shape, manager, seed=5, same_op=case.same_op, tolerance=FLOAT32 if case.float32_inside else (1e-12, 1e-10))
     if plan.exact:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from credit_mpi import DomainParallelError
-from credit_mpi.nn import ConversionError, describe
+from credit_mpi.nn import ConversionError, convert_to_domain_parallel, describe
 
-from .nn_reference import assert_same, run_both
+from .nn_reference import assert_same, run_both, same_error_everywhere
 
 
 def _outcome(comm, fn):
@@ -51,3 +51,16 @@ def verdict_is_the_run(name: str, build, shape: tuple, manager, seed: int = 3, s
     if same_op and refused:
         assert row.path.split(" (")[0] in str(error) and row.kind in str(error), (row, error)
     return plan
+
+
+def refused_at_conversion(build, shape: tuple, manager) -> str | None:
+    """describe()'s ConversionError where a model is refused before any forward (a module type), asserted to be what
+    converting it raises on every rank; None when describe() makes a plan (then :func:`verdict_is_the_run`)."""
+    try:
+        describe(build().double(), shape, manager.domain_parallel_size)
+    except ConversionError as exc:
+        message = same_error_everywhere(manager.domain_group, lambda: convert_to_domain_parallel(build().double(), manager),
+                                        ConversionError)
+        assert message == str(exc), (message, str(exc))
+        return message
+    return None
