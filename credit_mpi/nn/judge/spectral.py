@@ -118,10 +118,8 @@ def _fft(tr: Tracker, func, args, kwargs, held):
     steps = _steps(kind, inverse, dims, sizes)
     k = next(i for i, (_, d, _) in enumerate(steps) if d == p.dim)
     step, _, n = steps[k]
-    if isinstance(n, Extent):  # read from the band's shape: the band's own rows stand for the field's
-        if step == "irfft" or int(n) != x.shape[p.dim]:
-            _refuse_length(n)
-        n = None
+    if isinstance(n, Extent):  # read from a band's shape: the field's rows (credit_mpi.nn.judge.fields)
+        n = int(n)
     if step in ("rfft", "irfft") and x.ndim < 2:
         raise Refusal("a real transform along the sharded dim of a tensor of one dim (no other dim to split)")
     to = _to_dim(p.dim, dims, x.ndim)
