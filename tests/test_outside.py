@@ -157,6 +157,25 @@ def test_a_band_fed_to_another_converted_model_is_exact(make_manager):
                 torch.testing.assert_close(credit_mpi.gather_tensor(out, -2, manager), ref.b(ref.a(x)), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.mpi(min_size=1)
+def test_a_band_pickles_as_its_plain_values(make_manager, tmp_path):
+    """A Band holds its manager (communicators): pickled (torch.save, mpi4py's lowercase calls) it is the plain tensor."""
+    import pickle
+
+    manager = make_manager()
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(_net().double(), manager)
+    out = model(credit_mpi.shard_tensor(_field((1, 2, 4 * manager.domain_parallel_size, 5), 1), -2, manager))
+    assert isinstance(out, Band) or manager.domain_parallel_size == 1  # one band: the field, a plain tensor
+    back = pickle.loads(pickle.dumps(out.detach()))
+    plain = out.as_plain() if isinstance(out, Band) else out
+    assert type(back) is torch.Tensor and torch.equal(back, plain.detach())
+    torch.save(out.detach(), tmp_path / f"out{manager.domain_rank}.pt")
+    assert torch.equal(torch.load(tmp_path / f"out{manager.domain_rank}.pt"), back)
+    gathered = manager.domain_group.allgather(out.detach().float())  # what tools/gpu_step.py does
+    assert all(type(t) is torch.Tensor for t in gathered)
+
+
 class Flattened(nn.Module):
     """``nn.Flatten()`` last: the band's rows merged with the channels and the longitude."""
 

@@ -93,6 +93,10 @@ class Band(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return torch.Tensor.as_subclass(self, torch.Tensor)
 
+    def __reduce_ex__(self, protocol):
+        """Pickled (``torch.save``, mpi4py's lowercase calls) as the plain tensor: the band's values, not its manager."""
+        return self.as_plain().__reduce_ex__(protocol)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
