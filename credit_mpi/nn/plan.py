@@ -283,7 +283,7 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
 def _dry_forward(dry: nn.Module, input_shape: tuple[int, ...], requires_grad: bool, rec: _Recorder) -> None:
     """The converted copy's forward on the meta device, under a :class:`Tracker` whose hooks are ``rec``'s."""
     # grad on (meta tensors: no memory, no compute): a layer sees whether its input requires grad
-    with torch.enable_grad(), Tracker(dry, rec.shard_dim, None, rec.sizes_of, rec.layer, judge=rec.n > 1,
+    with torch.enable_grad(), Tracker(dry, rec.shard_dim, None, rec.sizes_of, rec.layer, judge=rec.n > 1 or bool(rec.grid and rec.grid[1] > 1),
                                       adopt_layout=rec.adopt) as tracker, _DryRun(tracker, checked_report(tracker, rec.attention), rec.value):
         rec.tracker = tracker
         dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())

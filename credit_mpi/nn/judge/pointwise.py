@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .field import field_partner
 from .registry import Refusal, argument, op_name, rule, tensors_in
-from .tracker import Sharded, Tracker
+from .tracker import Extent, Sharded, Tracker
 
 POINTWISE = """
 abs absolute add acos arccos acosh asin asinh atan atan2 atanh bitwise_and bitwise_not bitwise_or bitwise_xor ceil clamp
@@ -34,6 +34,10 @@ _LIKE = {"to", "type", "type_as", "new_zeros", "new_ones", "new_empty", "new_ful
 def _pointwise(tr: Tracker, func, args, kwargs, held):
     """Elementwise (with broadcasting): one placement; a partner that is not a band has one row along it."""
     op = op_name(func)
+    if any(isinstance(v, Extent) and v.block for v in tree_flatten((args, kwargs))[0]):
+        raise Refusal("it is given a size read from a block of a latitude x longitude grid (the block's own size, not "
+                      "the field's: x.sum(-1) / x.shape[-1] would divide by the block's columns); no rule on a grid "
+                      "yet: use mean(), or a size stored for the field")
     tensors = tensors_in((args, kwargs))
     if op in _LIKE:
         tensors = tensors[:1]

@@ -12,7 +12,7 @@ from ...transport import paths
 from .field import field_partner, join_replicated
 from .fields import band_layout, field_extent, field_numel, field_shape, on_bands, reshape_band
 from .registry import Refusal, argument, op_name, rule
-from .tracker import Extent, Sharded, Tracker, follows_band, grid_columns
+from .tracker import Extent, Sharded, Tracker, follows_band, grid_columns, tracked_columns
 
 RESHAPES = "reshape view view_as reshape_as flatten unflatten squeeze unsqueeze ravel".split()
 
@@ -124,9 +124,18 @@ def _shape(tr, func, args, kwargs, held):
         if isinstance(out, int):
             return field_extent(tr, x, p) if normalize_dim(int(argument(args, kwargs, 1, "dim")), x.ndim) == p.dim else out
         return torch.Size([field_extent(tr, x, p) if i == p.dim else v for i, v in enumerate(out)])
+    # on a latitude x longitude grid the column dim after the band's rows holds a block's columns too (Extent.block)
+    columns = p.dim + 1 if tracked_columns(tr) > 1 and p.outer * p.inner == 1 and not torch.compiler.is_compiling() else None
     if isinstance(out, int):
-        return _extent(tr, out, p) if normalize_dim(int(argument(args, kwargs, 1, "dim")), x.ndim) == p.dim else out
-    return torch.Size([_extent(tr, v, p) if i == p.dim else v for i, v in enumerate(out)])
+        i = normalize_dim(int(argument(args, kwargs, 1, "dim")), x.ndim)
+        return _extent(tr, out, p) if i == p.dim else _block(out) if i == columns else out
+    return torch.Size([_extent(tr, v, p) if i == p.dim else _block(v) if i == columns else v for i, v in enumerate(out)])
+
+
+def _block(size: int) -> Extent:
+    out = Extent(size)
+    out.block = True
+    return out
 
 
 @rule("numel", "nelement", "__len__")
@@ -134,19 +143,25 @@ def _numel(tr, func, args, kwargs, held):
     """The field's element count (``len``: the field's rows when the bands are along dim 0)."""
     x, p = args[0], tr.get(args[0])
     out = func(*args, **kwargs)
-    if p is None or not on_bands(tr):
+    if p is None:
         return out
+    if not on_bands(tr):  # a block of a latitude x longitude grid: its own count, marked (Extent.block)
+        return _extent(tr, out, Sharded(p.dim)) if tracked_columns(tr) > 1 and not torch.compiler.is_compiling() else out
     if op_name(func) == "__len__":
         return field_extent(tr, x, p) if p.dim == 0 else out
     return field_numel(tr, x, p)
 
 
 def _extent(tr: Tracker, size: int, p: Sharded) -> Extent:
-    """The band's ``size`` along its dim; in the dry run with every band's value (the layout of its rows)."""
+    """The band's ``size`` along its dim; in the dry run with every band's value (the layout of its rows). On a
+    latitude x longitude grid: the block's own size (:attr:`Extent.block`), not the field's."""
     merged = p.outer * p.inner
     if tr.band_sizes is None or size % merged:
-        return Extent(size)
-    return Extent(size, [merged * s for s in tr.band_sizes(size // merged)])
+        out = Extent(size)
+    else:
+        out = Extent(size, [merged * s for s in tr.band_sizes(size // merged)])
+    out.block = tracked_columns(tr) > 1
+    return out
 
 
 PERMUTES = "transpose swapaxes swapdims permute movedim moveaxis t adjoint T mT H mH".split()

@@ -145,6 +145,9 @@ class Extent(int):
     """
 
     bands: tuple[int, ...] | None = None  # every band's value (None: unknown, e.g. an empty band divided)
+    # a block's own size on a latitude x longitude grid (the field's sizes are not known there yet): a tensor op given
+    # one is refused (pointwise rules), as ``x.sum(-1) / x.shape[-1]`` would divide by the block's columns
+    block: bool = False
 
     def __new__(cls, value: int, bands: Any = None) -> Extent:
         out = super().__new__(cls, value)
@@ -167,12 +170,15 @@ def _keeps_mark(name: str):
         if type(out) is not int:
             return out
         if self.bands is None:
-            return Extent(out)
-        theirs = [getattr(o, "bands", None) or (o,) * len(self.bands) for o in other]
-        try:
-            return Extent(out, [method(int(b), *(int(t[i]) for t in theirs)) for i, b in enumerate(self.bands)])
-        except (ArithmeticError, IndexError):  # an empty band divided: its value is unknown (not judged)
-            return Extent(out)
+            marked = Extent(out)
+        else:
+            theirs = [getattr(o, "bands", None) or (o,) * len(self.bands) for o in other]
+            try:
+                marked = Extent(out, [method(int(b), *(int(t[i]) for t in theirs)) for i, b in enumerate(self.bands)])
+            except (ArithmeticError, IndexError):  # an empty band divided: its value is unknown (not judged)
+                marked = Extent(out)
+        marked.block = self.block or any(getattr(o, "block", False) for o in other)
+        return marked
 
     op.__name__ = name
     return op
