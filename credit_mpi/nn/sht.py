@@ -80,34 +80,44 @@ class _Banded(nn.Module):
         tr = active_tracker()
         return tr.stack[-1][0] if tr is not None else type(self.sht).__name__
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sht, tr = self.sht, active_tracker()
+        if tr is None or tr.manager is None:  # describe()'s dry run: the field's transform, its transpose reported
+            out = sht(x)
+            if tr is not None:
+                grid, coeffs = (x, out) if self.splits_orders else (out, x)
+                _dry_report(tr, self._path(), type(sht).__name__, grid, coeffs, forward=self.splits_orders)
+            return out
+        comm = self._domain()
+        return sht(x) if comm is None else self._on_bands(x, tr, comm)
+
+    def _on_bands(self, x: torch.Tensor, tr: Any, comm: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _contract(y: torch.Tensor, w: torch.Tensor, equation: str) -> torch.Tensor:
+    """``einsum(equation, y, w)`` of complex ``y`` and real Legendre weights ``w``: the real and imaginary parts apart."""
+    re = torch.einsum(equation, y.real.contiguous(), w)
+    im = torch.einsum(equation, y.imag.contiguous(), w)
+    return torch.complex(re.contiguous(), im.contiguous())
+
 
 class BandedRealSHT(_Banded):
     """torch-harmonics' ``RealSHT`` on latitude bands: its output split along the orders ``m`` (see the module doc)."""
 
     splits_orders = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sht, tr = self.sht, active_tracker()
-        if tr is None or tr.manager is None:  # describe()'s dry run: the field's transform, its transpose reported
-            out = sht(x)
-            if tr is not None:
-                _dry_report(tr, self._path(), "RealSHT", x, out, forward=True)
-            return out
-        comm = self._domain()
-        if comm is None:
-            return sht(x)
+    def _on_bands(self, x: torch.Tensor, tr: Any, comm: Any) -> torch.Tensor:
         from ..ops.transpose import pencil_transposed
 
+        sht = self.sht
         y = _helpers(sht).rfft(x, nmodes=sht.mmax, dim=-1, norm="forward")  # (..., rows, mmax): local on the band
         y, counts, _ = pencil_transposed(y, -2, -1, comm, path=self._path(), transport=paths.current().transport(comm))  # (..., nlat, this rank's orders)
         if sum(counts) != sht.nlat:  # (agreed: every rank raises it)
             raise ValueError(f"{self._path()}: RealSHT of {sht.nlat} latitudes on bands of {list(counts)} rows")
         start, count = _my_orders(sht.mmax, comm)
         w = sht.weights[start : start + count].to(x.dtype)  # (orders, lmax, nlat)
-        y = y.transpose(-1, -2)
-        re = torch.einsum("...mk,mlk->...lm", y.real.contiguous(), w)
-        im = torch.einsum("...mk,mlk->...lm", y.imag.contiguous(), w)
-        return torch.complex(re.contiguous(), im.contiguous())  # (..., lmax, this rank's orders)
+        return _contract(y.transpose(-1, -2), w, "...mk,mlk->...lm")  # (..., lmax, this rank's orders)
 
 
 class BandedInverseRealSHT(_Banded):
@@ -115,18 +125,10 @@ class BandedInverseRealSHT(_Banded):
 
     splits_orders = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sht, tr = self.sht, active_tracker()
-        if tr is None or tr.manager is None:
-            out = sht(x)
-            if tr is not None:
-                _dry_report(tr, self._path(), "InverseRealSHT", out, x, forward=False)
-            return out
-        comm = self._domain()
-        if comm is None:
-            return sht(x)
+    def _on_bands(self, x: torch.Tensor, tr: Any, comm: Any) -> torch.Tensor:
         from ..ops.transpose import pencil_transpose
 
+        sht = self.sht
         if tr.get(x) != Sharded(x.ndim - 1):  # (decided by the forward's structure: the same on every rank)
             from .errors import ConversionError
 
@@ -134,10 +136,7 @@ class BandedInverseRealSHT(_Banded):
                                   f"(a RealSHT's output on bands), got {tr.get(x)}")
         start, count = _my_orders(sht.mmax, comm)
         w = sht.pct[start : start + count].to(x.real.dtype)  # (orders, nlat, lmax)
-        y = x.transpose(-1, -2)
-        re = torch.einsum("...ml,mkl->...km", y.real.contiguous(), w)
-        im = torch.einsum("...ml,mkl->...km", y.imag.contiguous(), w)
-        y = torch.complex(re.contiguous(), im.contiguous())  # (..., nlat, this rank's orders)
+        y = _contract(x.transpose(-1, -2), w, "...ml,mkl->...km")  # (..., nlat, this rank's orders)
         y = pencil_transpose(y, -1, -2, comm, path=self._path(), transport=paths.current().transport(comm))  # (..., this band's latitudes, mmax)
         return _helpers(sht).irfft(y, n=sht.nlon, dim=-1, norm="forward")
 
