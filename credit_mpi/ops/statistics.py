@@ -30,7 +30,7 @@ from mpi4py import MPI
 
 from ..agreement import Local
 from ..engine import Op, run, run_agreed
-from ..transport.moves import MpiMoves
+from ..transport.moves import transport_of
 from .allreduce import reduce_scatter
 
 __all__ = ["Statistics", "STATISTICS", "gather_statistics", "gather_agreed"]
@@ -72,8 +72,7 @@ class Statistics(Op):
         raise ValueError(f"statistics: every rank must pass a tensor of the same shape, dtype and device type ({detail})")
 
     def plan(self, mine: Any, counts: list[int], comm: MPI.Comm, args: dict) -> _Plan:
-        transport = args.get("transport", "mpi")
-        return _Plan(comm, comm.Get_size(), comm.Get_rank(), MpiMoves(comm) if isinstance(transport, str) else transport)
+        return _Plan(comm, comm.Get_size(), comm.Get_rank(), transport_of(args.get("transport", "mpi"), comm))
 
     def kernel(self, t: Any, p: _Plan) -> Any:
         send = t.detach().contiguous()
