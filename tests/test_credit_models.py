@@ -66,7 +66,7 @@ CASES = {
     "upblock_scse": (lambda: crossformer.UpBlock(4, 4, 2, attention_type="scse_standard", reduction=2), lambda d: (1, 4, 4 * d, 4)),
     # coordinate attention: the band's rows pooled over the longitude joined with the longitude's columns pooled over
     # the field (replicated) along the sharded dim, a 1x1 conv, BatchNorm counting the replicated rows once, split
-    # back (credit_mpi.nn.judge.field): exact, even and uneven bands
+    # back (credit_mpi.nn.judge.field_values): exact, even and uneven bands
     "upblock_coordinate": (lambda: crossformer.UpBlock(4, 8, 2, attention_type="coordinate", reduction=2), lambda d: (1, 4, 4 * d, 4)),
     "upblock_coordinate_uneven": (lambda: crossformer.UpBlock(4, 8, 2, attention_type="coordinate", reduction=2),
                                   lambda d: (1, 4, 4 * d + 1, 6)),
@@ -222,7 +222,7 @@ class _Windows(torch.nn.Module):
 
 @pytest.mark.mpi(min_size=3)
 def test_rank_local_einops_error_is_every_ranks_exception(make_manager):
-    """Uneven bands (3, 3, 2 rows) and windows of 2: einops sees the field's 8 rows (credit_mpi.nn.judge.fields), and
+    """Uneven bands (3, 3, 2 rows) and windows of 2: einops sees the field's 8 rows (credit_mpi.nn.judge.field_sizes), and
     the reshape into windows of 2 that it computes is refused on every rank (bands of 3 rows are not whole windows)."""
 
     with first_ranks(make_manager, 3) as manager:

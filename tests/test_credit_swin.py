@@ -92,9 +92,9 @@ def test_credit_window_attention_is_exact_on_uneven_bands(make_manager):
 @pytest.mark.one_domain_size
 @pytest.mark.parametrize("shift", [1, 0])
 def test_credit_swin_block_is_exact(shift, make_manager):
-    """The windows reversed to the stored feat_size are the field's sizes (credit_mpi.nn.judge.fields), its
+    """The windows reversed to the stored feat_size are the field's sizes (credit_mpi.nn.judge.field_sizes), its
     LayerNorms over channels-last tokens run on the band's rows, and the mask buffer of every window of the field
-    (shift 1) is cut to the band's windows (credit_mpi.nn.judge.field): exact with and without a shift."""
+    (shift 1) is cut to the band's windows (credit_mpi.nn.judge.field_values): exact with and without a shift."""
     for _, manager, h in band_cases(make_manager, 2):
         plan = verdict_is_the_run("swin_block", lambda h=h: Bhwc(h, 4, shift), (1, 2, h, 4), manager, same_op=False)
         assert plan.exact, str(plan)
@@ -104,7 +104,7 @@ def test_credit_swin_block_is_exact(shift, make_manager):
 @pytest.mark.one_domain_size
 def test_credit_patch_embed_asserting_the_global_height_is_exact(make_manager):
     """PatchEmbed asserts ``H == self.img_size[0]`` (the field's height, stored in __init__): ``x.shape`` of a band is
-    the field's (credit_mpi.nn.judge.fields), so the assertion holds on every rank and the strided patch conv runs on
+    the field's (credit_mpi.nn.judge.field_sizes), so the assertion holds on every rank and the strided patch conv runs on
     bands: exact on even bands of whole patches; on uneven bands (odd offsets) the layer's own refusal, on every rank."""
     for d, manager, h in band_cases(make_manager, 2):
         build = lambda h=h: swin.PatchEmbed(img_size=(h, 4), patch_size=2, in_chans=2, embed_dim=4)  # noqa: E731

@@ -77,7 +77,7 @@ def heights(d: int) -> tuple[int, ...]:
 @pytest.mark.mpi(min_size=1)
 def test_a_band_and_a_replicated_partner_is_one_judgement(make_manager):
     """Rows kept (a band, was refused by the dry run only), one replicated row (with and without a conv on it):
-    exact in both; a replicated tensor of the field's rows: the band's rows of it (credit_mpi.nn.judge.field), exact."""
+    exact in both; a replicated tensor of the field's rows: the band's rows of it (credit_mpi.nn.judge.field_values), exact."""
     cases = {"rows kept, conv": lambda: Columns(conv=True), "one row, conv": lambda: Columns((1, None), conv=True),
              "global": lambda: Columns(1)}
     for d, manager in domain(make_manager):

@@ -1,7 +1,7 @@
 """Field sizes inside a converted forward (issue 37, item 1): what a forward reads along the sharded dim is the field's.
 
 ``x.shape``, ``x.size()``, ``x.numel()``, ``len(x)`` and every number computed from them are the
-whole field's on every band (credit_mpi.nn.judge.fields): a hand-written mean divides by the
+whole field's on every band (credit_mpi.nn.judge.field_sizes): a hand-written mean divides by the
 field's count, a branch goes as in one process, a stored image size compares equal, a reshape
 into a stored patch grid and a pad to a window multiple with its crop map the field's sizes and
 rows to each band. Every case: describe()'s verdict is the run's and it is exact against one

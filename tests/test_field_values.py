@@ -1,4 +1,4 @@
-"""Values of the whole field's size inside a converted forward (credit_mpi.nn.judge.field).
+"""Values of the whole field's size inside a converted forward (credit_mpi.nn.judge.field_values).
 
 A model written for the whole field keeps tensors of the field's size along the sharded dim: a
 positional embedding (a Parameter) added to a band, a latitude weight buffer, coordinates made

@@ -160,7 +160,7 @@ CASES = {
 }
 # what the run must do (True: exact wherever the plan says so; the verdict equals the run in every case)
 NEVER_EXACT: set = set()
-ALWAYS_EXACT = {"coord_attention"}  # replicated rows joined to a band and split back (credit_mpi.nn.judge.field)
+ALWAYS_EXACT = {"coord_attention"}  # replicated rows joined to a band and split back (credit_mpi.nn.judge.field_values)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -192,7 +192,7 @@ def test_refusals_name_the_module_and_the_op(make_manager):
         plan = describe(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Gram()).double(), (1, 2, 8, 3), 2)
         assert not plan.exact and plan.rows[-1].kind == "matmul()" and "does NOT run exactly" in str(plan)
         coord = describe(CoordAttention().double(), (1, 2, 8, 4), 2)
-        # replicated rows joined to a band and split back (credit_mpi.nn.judge.field): the split's sum is a row of its own
+        # replicated rows joined to a band and split back (credit_mpi.nn.judge.field_values): the split's sum is a row of its own
         assert coord.exact and any(r.kind == "domain_sum() of split()" for r in coord.rows), str(coord)
 
 

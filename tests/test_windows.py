@@ -233,7 +233,7 @@ def test_verdict_is_what_the_run_does(name, make_manager):
 @pytest.mark.one_domain_size
 def test_a_mask_of_the_global_size_gives_the_bands_windows(make_manager):
     """Swin's mask buffer (one per window of the whole field, built in __init__) against a band's windows: the band's
-    windows of it (credit_mpi.nn.judge.field, a partner of the field's size cut to the band's), exact."""
+    windows of it (credit_mpi.nn.judge.field_values, a partner of the field's size cut to the band's), exact."""
     with prefix_managers(make_manager) as managers:
         for d, manager in managers:
             h = 8 * d

@@ -32,7 +32,7 @@ from torch import nn
 from ...transport import paths
 from ..base import adopt
 from ..rules import BANDS_ONLY, RULES, refusal_of
-from .fields import band_layout, band_value, field_extent, on_bands
+from .field_sizes import band_layout, band_value, field_extent, on_bands
 from .registry import Refusal, argument, op_name, rule
 from .tracker import Sharded, Tracker, follows_band, grid_columns, tracked_columns
 
@@ -121,7 +121,7 @@ def _window_along(module: nn.Module, sd: int, rows: int, field: bool = False) ->
 
 def _keeps_rows(size: Any, rows: int, field: bool = False) -> bool:
     """True when an adaptive pool's output ``size`` along the sharded dim keeps the rows: None, or ``rows``. With
-    ``field`` (latitude bands: :mod:`credit_mpi.nn.judge.fields`) ``rows`` and every size are the field's; else
+    ``field`` (latitude bands: :mod:`credit_mpi.nn.judge.field_sizes`) ``rows`` and every size are the field's; else
     (a grid's blocks) only a size read from the block's shape is its own rows (a plain int: the layer decides)."""
     return size is None or ((field or follows_band(size)) and size == rows)
 
@@ -306,7 +306,7 @@ def _band_size(tr, func, x, p, args, kwargs, size, nsp, mode, align):
 def _rows_and_target(tr, x, p, target, path: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Every band's rows of ``x`` and of an interpolation's target read from a band: agreed at run time, the layouts in
     the dry run (``x``'s own or its height's; the target's from its :class:`Extent`). On latitude bands the target is
-    the field's size of a band and carries every band's (:mod:`credit_mpi.nn.judge.fields`)."""
+    the field's size of a band and carries every band's (:mod:`credit_mpi.nn.judge.field_sizes`)."""
     if on_bands(tr) and getattr(target, "bands", None) is not None:
         return band_layout(tr, x, p), tuple(target.bands)
     if tr.manager is not None:

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from ...partition import normalize_dim
-from .field import field_partner, split_joined
-from .fields import band_layout, keep_bands, on_bands, select_rows
+from .field_sizes import band_layout, keep_bands, on_bands, select_rows
+from .field_values import field_partner, split_joined
 from .longitude import along_longitude
 from .registry import Refusal, argument, op_name, rule
 from .rows import circular_pad_longitude
@@ -29,7 +29,7 @@ def _indexed(tr, func, args, kwargs, held):
     if op in ("split", "split_with_sizes") and p is not None and dim is not None and normalize_dim(int(dim), x.ndim) == p.dim:
         out = split_joined(tr, func, x, p, argument(args, kwargs, 1, "split_size_or_sections",
                                                      argument(args, kwargs, 1, "split_sizes")), p.dim, kwargs)
-        if out is not None:  # replicated rows joined to a band, taken apart again (credit_mpi.nn.judge.field)
+        if out is not None:  # replicated rows joined to a band, taken apart again (credit_mpi.nn.judge.field_values)
             return out
     if op == "narrow" and p is not None and dim is not None and normalize_dim(int(dim), x.ndim) == p.dim and \
             on_bands(tr) and isinstance(argument(args, kwargs, 2, "start"), int):

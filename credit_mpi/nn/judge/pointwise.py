@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from .field import field_partner
+from .field_values import field_partner
 from .registry import Refusal, argument, op_name, rule, tensors_in
 from .tracker import Extent, Sharded, Tracker
 
@@ -51,7 +51,7 @@ def _pointwise(tr: Tracker, func, args, kwargs, held):
     d, outer, inner = dims.pop()
     if len({t.shape[d - (ndim - t.ndim)] for t, _ in held}) > 1:  # else a band of one row would broadcast silently
         raise Refusal(_OTHER_LAYOUTS)
-    cut = {}  # a partner of the field's size along the sharded dim: the band's rows of it (credit_mpi.nn.judge.field)
+    cut = {}  # a partner of the field's size along the sharded dim: the band's rows of it (credit_mpi.nn.judge.field_values)
     for t in tensors:
         k = d - (ndim - t.ndim)
         if tr.get(t) is None and k >= 0 and t.shape[k] != 1:

@@ -9,8 +9,8 @@ import torch
 
 from ...partition import normalize_dim
 from ...transport import paths
-from .field import field_partner, join_replicated
-from .fields import band_layout, field_extent, field_numel, field_shape, on_bands, reshape_band
+from .field_sizes import band_layout, field_extent, field_numel, field_shape, on_bands, reshape_band
+from .field_values import field_partner, join_replicated
 from .registry import Refusal, argument, op_name, rule
 from .tracker import Extent, Sharded, Tracker, follows_band, grid_columns, tracked_columns
 
@@ -114,7 +114,7 @@ def _reshape(tr, func, args, kwargs, held):
 
 @rule("shape", "size")
 def _shape(tr, func, args, kwargs, held):
-    """The size along the band's dim is the field's, an :class:`Extent` (:mod:`credit_mpi.nn.judge.fields`; on a
+    """The size along the band's dim is the field's, an :class:`Extent` (:mod:`credit_mpi.nn.judge.field_sizes`; on a
     latitude x longitude grid still the block's)."""
     x, p = args[0], tr.get(args[0])
     out = func(*args, **kwargs)

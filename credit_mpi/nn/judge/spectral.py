@@ -118,7 +118,7 @@ def _fft(tr: Tracker, func, args, kwargs, held):
     steps = _steps(kind, inverse, dims, sizes)
     k = next(i for i, (_, d, _) in enumerate(steps) if d == p.dim)
     step, _, n = steps[k]
-    if isinstance(n, Extent):  # read from a band's shape: the field's rows (credit_mpi.nn.judge.fields)
+    if isinstance(n, Extent):  # read from a band's shape: the field's rows (credit_mpi.nn.judge.field_sizes)
         n = int(n)
     if step in ("rfft", "irfft") and x.ndim < 2:
         raise Refusal("a real transform along the sharded dim of a tensor of one dim (no other dim to split)")

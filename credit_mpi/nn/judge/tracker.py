@@ -10,7 +10,7 @@ that holds bands and judges each torch function applied to one:
 
 * what leaves the sharded dim alone passes: pointwise ops (a broadcast
   partner has one row along it, or the field's rows: the band takes its own rows of it,
-  :mod:`credit_mpi.nn.judge.field`), reductions over other dims, softmax, norms, ``linear``,
+  :mod:`credit_mpi.nn.judge.field_values`), reductions over other dims, softmax, norms, ``linear``,
   ``matmul`` and ``cat`` over other dims, permutes, reshapes that keep the
   band's rows whole;
 * what has an exact rule runs it: ``F.interpolate`` along the sharded dim by
@@ -37,7 +37,7 @@ that holds bands and judges each torch function applied to one:
   (an int of the field's value carrying every band's), so a stored image size
   compares equal and a branch goes as in one process; a reshape, a slice, a
   pad given the field's sizes or row indices maps them to the band
-  (:mod:`credit_mpi.nn.judge.fields`);
+  (:mod:`credit_mpi.nn.judge.field_sizes`);
 * everything else that touches the sharded dim raises ``ConversionError``
   naming the module's path and the op. At run time the converted model's
   :class:`~credit_mpi.nn.base.ForwardGuard` makes it every rank's exception;
@@ -121,7 +121,7 @@ class Placement:
     * ``edge_pad``: an ``F.pad`` of the field's edges by zeros, ``(input, (before, after), other pads)``,
       which a convolution that takes it folds in;
     * ``bands``: at run time, every band's rows of the placement, once a size of the field was needed
-      (:func:`credit_mpi.nn.judge.fields.band_layout`).
+      (:func:`credit_mpi.nn.judge.field_sizes.band_layout`).
     """
 
     ref: weakref.ref
@@ -130,13 +130,13 @@ class Placement:
     layout: list[int] | None = None
     global_dims: frozenset = frozenset()
     edge_pad: tuple | None = None
-    bands: tuple | None = None  # at run time: every band's rows, once agreed or derived (credit_mpi.nn.judge.fields)
+    bands: tuple | None = None  # at run time: every band's rows, once agreed or derived (credit_mpi.nn.judge.field_sizes)
 
 
 class Extent(int):
     """A size read from a band's shape along the band (``H = x.shape[-2]`` in a forward), and what is computed from it.
 
-    Its value is the whole FIELD's size (:mod:`credit_mpi.nn.judge.fields`): comparisons, branches
+    Its value is the whole FIELD's size (:mod:`credit_mpi.nn.judge.field_sizes`): comparisons, branches
     and arithmetic (float too) go as in one process, on every rank. It also carries every band's
     value (``bands``, in rank order), which arithmetic keeps (``H // 2``, ``H * W``), so an op given
     such a size knows each band's share of it (``F.interpolate(size=skip.shape[-2:])``: the skip's
@@ -227,7 +227,7 @@ class Tracker(TorchFunctionMode):
         self.trusted = int(self._trusts(root) or not judge)
         self.stack: list[tuple[str, bool, tuple | None]] = [(self._path(root), bool(self.trusted), None)]
         self.records: dict[int, Placement] = {}  # one per tensor the forward placed, by id (checked by its ref)
-        self.field_reads = 0  # band layouts agreed in this forward (credit_mpi.nn.judge.fields: a size of the field read)
+        self.field_reads = 0  # band layouts agreed in this forward (credit_mpi.nn.judge.field_sizes: a size of the field read)
         self.size_agreements = 0  # the collectives those made (they move no data: not a module's communication)
         self._births = 0
         self.own_layouts = 0  # the dry run: how many tensors have a layout of their own (none: nothing to inherit)
@@ -244,7 +244,7 @@ class Tracker(TorchFunctionMode):
         self.on_conflict: Callable | None = None
         self.plan_rows: list = []  # the plan's rows so far (a module rule asks what its forward communicated)
         self.grid: tuple[int, int] | None = None  # the dry run's domain grid (None: latitude bands)
-        # replicated rows joined to a band along the sharded dim (credit_mpi.nn.judge.field): what a split takes apart
+        # replicated rows joined to a band along the sharded dim (credit_mpi.nn.judge.field_values): what a split takes apart
         self.joins: list[tuple] = []
 
     # -- placements ------------------------------------------------------------------------------
