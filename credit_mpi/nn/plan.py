@@ -260,13 +260,15 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
           requires_grad: bool = False, grid: tuple[int, int] | None = None) -> Plan:
     # no manager anywhere, the root's forward guard included: the dry run makes no MPI call
     dry = guard_forward(_convert(copy.deepcopy(model, _memo(model, manager)), "", None, shard_dim, custom), None)
+    indices = {n: b for n, b in dry.named_buffers() if not (b.is_floating_point() or b.is_complex())}
     dry = dry.to("meta")
+    seen = {id(b): (b, indices[n]) for n, b in dry.named_buffers() if n in indices}  # index buffers' values
     axis = normalize_dim(shard_dim, len(input_shape))
     rec = _Recorder(Plan(domain_size, tuple(input_shape)), shard_dim, grid,
                     {input_shape[axis]: band_sizes(input_shape[axis], domain_size, uneven=True)})
     _halo_rows(dry, rec.plan, rec.sizes_of, grid)
     try:  # every torch function of the forward judged as the run judges it (credit_mpi.nn.judge)
-        _dry_forward(dry, input_shape, requires_grad, rec)
+        _dry_forward(dry, input_shape, requires_grad, rec, seen)
     except ConversionError as exc:  # a function without a rule: the run raises this on every rank
         if not hasattr(exc, "refused"):
             raise
@@ -280,12 +282,14 @@ def _plan(model: nn.Module, input_shape: tuple[int, ...], domain_size: int, mana
     return rec.plan
 
 
-def _dry_forward(dry: nn.Module, input_shape: tuple[int, ...], requires_grad: bool, rec: _Recorder) -> None:
+def _dry_forward(dry: nn.Module, input_shape: tuple[int, ...], requires_grad: bool, rec: _Recorder,
+                 seen: dict | None = None) -> None:
     """The converted copy's forward on the meta device, under a :class:`Tracker` whose hooks are ``rec``'s."""
     # grad on (meta tensors: no memory, no compute): a layer sees whether its input requires grad
     with torch.enable_grad(), Tracker(dry, rec.shard_dim, None, rec.sizes_of, rec.layer, judge=rec.n > 1 or bool(rec.grid and rec.grid[1] > 1),
                                       adopt_layout=rec.adopt) as tracker, _DryRun(tracker, checked_report(tracker, rec.attention), rec.value):
         rec.tracker = tracker
+        tracker.seen_values.update(seen or {})  # the index buffers' host values (the meta device has none)
         dtype = next((p.dtype for p in dry.parameters() if p.is_floating_point()), torch.get_default_dtype())
         x = torch.empty(input_shape, device="meta", dtype=dtype, requires_grad=requires_grad)
         tracker.on_move = rec.moved  # the rules' row moves and gathers (credit_mpi.nn.judge.rows, .attention)
@@ -485,12 +489,48 @@ class _DryRun(TorchFunctionMode):
                 self.tracker.trusted or all(self.tracker.get(t) is None for t in tensors)):
             return self.on_value(self.tracker, name, tensors[0])
         if any(t.is_meta for t in tensors) and any(not t.is_meta and t.ndim for t in tensors):
-            args, kwargs = tree_map(_to_meta, (args, kwargs))
+            args, kwargs = tree_map(self._to_meta, (args, kwargs))
         if name == "scaled_dot_product_attention":
             named = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(("query", "key", "value", "attn_mask"))]
             self.on_call(self.tracker, *named[:3], bool(args[7] if len(args) > 7 else kwargs.get("enable_gqa", False)),
                          learned_mask(named[3]))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if tensors and all(not (t.is_floating_point() or t.is_complex()) for t in tensors):
+            self._shadow(func, args, kwargs, out)
+        return out
+
+    def _to_meta(self, t):
+        m = _to_meta(t)
+        if m is not t and not (t.is_floating_point() or t.is_complex()):  # an index made on the host: its values kept
+            self.tracker.seen_values[id(m)] = (m, t)
+        return m
+
+    def _shadow(self, func, args, kwargs, out) -> None:
+        """An op of integer and bool tensors whose host values are known (index buffers, indices made in the forward):
+        the same op on the host values, kept for the meta outputs (a rule that takes the field's rows reads them)."""
+        seen, missing = self.tracker.seen_values, []
+
+        def host(t):
+            if not isinstance(t, torch.Tensor) or not t.is_meta:
+                return t
+            got = seen.get(id(t))
+            if got is None or got[0] is not t:
+                missing.append(t)
+                return t
+            return got[1]
+
+        host_args, host_kwargs = tree_map(host, (args, kwargs))
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.is_meta]
+        if missing or not outs or any(o.numel() > 1 << 20 for o in outs):
+            return
+        try:
+            with torch._C.DisableTorchFunction():
+                values = [v for v in tree_flatten(func(*host_args, **host_kwargs))[0] if isinstance(v, torch.Tensor)]
+        except Exception:  # noqa: BLE001 - an op the host cannot repeat: its values stay unseen
+            return
+        if len(values) == len(outs):
+            for o, v in zip(outs, values, strict=True):
+                seen[id(o)] = (o, v)
 
 
 

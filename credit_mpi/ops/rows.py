@@ -48,7 +48,7 @@ from ..validation import Local
 from .along import check_band, transport_key
 
 __all__ = ["RowMap", "RowMoves", "ROW_MAPS", "row_map", "plan_moves", "move_rows", "moves_of", "move_along",
-           "moved_along", "roll_along", "flip_along"]
+           "moved_along", "roll_along", "flip_along", "take_along"]
 
 
 class RowMoves(NamedTuple):
@@ -58,6 +58,8 @@ class RowMoves(NamedTuple):
     recv: tuple[np.ndarray, ...]  # per rank: this band's local output rows that come from that rank, in order
     rows_in: int
     rows_out: int
+    send_repeats: bool = False  # a row sent more than once (a map that repeats rows: ``take_rows`` of a repeated index)
+    recv_repeats: bool = False  # a row received more than once (the adjoint of such a map: the gradients are added)
 
     def sent_rows(self, rank: int) -> int:
         """Rows this band sends to other ranks (``rank``: this band's; what stays is copied, not sent)."""
@@ -65,7 +67,7 @@ class RowMoves(NamedTuple):
 
     def inverse(self) -> RowMoves:
         """The move back (the adjoint of a permutation of rows): the same pairs, sends and receives swapped."""
-        return RowMoves(self.recv, self.send, self.rows_out, self.rows_in)
+        return RowMoves(self.recv, self.send, self.rows_out, self.rows_in, self.recv_repeats, self.send_repeats)
 
 
 def plan_moves(sizes_in: tuple[int, ...], sizes_out: tuple[int, ...], src: Callable[[np.ndarray], np.ndarray],
@@ -81,7 +83,9 @@ def plan_moves(sizes_in: tuple[int, ...], sizes_out: tuple[int, ...], src: Calla
     mine_in, mine_out = own_in == rank, own_out == rank
     send = tuple(s[mine_in & (own_out == d)] - starts_in[rank] for d in range(n))
     recv = tuple(j[mine_out & (own_in == d)] - starts_out[rank] for d in range(n))
-    return RowMoves(send, recv, sizes_in[rank], sizes_out[rank])
+    mine = s[mine_in]
+    repeats = len(np.unique(mine)) != len(mine)  # a map that repeats rows: the adjoint adds their gradients
+    return RowMoves(send, recv, sizes_in[rank], sizes_out[rank], repeats)
 
 
 def move_rows(t: torch.Tensor, dim: int, moves: RowMoves, transfer: Any) -> torch.Tensor:
@@ -96,6 +100,10 @@ def move_rows(t: torch.Tensor, dim: int, moves: RowMoves, transfer: Any) -> torc
     send = moved[_index(moves.send, t.device)]  # a new contiguous tensor, in the receivers' order
     recv = torch.empty((sum(len(r) for r in moves.recv),) + rest, dtype=t.dtype, device=t.device)
     transfer.alltoallv(send, [len(s) * row_bytes for s in moves.send], recv, [len(r) * row_bytes for r in moves.recv])
+    if moves.recv_repeats:  # the adjoint of a map that repeats rows: each row's gradients added
+        out = torch.zeros((moves.rows_out,) + rest, dtype=t.dtype, device=t.device)
+        out.index_add_(0, _index(moves.recv, t.device), recv)
+        return out.movedim(0, dim)
     whole = sum(len(r) for r in moves.recv) == moves.rows_out  # else rows no input row maps to (an adjoint): zeros
     out = (torch.empty if whole else torch.zeros)((moves.rows_out,) + rest, dtype=t.dtype, device=t.device)
     out[_index(moves.recv, t.device)] = recv
@@ -186,6 +194,27 @@ def _circular_halo(counts: tuple[int, ...], path: str, before: int, after: int) 
     out[0] += before
     out[-1] += after
     return counts, tuple(out), lambda j: np.where(j < before, total - before + j, j - before)
+
+
+def _check_rows(path: str, rows: tuple) -> None:
+    if not isinstance(rows, tuple) or any(isinstance(r, bool) or not isinstance(r, int) for r in rows):
+        raise TypeError(f"{path}: rows must be a tuple of ints (the field's rows to take), got {rows!r}")
+
+
+@row_map("take_rows", "the field's rows an index takes, moved across bands; each band keeps as many rows as it "
+         "holds of the index (ops.rows)", check=_check_rows)
+def _take(counts: tuple[int, ...], path: str, rows: tuple) -> Layouts:
+    """``field.index_select(dim, rows)``: output row ``j`` is input row ``rows[j]`` (out of order, repeated); the
+    output's band ``r`` has as many rows as ``rows`` holds of band ``r``'s (a sorted index: every row stays)."""
+    total = sum(counts)
+    idx = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= total):
+        raise ValueError(f"{path}: rows {int(idx.min())}..{int(idx.max())} of a field of {total} rows; give rows in "
+                         f"[0, {total})")
+    starts = np.array(Layout.bands(counts).starts())
+    owner = np.searchsorted(starts, idx, side="right") - 1
+    out = tuple(int((owner == r).sum()) for r in range(len(counts)))
+    return counts, out, lambda j: idx[j]
 
 
 def moves_of(name: str, counts: tuple[int, ...], path: str = "", **params: Any) -> tuple[tuple, tuple, Callable]:
@@ -306,3 +335,15 @@ def flip_along(t: torch.Tensor, dim: int, comm: MPI.Comm, path: str = "flip_alon
         As :func:`move_along`.
     """
     return move_along(t, "flip_along", dim, comm, path, transport=transport)
+
+
+def take_along(t: torch.Tensor, rows: tuple, dim: int, comm: MPI.Comm, path: str = "take_along", *,
+               transport: Any = "mpi") -> torch.Tensor:
+    """This rank's band of ``field.index_select(dim, rows)`` (collective; differentiable): the rows an index takes out of
+    order or repeated, each band's output as many rows as the index holds of its band; a repeated row's gradients
+    are added.
+
+    Raises:
+        TypeError: ``rows`` not a tuple of ints; ValueError: a row outside the field; otherwise as :func:`move_along`.
+    """
+    return move_along(t, "take_rows", dim, comm, path, transport=transport, rows=rows)

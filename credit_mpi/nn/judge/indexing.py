@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ...partition import normalize_dim
+from ...transport import paths
 from .field_sizes import band_layout, keep_bands, on_bands, select_rows
 from .field_values import field_partner, split_joined
 from .longitude import along_longitude
@@ -16,7 +17,7 @@ from .rows import circular_pad_longitude
 from .tracker import Sharded
 
 
-@rule("narrow", "select", "index_select", "gather", "chunk", "split", "tensor_split", "unbind",
+@rule("narrow", "select", "index_select", "gather", "take_along_dim", "chunk", "split", "tensor_split", "unbind",
        "split_with_sizes", "index_add", "scatter", "scatter_add", "index_copy", "index_fill")
 def _indexed(tr, func, args, kwargs, held):
     """An op on one dim: passes when that dim is not the sharded one (``select``/``unbind`` remove it)."""
@@ -39,11 +40,106 @@ def _indexed(tr, func, args, kwargs, held):
         out = tr.run(torch.narrow, (x, p.dim, local.start, local.stop - local.start), {}, Sharded(p.dim))
         keep_bands(tr, out, Sharded(p.dim), after)
         return out
+    if op == "take_along_dim":
+        dim = argument(args, kwargs, 2, "dim")
+    if op in ("index_select", "gather", "take_along_dim") and p is not None and dim is not None and \
+            normalize_dim(int(dim), x.ndim) == p.dim and on_bands(tr):
+        index = argument(args, kwargs, 2 if op != "take_along_dim" else 1, "index" if op != "take_along_dim" else "indices")
+        if op != "index_select":
+            index = _rows_of(tr, x, p, index, op)
+        return take_rows(tr, x, p, index, f"{op}()")
     if p is None or dim is None or normalize_dim(int(dim), x.ndim) == p.dim:
         raise Refusal(f"it selects along the sharded dim (dim={dim}): a band's index is not the field's")
     d = normalize_dim(int(dim), x.ndim)
     shift = 1 if op in ("select", "unbind") and d < p.dim else 0
     return tr.run(func, args, kwargs, p.moved(p.dim - shift))
+
+
+def index_values(tr, index: torch.Tensor, what: str) -> torch.Tensor:
+    """``index`` with its values: itself, or in describe()'s dry run (the meta device) the host values of an index
+    buffer or of an index the forward made from known values (``Tracker.seen_values``); Refusal when unseen."""
+    if not index.is_meta:
+        return index
+    got = tr.seen_values.get(id(index))
+    if got is None or got[0] is not index:
+        raise Refusal(f"{what} indexes the sharded dim with a tensor whose values describe() cannot see (made from "
+                      f"the band's values, or by an op the dry run does not repeat on the host): make the index from "
+                      f"buffers, torch.arange or Python ints")
+    return got[1]
+
+
+def _rows_of(tr, x: torch.Tensor, p: Sharded, index: Any, op: str) -> torch.Tensor:
+    """The 1-D field rows of a ``gather`` / ``take_along_dim`` index along the sharded dim that takes the same rows at
+    every other position (an ``index_select`` expanded: ``idx.view(1, 1, -1, 1).expand_as(...)``), else Refusal."""
+    if not isinstance(index, torch.Tensor) or tr.get(index) is not None:
+        raise Refusal(f"{op} along the sharded dim with an index that is a band (the band's rows are not the field's)")
+    index = index_values(tr, index, op)
+    with torch._C.DisableTorchFunction():
+        others = [k for k in range(x.ndim) if k != p.dim]
+        if index.ndim != x.ndim or any(index.shape[k] != x.shape[k] for k in others):
+            raise Refusal(f"{op} along the sharded dim with an index of shape {tuple(index.shape)}: a rule for an index of "
+                          f"the input's other dims only (every position taking the same rows)")
+        rows = index.movedim(p.dim, -1).reshape(-1, index.shape[p.dim])
+        if rows.shape[0] and not bool((rows == rows[:1]).all()):
+            raise Refusal(f"{op} along the sharded dim takes other rows at other positions: no rule on bands (an index "
+                          f"that takes the same rows everywhere, index_select's, has one)")
+        return rows[0] if rows.shape[0] else index.new_zeros((index.shape[p.dim],))
+
+
+def take_rows(tr, x: torch.Tensor, p: Sharded, index: Any, what: str) -> torch.Tensor:
+    """``x.index_select(p.dim, index)`` with ``index`` the field's rows (1-D ints; a 1-D bool mask of the field's rows).
+
+    A sorted index: each band keeps its share of the selected rows (local, :func:`select_rows`). Out of order or
+    repeated: a row move (the row map ``take_rows`` of :mod:`credit_mpi.ops.rows`; its agreement carries the index,
+    so an index that differs between ranks is an error on every rank), each band's output as many rows as the
+    index holds of its band. Refusal otherwise (a band as the index, another dtype, rows outside the field).
+    """
+    if not isinstance(index, torch.Tensor) or tr.get(index) is not None:
+        raise Refusal(f"{what} indexes the sharded dim with a band (the band's rows are not the field's)")
+    index = index_values(tr, index, what)
+    sizes = band_layout(tr, x, p)
+    total = p.outer * p.inner * sum(sizes)
+    with torch._C.DisableTorchFunction():
+        if index.dtype == torch.bool and index.ndim == 1:
+            if index.shape[0] != total:
+                raise Refusal(f"{what} masks the sharded dim with {index.shape[0]} entries where the field has {total}")
+            index = index.nonzero().reshape(-1)
+        if index.ndim != 1 or index.is_floating_point() or index.dtype == torch.bool or index.is_complex():
+            raise Refusal(f"{what} indexes the sharded dim with a {index.dtype} tensor of {index.ndim} dims (a rule for "
+                          f"a 1-D index of rows)")
+        field = torch.where(index < 0, index + total, index)
+        if index.numel() and (int(field.min()) < 0 or int(field.max()) >= total):
+            raise Refusal(f"{what} indexes rows outside the field's {total}")
+        ordered = field.numel() < 2 or bool((field[1:] >= field[:-1]).all())
+        if ordered:  # each band keeps its share of the selected rows: no data moves
+            local, after = select_rows(tr, x, p, field, what)
+            out = x.index_select(p.dim, local.to(x.device))
+    if ordered:
+        tr.set(out, Sharded(p.dim))
+        keep_bands(tr, out, Sharded(p.dim), after)
+        return out
+    if p.outer * p.inner != 1:
+        raise Refusal(f"{what} takes rows out of order from a dim that holds the bands' rows merged with another "
+                      f"({p.describe()})")
+    rows = tuple(int(r) for r in field.tolist())
+    from ...ops.rows import moves_of
+
+    _, after, moves = moves_of("take_rows", tuple(sizes), tr.stack[-1][0], rows=rows)
+    if tr.manager is None:  # the dry run: the field's own selection, the move reported
+        from .rows import report_move
+
+        report_move(tr, tr.stack[-1][0], "take_rows()", x, p.dim, tuple(sizes), after, moves)
+        with torch._C.DisableTorchFunction():
+            out = x.index_select(p.dim, field.to(x.device))
+    else:
+        from ...ops.rows import take_along
+
+        comm = tr.manager.domain_group
+        with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
+            out = take_along(x, rows, p.dim, comm, tr.stack[-1][0], transport=paths.current().transport(comm))
+    tr.set(out, Sharded(p.dim))
+    keep_bands(tr, out, Sharded(p.dim), after)
+    return out
 
 
 def _index_dims(x: torch.Tensor, index: Any) -> list[tuple[int, Any]]:
@@ -63,6 +159,20 @@ def _index_dims(x: torch.Tensor, index: Any) -> list[tuple[int, Any]]:
     return out
 
 
+def _rows_item(tr, x: torch.Tensor, p: Sharded, items: list, index: Any) -> torch.Tensor:
+    """``x[..., idx, ...]`` with one 1-D index (ints, or a bool mask of the field's rows) at the sharded dim, slices
+    elsewhere: the other dims' slices first, then the rows taken (:func:`take_rows`)."""
+    with torch._C.DisableTorchFunction():
+        index = torch.as_tensor(index, device=x.device) if isinstance(index, list) else index
+        basic = tuple(slice(None) if d == p.dim else i for d, i in items)
+        y = x[basic]  # slices of the other dims (and None: new dims), the sharded dim whole
+    dim = sum(1 for d, i in items if d is not None and d < p.dim and not isinstance(i, int)) + \
+        sum(1 for d, _ in items[:[d for d, _ in items].index(p.dim)] if d is None)
+    q = Sharded(dim, 1, p.inner)
+    tr.set(y, q)
+    return take_rows(tr, y, q, index, "x[..., index]")
+
+
 def _whole(item: Any) -> bool:
     return isinstance(item, slice) and item == slice(None)
 
@@ -77,6 +187,11 @@ def _getitem(tr, func, args, kwargs, held):
     if op_name(func) == "__setitem__" and _whole_mask(x, index):  # x[mask] = v: a masked write of the band's rows
         return _masked_write(tr, func, args, kwargs, p)
     items = _index_dims(x, index)
+    if op_name(func) == "__getitem__" and on_bands(tr) and p.outer == 1:
+        at = [i for d, i in items if d == p.dim]
+        rest = [i for d, i in items if d is not None and d != p.dim]
+        if at and isinstance(at[0], (torch.Tensor, list)) and all(isinstance(i, slice) for i in rest):
+            return _rows_item(tr, x, p, items, at[0])  # x[:, :, idx]: rows of the field taken by an index
     if any(isinstance(i, (torch.Tensor, list, tuple, bool)) for _, i in items):
         raise Refusal("advanced (tensor or mask) indexing of a band has no rule")
     out_dim, d_out, last, after = None, 0, -1, None

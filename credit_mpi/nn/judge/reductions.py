@@ -84,6 +84,8 @@ glu diff""".split()
 
 # a reduction over the sharded dim that is exact on bands: the band's partial, one sum over the domain
 _DOMAIN_REDUCE = frozenset("sum mean nansum nanmean".split())
+# an extreme over the sharded dim: the domain's extreme of the bands' (see _domain_extreme)
+_DOMAIN_EXTREME = frozenset("amax amin".split())
 
 
 @rule(*_REDUCE)
@@ -104,9 +106,11 @@ def _reduce(tr, func, args, kwargs, held):
     if dims is None or p.dim in dims:
         if op in _DOMAIN_REDUCE:
             return _domain_reduction(tr, func, args, kwargs, op, p, dims)
+        if op in _DOMAIN_EXTREME:
+            return _domain_extreme(tr, func, args, kwargs, op, p, dims)
         raise Refusal(f"it reduces over the sharded dim ({'every dim' if dims is None else 'dim ' + str(p.dim)}): "
-                   f"one band's rows are not the field's (sum, mean, nansum and nanmean over it are exact: one sum "
-                   f"over the domain; {op} has no rule on bands)")
+                   f"one band's rows are not the field's (sum, mean, nansum, nanmean, amax and amin over it are exact; "
+                   f"{op} has no rule on bands)")
     dropped = p.dim - sum(1 for k in dims if k < p.dim)
     return tr.run(func, args, kwargs, lambda out: p if out.ndim == x.ndim else p.moved(dropped))
 
@@ -165,16 +169,72 @@ def _domain_reduction(tr: Tracker, func, args: tuple, kwargs: dict, op: str, p: 
     return replicated(total)
 
 
-def _report_domain_sum(tr: Tracker, op: str, x: torch.Tensor, p: Sharded, shape: tuple, dtype: torch.dtype) -> None:
-    """In the dry run: the domain sum of a reduction as a row of describe()'s plan, with its traffic (``tr.on_move``)."""
+def _domain_extreme(tr: Tracker, func, args: tuple, kwargs: dict, op: str, p: Sharded, dims: list[int] | None):
+    """``amax`` / ``amin`` over dims that include the sharded one: exact, replicated.
+
+    The value: the extreme of the bands' extremes (each band's, gathered over the domain: one
+    ``allgather_along`` of one row a band; a band of no rows gives -inf / +inf). The gradient as torch
+    gives it on the field: shared evenly among the elements equal to the extreme (ties across bands
+    too): each band's sum of its tied elements and their count, added over the domain (one domain
+    sum, as :func:`_domain_reduction`'s), the result ``extreme + (s - s.detach()) / count`` (the value
+    is the extreme's bits). Every check before the agreements depends on the model's structure only.
+    """
+    from ...ops.allgather_along import allgather_along
+    from ...ops.allreduce import agree_domain_sum, domain_sum
+
+    x = args[0]
+    reduced = list(range(x.ndim)) if dims is None else sorted(normalize_dim(int(d), x.ndim) for d in set(dims))
+    keepdim = bool(argument(args, kwargs, 2, "keepdim", False))
+    if x.dtype not in (torch.float32, torch.float64):
+        raise Refusal(f"it takes {op}() over the sharded dim of a {x.dtype} tensor: the domain's {op} has a rule for "
+                      f"float32 and float64")
+    if tracked_columns(tr) > 1 and not along_longitude(tr):
+        raise Refusal(f"it takes {op}() over the sharded dim on a latitude x longitude domain grid (no rule there yet)")
+    if tr.manager is None:  # the dry run: the whole field, one process's result
+        out = replicated(func(*args, **kwargs))
+        _report_domain_sum(tr, op, x, p, (2,) + tuple(torch.amax(x.detach(), reduced, keepdim=keepdim).shape), x.dtype,
+                           gathered=True)
+        return out
+    extreme = torch.amax if op == "amax" else torch.amin
+    comm, path = tr.manager.domain_group, tr.stack[-1][0]
+    transport = paths.current().transport(comm)
+    with torch._C.DisableTorchFunction():  # the collectives' own tensor calls are not the model's
+        xd = x.detach()
+        if xd.shape[p.dim]:
+            mine = extreme(xd, reduced, keepdim=True)
+        else:  # a band of no rows: the extreme's identity
+            shape = [1 if k in reduced else s for k, s in enumerate(xd.shape)]
+            mine = xd.new_full(shape, float("-inf") if op == "amax" else float("inf"))
+        every = allgather_along(mine, p.dim, comm, f"{path}: {op}() over the domain", transport=transport)
+        best = extreme(every, p.dim, keepdim=True)  # the field's extreme (keepdim), the same bits on every rank
+        tied = (xd == best).to(x.dtype)
+        grad = torch.is_grad_enabled() and x.requires_grad
+        plan = agree_domain_sum((2,) + tuple(best.shape), x.dtype, x.shape[p.dim] // (p.outer * p.inner), grad, comm, path, transport=transport)
+    with torch._C.DisableTorchFunction():
+        part = torch.stack([(x * tied).sum(reduced, keepdim=True), tied.sum(reduced, keepdim=True)])
+        total = domain_sum(part, plan)
+        s, count = total[0], total[1].detach()
+        out = best + (s - s.detach()) / count
+        if not keepdim:
+            out = out.squeeze(tuple(reduced))
+    return replicated(out)
+
+
+def _report_domain_sum(tr: Tracker, op: str, x: torch.Tensor, p: Sharded, shape: tuple, dtype: torch.dtype,
+                       gathered: bool = False) -> None:
+    """In the dry run: the domain sum of a reduction as a row of describe()'s plan, with its traffic (``tr.on_move``);
+    ``gathered``: an extreme's (the bands' extremes gathered first: one all-gather of ``shape[1:]`` a band)."""
     on_move = tr.on_move
     if on_move is None:
         return
-    from ..traffic import domain_sum_traffic
+    from ..traffic import Traffic, domain_sum_traffic
 
     rows = x.shape[p.dim] // (p.outer * p.inner)
     sizes = tr.band_sizes(rows)
     traffic = domain_sum_traffic(tuple(shape), dtype, len(sizes), x.requires_grad and torch.is_grad_enabled())
+    if gathered:
+        nbytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+        traffic = [t + Traffic(nbytes * (len(sizes) - 1), 1, 0, 0, 1) for t in traffic]
     on_move(tr.stack[-1][0], f"domain_sum() of {op}()", rows, sizes, [1] * len(sizes), traffic)
 
 

@@ -246,6 +246,9 @@ class Tracker(TorchFunctionMode):
         self.grid: tuple[int, int] | None = None  # the dry run's domain grid (None: latitude bands)
         # replicated rows joined to a band along the sharded dim (credit_mpi.nn.judge.field_values): what a split takes apart
         self.joins: list[tuple] = []
+        # describe()'s dry run: the host values of integer and bool tensors on the meta device (index buffers, indices
+        # made in the forward), by id -> (meta tensor, host tensor): a rule that takes the field's rows reads them
+        self.seen_values: dict[int, tuple] = {}
 
     # -- placements ------------------------------------------------------------------------------
 
