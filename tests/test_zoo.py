@@ -78,7 +78,7 @@ _WINDOWS = r"\(PartitionAttentionCl\) view\(\): refused: it splits the sharded d
 EXPECTED: dict[str, Any] = {
     "timm_convnext": EXACT,
     "timm_squeeze_excite": EXACT,
-    "timm_cbam": r"ChannelAttn\) amax\(\): refused: it reduces over the sharded dim",
+    "timm_cbam": EXACT,
     "timm_coord_attn": EXACT,
     "timm_swin": EXACT,
     "timm_swin_v2": EXACT,
