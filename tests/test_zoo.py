@@ -400,11 +400,7 @@ CASES: dict[str, Case] = {
     "physicsnemo_spectral_conv": Case("nvidia-physicsnemo", "physicsnemo", physicsnemo_spectral_conv, image(2, 16, 1, 4),
                                       "spectral"),
     "physicsnemo_fno": Case("nvidia-physicsnemo", "physicsnemo", physicsnemo_fno, image(2, 16, 1, 4), "spectral"),
-    "physicsnemo_pangu_block": Case("nvidia-physicsnemo", "physicsnemo", physicsnemo_pangu_block, image(4, 8, 2), "fieldsizes",
-                                    # uneven: the run is exact (3 ranks: 8.9e-16) but describe() refuses the block's
-                                    # residual add (it plans the window module's re-band back in another layout): a
-                                    # known disagreement, left out here until describe() follows the run
-                                    uneven=False),
+    "physicsnemo_pangu_block": Case("nvidia-physicsnemo", "physicsnemo", physicsnemo_pangu_block, image(4, 8, 2), "fieldsizes"),
     "vit_simple": Case("vit-pytorch", "vit_pytorch", vit_simple, image(2, 8, 2), "fieldvalues"),
     "vit_maxvit": Case("vit-pytorch", "vit_pytorch", vit_maxvit, image(2, 16, 8, per_band=1), "-"),
 }

@@ -305,7 +305,7 @@ def _enter(tr: Tracker, module: torch.nn.Module, args: tuple) -> tuple[tuple, Ca
     if not bands or any(p.dim == 0 or p.outer != 1 for _, _, p in bands):
         return None  # windows in the batch dim already (Swin's window attention), or rows that are not contiguous
     if tr.manager is None:
-        return args, _enter_dry_run(tr, bands, window, tr._path(module))
+        return _enter_dry_run(tr, args, bands, window, tr._path(module))
     return _run_enter(tr, args, bands, window, tr._path(module))
 
 
@@ -404,21 +404,29 @@ def _map_bands(tr: Tracker, out: Any, fn: Callable) -> Any:
     return out
 
 
-def _enter_dry_run(tr: Tracker, bands: list, window: int, path: str) -> Callable[[Any], Any]:
+def _enter_dry_run(tr: Tracker, args: tuple, bands: list, window: int, path: str) -> tuple[tuple, Callable[[Any], Any]]:
     """The dry run: the module's forward sees the re-banded layout (at the input's height, and heights that divide it
-    or are multiples of it); the way back restores the input's layout. Each move is reported as the run makes it."""
+    or are multiples of it; its band arguments hold it, as the run's re-banded ones: a residual ``shortcut = x``
+    added after the windows is in it); the way back restores the input's layout. Each move is reported as the run
+    makes it. Returns the arguments the forward gets and the way back."""
     from ...ops.reband import whole_windows
+    from .field_sizes import keep_bands
 
     _, a, p = bands[0]
     rows, old = a.shape[p.dim] // p.inner, tr.band_sizes
     new = list(whole_windows(list(old(rows)), window))
-    layout = None
-    for _, b, q in bands:  # the run: each band argument re-banded to whole windows (of window x inner entries)
+    layout, new_args = None, list(args)
+    for i, b, q in bands:  # the run: each band argument re-banded to whole windows (of window x inner entries)
         sizes_in = dim_sizes(tr, b, q)
         sizes_out = list(whole_windows(sizes_in, window * q.inner))
         layout = layout or (sizes_out, sizes_in)
         report_move(tr, path, "reband()", b, q.dim, sizes_in, sizes_out, _identity_moves(sizes_in, sizes_out),
                     sizes_in != sizes_out)
+        if q.outer == 1 and sizes_in != sizes_out:  # the forward's own tensor: in the re-banded layout
+            with torch._C.DisableTorchFunction():
+                new_args[i] = b.view_as(b)
+            tr.set(new_args[i], q)
+            keep_bands(tr, new_args[i], q, tuple(s // q.inner for s in sizes_out))
     empty, rows_before = _empty_bands(layout[0]), len(tr.plan_rows)
     new = [s or window for s in new] if empty else new  # the run: an empty band runs one phantom window
 
@@ -442,15 +450,17 @@ def _enter_dry_run(tr: Tracker, bands: list, window: int, path: str) -> Callable
         # (rows x inner) as a band (no layout to compare at run time): the dry run the same
         if q.outer == 1:
             moved, original = layout
+            height, unit = t.shape[q.dim], max(sum(moved), 1)
+            here, there = [m * height // unit for m in moved], [o * height // unit for o in original]
             if moved != original:  # the run's move back: the same proportion of the input's layout
-                height, unit = t.shape[q.dim], max(sum(moved), 1)
-                here, there = [m * height // unit for m in moved], [o * height // unit for o in original]
                 report_move(tr, path, "reband() back", t, q.dim, here, there, _identity_moves(here, there))
             tr.set(t, Sharded(q.dim))
+            if sum(there) == height:  # the input's layout, as the run's move back gives it
+                keep_bands(tr, t, Sharded(q.dim), tuple(there))
         return t
 
     tr.band_sizes = sizes_of
-    return leave
+    return tuple(new_args), leave
 
 
 def _identity_moves(sizes_in: list[int], sizes_out: list[int]) -> Callable[[int], Any]:
