@@ -145,16 +145,34 @@ class Scattered(nn.Module):
         return torch.gather(y, 2, self.index.expand(y.shape[0], y.shape[1], -1, -1))
 
 
+class OtherDim(nn.Module):
+    """torch.gather along the columns with a field-sized index buffer (its rows are not the band's): refused."""
+
+    def __init__(self, height):
+        super().__init__()
+        self.a = nn.Conv2d(2, 3, 3, padding=1)
+        self.register_buffer("index", (torch.arange(height).view(-1, 1) + torch.arange(W)) % W)
+
+    def forward(self, x):
+        y = self.a(x)
+        return torch.gather(y, 3, self.index.expand(y.shape[0], y.shape[1], -1, -1))
+
+
+REFUSED = {"scattered": (Scattered, "other rows at other positions"), "other_dim": (OtherDim, "not a band like its input")}
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.one_domain_size
-def test_rows_taken_differently_per_position_are_refused(make_manager):
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_rows_taken_differently_per_position_are_refused(name, make_manager):
     """Refused on every rank, describe() agreeing, even and uneven bands."""
+    build, why = REFUSED[name]
     with prefix_managers(make_manager) as managers:
         for d, manager in managers:
             if d == 1:
                 continue
             for h in _heights(d):
-                plan = verdict_is_the_run("scattered", lambda h=h: Scattered(h), (2, 2, h, W), manager)
+                plan = verdict_is_the_run(name, lambda h=h: build(h), (2, 2, h, W), manager)
                 assert not plan.exact
                 row = next(r for r in plan.rows if not r.exact)
-                assert row.kind == "gather()" and "other rows at other positions" in row.note, row
+                assert row.kind == "gather()" and why in row.note, row

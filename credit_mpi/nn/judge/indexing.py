@@ -50,6 +50,13 @@ def _indexed(tr, func, args, kwargs, held):
         return take_rows(tr, x, p, index, f"{op}()")
     if p is None or dim is None or normalize_dim(int(dim), x.ndim) == p.dim:
         raise Refusal(f"it selects along the sharded dim (dim={dim}): a band's index is not the field's")
+    if op in ("gather", "take_along_dim"):  # along another dim: the index must hold the band's rows (a band), or one row
+        index = argument(args, kwargs, 2 if op == "gather" else 1, "index" if op == "gather" else "indices")
+        q = tr.get(index)
+        if isinstance(index, torch.Tensor) and (q != p if q is not None else (
+                index.ndim == x.ndim and index.shape[p.dim] != 1)):
+            raise Refusal(f"{op} along dim {dim} with an index that is not a band like its input (its rows along the "
+                          f"sharded dim are not the band's): make the index from the band, or give it one row")
     d = normalize_dim(int(dim), x.ndim)
     shift = 1 if op in ("select", "unbind") and d < p.dim else 0
     return tr.run(func, args, kwargs, p.moved(p.dim - shift))
