@@ -5,9 +5,10 @@ An FNO block (rfft2, complex weights on the low modes, irfft2) and an AFNO block
 soft-shrink, irfft2, the residual) run exactly on bands through
 ``verdict_is_the_run`` (describe()'s verdict is the run's), 1-4 ranks, even and
 uneven bands, float64: the forward, the input gradient and the parameter
-gradients after reduce_gradients. describe()'s traffic of each transform is two
-all-to-alls of the field (to columns and back), and the volume the transposes
-receive is counted against the theory.
+gradients after reduce_gradients. A transform pair moves the spectrum twice (the
+spectrum is held split along its longitude modes between the two): describe()'s
+traffic and the all-to-alls of a forward are counted against the theory, and the
+volume the transposes receive against describe()'s.
 """
 
 from __future__ import annotations
@@ -243,6 +244,44 @@ def test_the_transposes_receive_what_describe_counts(make_manager):
     plan = describe(build().double(), shape, d)
     sent = sum(t.forward_bytes for r in plan.rows if r.kind.startswith("pencil_transpose()") for t in r.traffic)
     assert received * 16 == sent  # complex128: 16 bytes an element; one forward (the reference's own runs on one process)
+
+
+def _th_fno_block(c: int, h: int, w: int) -> nn.Module:
+    """torch-harmonics' SFNO block with its plain FFT transforms (RealFFT2: rfft2, then the latitude modes' two halves
+    sliced and joined; InverseRealFFT2: irfft2): an FNO block from a package."""
+    pytest.importorskip("torch_harmonics")
+    from torch_harmonics.examples.models._layers import InverseRealFFT2, RealFFT2
+    from torch_harmonics.examples.models.sfno import SphericalFourierNeuralOperatorBlock
+
+    return SphericalFourierNeuralOperatorBlock(RealFFT2(h, w), InverseRealFFT2(h, w), c, c, mlp_ratio=2.0).double()
+
+
+ALLTOALL_CASES = {
+    "fno": lambda h: (nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), FNOBlock(3, 2)), (2, 2, h, 8)),
+    "afno": lambda h: (AFNOBlock(), (2, 2, h, 6)),
+    "th_fno_block": lambda h: (_th_fno_block(2, h, 8), (1, 2, h, 8)),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", sorted(ALLTOALL_CASES))
+def test_an_fno_block_forward_makes_two_alltoalls(name, make_manager, monkeypatch):
+    """One forward of an FNO/AFNO block on bands: two all-to-alls (the rfft2's transpose to the modes, the irfft2's back
+    to the bands), as theory; its backward two more (their adjoints). Counted in the op, even and uneven bands."""
+    manager = make_manager()
+    d = manager.domain_parallel_size
+    calls = {True: 0, False: 0}
+    exchange = pencil.exchange
+
+    def counted(*args, count=False, **kwargs):
+        calls[count] += 1
+        return exchange(*args, count=count, **kwargs)
+
+    monkeypatch.setattr(pencil, "exchange", counted)
+    for h in (2 * d, 2 * d + 1):
+        calls.update({True: 0, False: 0})
+        run_both(lambda h=h: ALLTOALL_CASES[name](h)[0], ALLTOALL_CASES[name](h)[1], manager)
+        assert (calls[True], calls[False]) == (2, 2), (name, h, calls)
 
 
 class SFNOBlock(nn.Module):

@@ -12,15 +12,22 @@ product of the one-dim ones, for every ``norm``):
    the split moved from the sharded dim to another one (another
    transformed dim, the longitude's modes, else the last dim), so that every
    rank holds every row of its columns; one ``Alltoallv``;
-3. the transform along the sharded dim, locally;
-4. the transpose back to bands of the sharded dim (the input's layout when
-   the transform keeps its length; else the even split of the new length);
-   an ``irfft`` along the longitude last.
+3. the transform along the sharded dim, locally.
 
-So a forward transform and its inverse move the field twice each (two
-all-to-alls per transform, four per pair: the spectrum is held as bands of
-its latitude modes between them, where every other rule applies to it).
-Autograd goes through both transposes (their adjoints are the transposes
+A transform over several dims stops there (:func:`_to_spectrum`): its result
+is held split along that other transformed dim (a spectrum as bands of its
+longitude modes, the latitude modes whole), where every rule applies to it
+as to any band: a slice of the latitude modes is local, a weight over the
+modes meets a band as its entries (the einsum rule). Its inverse (input split
+along a transformed dim) runs the transforms along the whole dims first, then
+one transpose back to the bands the forward found (``Tracker.spectra``: a
+field of that many rows moved off its bands; else their even split) and the
+last transform. So a forward transform and its inverse move the spectrum once
+each: two all-to-alls a pair, as theory. A one-dim transform along the
+sharded dim, an ``rfft`` along it with other dims after, or an ``irfft``
+along another dim after it (an ``irfft2`` of latitude bands, not of a held
+spectrum) transposes there and back: two.
+Autograd goes through the transposes (their adjoints are the transposes
 back) and torch's own transforms. A size ``n``/``s`` along the sharded dim is
 taken when it is the band's (read from ``x.shape``: an
 :class:`~credit_mpi.nn.judge.tracker.Extent`) or the field's rows; a
@@ -31,7 +38,7 @@ latitude x longitude domain grid (the longitude is split there too).
 is not the complex pair's).
 
 In describe()'s dry run the transform runs on the field and each transpose
-is a plan row of its own, ``pencil_transpose() (<op>)``, with its traffic
+is a plan row of its own, ``pencil_transpose() (<op>[, back])``, with its traffic
 (:func:`credit_mpi.ops.transpose.transpose_bytes`).
 """
 
