@@ -5,9 +5,10 @@ An FNO block (rfft2, complex weights on the low modes, irfft2) and an AFNO block
 soft-shrink, irfft2, the residual) run exactly on bands through
 ``verdict_is_the_run`` (describe()'s verdict is the run's), 1-4 ranks, even and
 uneven bands, float64: the forward, the input gradient and the parameter
-gradients after reduce_gradients. describe()'s traffic of each transform is two
-all-to-alls of the field (to columns and back), and the volume the transposes
-receive is counted against the theory.
+gradients after reduce_gradients. A transform pair moves the spectrum twice (the
+spectrum is held split along its longitude modes between the two): describe()'s
+traffic and the all-to-alls of a forward are counted against the theory, and the
+volume the transposes receive against describe()'s.
 """
 
 from __future__ import annotations
@@ -202,31 +203,32 @@ def _theory(shape, itemsize, counts, dim, to):
 
 
 @pytest.mark.parametrize("d", [2, 3, 4])
-def test_describe_counts_two_alltoalls_of_the_field_per_transform(d):
-    """FNO's rfft2/irfft2 pair: two transposes of the half spectrum each (to columns and back), as the theory says."""
-    b, c, h, w = 2, 3, 4 * d + 1, 8
+@pytest.mark.parametrize("extra", [0, 1])  # even bands, then uneven ones
+def test_describe_counts_one_alltoall_of_the_spectrum_per_transform(d, extra):
+    """FNO's rfft2/irfft2 pair: one transpose of the half spectrum each, as the theory says (the spectrum is held as
+    bands of its longitude modes between them: the slice, the weights and the pad run there)."""
+    b, c, h, w = 2, 3, 4 * d + extra, 8
     plan = describe(nn.Sequential(nn.Conv2d(2, c, 3, padding=1), FNOBlock(c, 2)).double(), (b, 2, h, w), d,
                     requires_grad=True)
     rows = [r for r in plan.rows if r.kind.startswith("pencil_transpose()")]
-    assert [r.kind for r in rows] == ["pencil_transpose() (rfft2)", "pencil_transpose() (rfft2, back)",
-                                      "pencil_transpose() (irfft2)", "pencil_transpose() (irfft2, back)"], str(plan)
+    assert [r.kind for r in rows] == ["pencil_transpose() (rfft2)", "pencil_transpose() (irfft2, back)"], str(plan)
     counts = split(h, d, uneven=True)
     modes = (b, c, h, w // 2 + 1)  # complex128 spectrum after the rfft along the longitude
-    to = _theory(modes, 16, counts, 2, 3)
     for row in rows:
         assert row.exact and row.note.startswith("a transform over the sharded dim")
         assert [t.forward_messages for t in row.traffic] == [1] * d
-    assert [t.forward_bytes for t in rows[0].traffic] == to
-    # the way back sends what the way there received: a rank's columns of the other ranks' rows
-    back = [(w // 2 + 1 - 0) and split(w // 2 + 1, d, uneven=True)[r] * (h - counts[r]) * b * c * 16 for r in range(d)]
+    assert [t.forward_bytes for t in rows[0].traffic] == _theory(modes, 16, counts, 2, 3)
+    # the way back: a rank's modes of the other ranks' rows (the ifft along the latitude ran on the modes first); its
+    # modes: its share of the 2 kept ones, the last rank's also the zeros padded after them
+    cols = split(w // 2 + 1, d, uneven=True)
+    kept = [max(0, min(2, sum(cols[: r + 1])) - min(2, sum(cols[:r]))) for r in range(d)]
+    kept[-1] += w // 2 + 1 - 2
+    back = [kept[r] * (h - counts[r]) * b * c * 16 for r in range(d)]
     assert [t.forward_bytes for t in rows[1].traffic] == back
-    assert [t.backward_bytes for t in rows[0].traffic] == back  # the adjoint: the transpose back of the gradient
-    # irfft2: the ifft along the latitude first (the same spectrum), then the irfft along the longitude locally
-    assert [t.forward_bytes for t in rows[2].traffic] == to and [t.forward_bytes for t in rows[3].traffic] == back
-    field = b * c * h * (w // 2 + 1) * 16
-    per_pair = [sum(row.traffic[r].forward_bytes for row in rows) for r in range(d)]
-    if h % d == 0:
-        assert per_pair == [4 * field * (d - 1) // d**2] * d
+    # the adjoints: the gradient's transposes back (rows[0]'s from the even split of the modes)
+    assert [t.backward_bytes for t in rows[0].traffic] == [cols[r] * (h - counts[r]) * b * c * 16 for r in range(d)]
+    assert [t.backward_bytes for t in rows[1].traffic] == [counts[r] * (w // 2 + 1 - kept[r]) * b * c * 16
+                                                           for r in range(d)]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -242,6 +244,44 @@ def test_the_transposes_receive_what_describe_counts(make_manager):
     plan = describe(build().double(), shape, d)
     sent = sum(t.forward_bytes for r in plan.rows if r.kind.startswith("pencil_transpose()") for t in r.traffic)
     assert received * 16 == sent  # complex128: 16 bytes an element; one forward (the reference's own runs on one process)
+
+
+def _th_fno_block(c: int, h: int, w: int) -> nn.Module:
+    """torch-harmonics' SFNO block with its plain FFT transforms (RealFFT2: rfft2, then the latitude modes' two halves
+    sliced and joined; InverseRealFFT2: irfft2): an FNO block from a package."""
+    pytest.importorskip("torch_harmonics")
+    from torch_harmonics.examples.models._layers import InverseRealFFT2, RealFFT2
+    from torch_harmonics.examples.models.sfno import SphericalFourierNeuralOperatorBlock
+
+    return SphericalFourierNeuralOperatorBlock(RealFFT2(h, w), InverseRealFFT2(h, w), c, c, mlp_ratio=2.0).double()
+
+
+ALLTOALL_CASES = {
+    "fno": lambda h: (nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), FNOBlock(3, 2)), (2, 2, h, 8)),
+    "afno": lambda h: (AFNOBlock(), (2, 2, h, 6)),
+    "th_fno_block": lambda h: (_th_fno_block(2, h, 8), (1, 2, h, 8)),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", sorted(ALLTOALL_CASES))
+def test_an_fno_block_forward_makes_two_alltoalls(name, make_manager, monkeypatch):
+    """One forward of an FNO/AFNO block on bands: two all-to-alls (the rfft2's transpose to the modes, the irfft2's back
+    to the bands), as theory; its backward two more (their adjoints). Counted in the op, even and uneven bands."""
+    manager = make_manager()
+    d = manager.domain_parallel_size
+    calls = {True: 0, False: 0}
+    exchange = pencil.exchange
+
+    def counted(*args, count=False, **kwargs):
+        calls[count] += 1
+        return exchange(*args, count=count, **kwargs)
+
+    monkeypatch.setattr(pencil, "exchange", counted)
+    for h in (2 * d, 2 * d + 1):
+        calls.update({True: 0, False: 0})
+        run_both(lambda h=h: ALLTOALL_CASES[name](h)[0], ALLTOALL_CASES[name](h)[1], manager)
+        assert (calls[True], calls[False]) == (2, 2), (name, h, calls)
 
 
 class SFNOBlock(nn.Module):

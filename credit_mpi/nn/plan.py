@@ -73,7 +73,7 @@ _MOVES = {
     "cat() re-band": "a join of bands: the parts of another layout than the first-made part's re-banded to it",
     "interpolate(size=)": "interpolated to a band's size: the rows agreed (re-banded to that band's layout)",
     "domain_sum()": "a sum or mean over the sharded dim: the bands' partial sums added (one Allreduce), replicated",
-    "pencil_transpose()": "a transform over the sharded dim: the split moved to another dim and back (ops.transpose)",
+    "pencil_transpose()": "a transform over the sharded dim: the split moved to another dim, one all-to-all (ops.transpose)",
 }
 
 

@@ -12,6 +12,7 @@ import torch
 from ...partition import normalize_dim
 from ...transport import paths
 from ..replicated import is_replicated, replicated
+from .field_values import field_partner
 from .longitude import along_longitude
 from .pointwise import _pointwise
 from .registry import Refusal, argument, conversion_error, dims_of, op_name, rule, without_bands
@@ -287,26 +288,52 @@ def _matmul(tr, func, args, kwargs, held):
 
 @rule("einsum")
 def _einsum(tr, func, args, kwargs, held):
+    """An einsum with one letter on the bands (``...`` spelled out first, :func:`_explicit_specs`): kept in the output,
+    local (a partner with the field's entries along that letter, a spectral weight over the modes, is cut to the
+    band's: :func:`~credit_mpi.nn.judge.field_values.field_partner`); summed, a sum over the domain."""
     equation = args[0]
-    operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-    if "..." in equation or "->" not in equation:
-        raise Refusal("an einsum with '...' or without '->' has no rule on bands")
-    ins, out = equation.replace(" ", "").split("->")
+    listed = len(args) == 2 and isinstance(args[1], (list, tuple))
+    operands = list(args[1]) if listed else list(args[1:])
+    specs, out = _explicit_specs(equation, operands)
     letters = set()
-    for spec, t in zip(ins.split(","), operands, strict=True):
+    for spec, t in zip(specs, operands, strict=True):
         q = tr.get(t)
         if q is not None:
             letters.add((spec[q.dim], q.outer, q.inner))
     if len(letters) != 1:
         raise Refusal(f"it pairs bands along different letters ({sorted(v[0] for v in letters)}): no rule")
     if next(iter(letters))[0] not in out:
-        positions = list(range(1, len(args))) if len(operands) == len(args) - 1 else None
-        return _domain_contraction(tr, func, args, kwargs, ins.split(","), operands, positions, next(iter(letters)))
+        positions = list(range(1, len(args))) if not listed else None
+        return _domain_contraction(tr, func, args, kwargs, specs, operands, positions, next(iter(letters)))
     letter, outer, inner = letters.pop()
-    for spec, t in zip(ins.split(","), operands, strict=True):
+    band = next(t for t in operands if tr.get(t) is not None)
+    p = tr.get(band)
+    cut = list(operands)
+    for i, (spec, t) in enumerate(zip(specs, operands, strict=True)):
         if tr.get(t) is None and letter in spec and t.shape[spec.index(letter)] != 1:
-            raise Refusal("it pairs a band with a tensor that is not one along the sharded dim")
+            cut[i] = field_partner(tr, band, p, t, spec.index(letter))  # the field's entries: the band's own
+    if any(c is not t for c, t in zip(cut, operands, strict=True)):
+        args = (equation, cut) if listed else (equation, *cut)
     return tr.run(func, args, kwargs, Sharded(out.index(letter), outer, inner))
+
+
+def _explicit_specs(equation: Any, operands: list) -> tuple[list[str], str]:
+    """An einsum's operand specs and output spec with ``...`` spelled out in letters the equation does not use (each
+    operand's ellipsis dims are the last of the output's, as torch broadcasts them)."""
+    if not isinstance(equation, str) or "->" not in equation:
+        raise Refusal(f"an einsum without '->' ({equation!r}) has no rule on bands: name the output's letters")
+    ins, out = equation.replace(" ", "").split("->")
+    specs = ins.split(",")
+    if len(specs) != len(operands):
+        raise Refusal(f"einsum {equation!r} names {len(specs)} operands for {len(operands)}")  # torch's own error
+    if "..." not in equation:
+        return specs, out
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in equation]
+    counts = [t.ndim - (len(s) - 3) if "..." in s else 0 for s, t in zip(specs, operands, strict=True)]
+    n = max(counts)
+    ellipsis = "".join(free[:n])
+    specs = [s.replace("...", ellipsis[n - k :]) for s, k in zip(specs, counts, strict=True)]
+    return specs, out.replace("...", ellipsis)
 
 
 def _contracted(what: str, letter: str, why: str) -> str:

@@ -12,15 +12,22 @@ product of the one-dim ones, for every ``norm``):
    the split moved from the sharded dim to another one (another
    transformed dim, the longitude's modes, else the last dim), so that every
    rank holds every row of its columns; one ``Alltoallv``;
-3. the transform along the sharded dim, locally;
-4. the transpose back to bands of the sharded dim (the input's layout when
-   the transform keeps its length; else the even split of the new length);
-   an ``irfft`` along the longitude last.
+3. the transform along the sharded dim, locally.
 
-So a forward transform and its inverse move the field twice each (two
-all-to-alls per transform, four per pair: the spectrum is held as bands of
-its latitude modes between them, where every other rule applies to it).
-Autograd goes through both transposes (their adjoints are the transposes
+A transform over several dims stops there (:func:`_to_spectrum`): its result
+is held split along that other transformed dim (a spectrum as bands of its
+longitude modes, the latitude modes whole), where every rule applies to it
+as to any band: a slice of the latitude modes is local, a weight over the
+modes meets a band as its entries (the einsum rule). Its inverse (input split
+along a transformed dim) runs the transforms along the whole dims first, then
+one transpose back to the bands the forward found (``Tracker.spectra``: a
+field of that many rows moved off its bands; else their even split) and the
+last transform. So a forward transform and its inverse move the spectrum once
+each: two all-to-alls a pair, as theory. A one-dim transform along the
+sharded dim, an ``rfft`` along it with other dims after, or an ``irfft``
+along another dim after it (an ``irfft2`` of latitude bands, not of a held
+spectrum) transposes there and back: two.
+Autograd goes through the transposes (their adjoints are the transposes
 back) and torch's own transforms. A size ``n``/``s`` along the sharded dim is
 taken when it is the band's (read from ``x.shape``: an
 :class:`~credit_mpi.nn.judge.tracker.Extent`) or the field's rows; a
@@ -31,7 +38,7 @@ latitude x longitude domain grid (the longitude is split there too).
 is not the complex pair's).
 
 In describe()'s dry run the transform runs on the field and each transpose
-is a plan row of its own, ``pencil_transpose() (<op>)``, with its traffic
+is a plan row of its own, ``pencil_transpose() (<op>[, back])``, with its traffic
 (:func:`credit_mpi.ops.transpose.transpose_bytes`).
 """
 
@@ -43,6 +50,7 @@ import torch
 
 from ...partition import normalize_dim
 from ...transport import paths
+from .field_sizes import keep_bands
 from .registry import Refusal, argument, op_name, rule
 from .tracker import Extent, Sharded, Tracker, tracked_columns
 
@@ -80,7 +88,15 @@ def _dims_and_sizes(op: str, x: torch.Tensor, args: tuple, kwargs: dict) -> tupl
 
 
 def _one(x: torch.Tensor, step: str, d: int, n: Any, norm: Any) -> torch.Tensor:
-    """One one-dim transform ``step`` ("fft", "ifft", "rfft", "irfft") of ``x`` along ``d``."""
+    """One one-dim transform ``step`` ("fft", "ifft", "rfft", "irfft") of ``x`` along ``d``; a band with no entries
+    along another dim (a rank with none of a spectrum's kept modes): the transform of one zero entry cut to none (in
+    the graph; torch's FFT backends refuse empty tensors)."""
+    empty = [e for e in range(x.ndim) if e != d and x.shape[e] == 0]
+    if empty and x.shape[d]:
+        e = empty[0]
+        shape = list(x.shape)
+        shape[e] = 1
+        return _one(torch.cat([x, x.new_zeros(shape)], e), step, d, n, norm).narrow(e, 0, 0)
     return getattr(torch.fft, step)(x, n=n, dim=d, norm=norm)
 
 
@@ -116,6 +132,13 @@ def _fft(tr: Tracker, func, args, kwargs, held):
     kind, _, inverse = FFT_OPS[op]
     norm = argument(args, kwargs, 3, "norm", None)
     steps = _steps(kind, inverse, dims, sizes)
+    if (kept := _kept_order(kind, steps, p.dim)) is not None:  # a spectrum: one transpose, held split along `to`
+        y = x
+        for s, d, m in kept[:-1]:  # along the other dims: local on the band (whole there)
+            y = _one(y, s, d, m, norm)
+        step, _, n = kept[-1]
+        return _to_spectrum(tr, y, p, step, int(n) if isinstance(n, Extent) else n, norm, _to_dim(p.dim, dims, x.ndim),
+                            op, inverse)
     k = next(i for i, (_, d, _) in enumerate(steps) if d == p.dim)
     step, _, n = steps[k]
     if isinstance(n, Extent):  # read from a band's shape: the field's rows (credit_mpi.nn.judge.field_sizes)
@@ -131,6 +154,55 @@ def _fft(tr: Tracker, func, args, kwargs, held):
         y = _one(y, s, d, m, norm)
     tr.set(y, p)
     return y
+
+
+def _kept_order(kind: str, steps: list, dim: int) -> list | None:
+    """The one-dim steps of a transform over more than one dim with the one along the sharded ``dim`` last (the
+    complex ones commute; an ``rfft`` stays first, an ``irfft`` last), so that after one transpose nothing else runs
+    along the split dim; None: a one-dim transform, or an ``rfft`` / ``irfft`` that must run along another dim after
+    the sharded one (the transpose there and back)."""
+    if len(steps) < 2:
+        return None
+    mine = next(s for s in steps if s[1] == dim)
+    others = [s for s in steps if s[1] != dim]
+    if kind == "r2c" and steps[0][1] == dim:
+        return None
+    if kind == "c2r" and steps[-1][1] != dim:
+        return None
+    return others + [mine]
+
+
+def _to_spectrum(tr: Tracker, y: torch.Tensor, p: Sharded, step: str, n: Any, norm: Any, to: int, op: str,
+                 inverse: bool) -> torch.Tensor:
+    """The last step, along the sharded dim, of a multi-dim transform: one transpose to the split along ``to`` (a
+    transformed dim, done), the transform; the result stays split along ``to`` (a spectrum held as bands of its
+    modes; an inverse's: bands of the grid's rows as the forward found them, else their even split)."""
+    path = tr.stack[-1][0]
+    d = p.dim
+    home = tr.spectra.get(y.shape[to]) if inverse else None
+    if tr.manager is None:  # the dry run: the field's transform, its one transpose reported
+        from ...ops.transpose import column_sizes
+        from .rows import dim_sizes
+
+        counts = dim_sizes(tr, y, p)
+        field = sum(counts)
+        out = _one(y, step, d, _length(step, n, field), norm)
+        sizes = list(home) if home is not None else column_sizes(y.shape[to], len(counts))
+        _report(tr, path, op, y, d, to, counts, sizes, not inverse)
+    else:
+        from ...ops.transpose import pencil_transposed
+
+        comm = tr.manager.domain_group
+        moves = paths.current().transport(comm)
+        whole, counts, sizes = pencil_transposed(y, d, to, comm, sizes=home, path=path, transport=moves)
+        field = sum(counts)
+        out = _one(whole, step, d, _length(step, n, field), norm)
+    if not inverse:
+        tr.spectra[field] = tuple(int(c) for c in counts)
+    q = Sharded(to)
+    tr.set(out, q)
+    keep_bands(tr, out, q, tuple(sizes))
+    return out
 
 
 def _to_dim(dim: int, dims: list[int], ndim: int) -> int:
@@ -179,19 +251,9 @@ def _along_sharded(tr: Tracker, y: torch.Tensor, p: Sharded, step: str, n: Any, 
     whole, counts, _ = pencil_transposed(y, d, to, comm, path=path, transport=moves)
     field = sum(counts)
     m = _length(step, n, field)  # (after the transpose: every rank has the agreed field rows, the same decision)
-    out = _transformed(whole, step, d, m, norm, to)
+    out = _one(whole, step, d, m, norm)
     back = tuple(counts) if out.shape[d] == field else None  # the input's bands, or the even split of a new length
     return pencil_transpose(out, to, d, comm, sizes=back, path=path, transport=moves)
-
-
-def _transformed(whole: torch.Tensor, step: str, d: int, m: int | None, norm: Any, to: int) -> torch.Tensor:
-    """The transform of this rank's columns; none (fewer columns than ranks): an empty result still in the graph
-    (its backward runs the transpose's adjoint, a collective), the transform of one zero column cut to none."""
-    if whole.shape[to]:
-        return _one(whole, step, d, m, norm)
-    shape = list(whole.shape)
-    shape[to] = 1
-    return _one(torch.cat([whole, whole.new_zeros(shape)], to), step, d, m, norm).narrow(to, 0, 0)
 
 
 def _report(tr: Tracker, path: str, op: str, t: torch.Tensor, dim: int, to: int, counts: list, sizes: list,

@@ -238,6 +238,8 @@ class Tracker(TorchFunctionMode):
         self._hooks: list = []
         # fields a product contracted over the domain: tokens -> (inner, this band's rows) (None: two differ)
         self.fields: dict[int, tuple | None] = {}
+        # a forward Fourier transform's field rows moved off the bands -> every band's rows (its inverse puts them back so)
+        self.spectra: dict[int, tuple] = {}
         # describe()'s dry run sets these (credit_mpi.nn.plan): where the rules report their moves, joins, conflicts
         self.on_move: Callable | None = None
         self.on_join: Callable | None = None
