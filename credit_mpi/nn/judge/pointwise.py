@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from .field_values import field_partner
-from .registry import Refusal, argument, op_name, rule, tensors_in
+from .registry import Refusal, argument, leaves_in, op_name, rule, tensors_in
 from .tracker import Extent, Sharded, Tracker
 
 POINTWISE = """
@@ -34,7 +34,7 @@ _LIKE = {"to", "type", "type_as", "new_zeros", "new_ones", "new_empty", "new_ful
 def _pointwise(tr: Tracker, func, args, kwargs, held):
     """Elementwise (with broadcasting): one placement; a partner that is not a band has one row along it."""
     op = op_name(func)
-    if any(isinstance(v, Extent) and v.block for v in tree_flatten((args, kwargs))[0]):
+    if any(isinstance(v, Extent) and v.block for v in leaves_in((args, kwargs))):
         raise Refusal("it is given a size read from a block of a latitude x longitude grid (the block's own size, not "
                       "the field's: x.sum(-1) / x.shape[-1] would divide by the block's columns); no rule on a grid "
                       "yet: use mean(), or a size stored for the field")

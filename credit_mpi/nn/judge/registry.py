@@ -35,7 +35,7 @@ from ..errors import ConversionError
 
 __all__ = ["Refusal", "DuplicateRule", "rule", "wraps", "module_rule", "without_bands", "rule_for", "module_rules",
            "rules_without_bands", "check_wrappers", "conversion_error",
-           "op_name", "argument", "tensors_in", "dims_of"]
+           "op_name", "argument", "tensors_in", "leaves_in", "dims_of"]
 
 
 class Refusal(Exception):
@@ -163,8 +163,46 @@ def op_name(func: Callable) -> str:
 
 
 def tensors_in(tree: Any) -> list:
-    """The tensors in a tree of arguments (tuples, lists, dicts)."""
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    """The tensors in a tree of arguments (tuples, lists, dicts), in pytree's order.
+
+    Called several times for every judged op: plain tuples, lists and dicts are walked here (pytree's
+    generic walk cost half the judge's time); any other container pytree knows (a namedtuple,
+    ``torch.return_types``, an OrderedDict) goes through :func:`~torch.utils._pytree.tree_flatten`.
+    """
+    out: list = []
+    _collect(tree, out, True)
+    return out
+
+
+def leaves_in(tree: Any) -> list:
+    """Every leaf of a tree of arguments (tensors, numbers, sizes' ints), as ``tree_flatten`` gives them."""
+    out: list = []
+    _collect(tree, out, False)
+    return out
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, slice, type(Ellipsis)})
+
+
+def _collect(x: Any, out: list, only_tensors: bool) -> None:
+    t = type(x)
+    if t is tuple or t is list:
+        for v in x:
+            _collect(v, out, only_tensors)
+    elif t is dict:
+        for v in x.values():
+            _collect(v, out, only_tensors)
+    elif isinstance(x, torch.Tensor):
+        out.append(x)
+    elif t in _SCALARS or isinstance(x, (int, float)):  # an Extent is an int
+        if not only_tensors:
+            out.append(x)
+    elif t is torch.Size:
+        if not only_tensors:
+            out.extend(x)
+    else:  # another container pytree knows, or a leaf (an Extent, a memory format, a function)
+        leaves = tree_flatten(x)[0]
+        out.extend(v for v in leaves if isinstance(v, torch.Tensor)) if only_tensors else out.extend(leaves)
 
 
 def argument(args: tuple, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
