@@ -74,7 +74,7 @@ from .. import base
 from ..base import DomainParallelModule
 from ..replicated import is_replicated, replicated
 from ..rules import traits_of
-from .registry import Refusal, conversion_error, module_rules, op_name, rule_for, rules_without_bands, tensors_in
+from .registry import MISS, Refusal, conversion_error, module_rules, rule_of, rules_without_bands, tensors_in
 
 __all__ = ["Sharded", "Placement", "Extent", "Tracker", "active_tracker", "judge_forward", "follows_band", "grid_columns",
            "tracked_columns"]
@@ -482,6 +482,11 @@ class Tracker(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.trusted:
             return func(*args, **kwargs)
+        op, rule, fast, reads = rule_of(func)
+        if reads:  # x.ndim, x.dtype: no tensor out, no size read
+            return func(*args, **kwargs)
+        if fast is not None and not self.own_layouts and (out := fast(self, func, args, kwargs)) is not MISS:
+            return out
         held = [(t, p) for t in tensors_in((args, kwargs)) if (p := self.get(t)) is not None]
         if not held:
             if self.fields:  # a replicated sum over a field spread back to its tokens
@@ -490,8 +495,6 @@ class Tracker(TorchFunctionMode):
                     if handled:
                         return out
             return func(*args, **kwargs)
-        op = op_name(func)
-        rule = rule_for(op) or rule_for(op.rstrip("_") if not op.startswith("__") else op)
         here = self._held_layouts(op, rule, held) if self.own_layouts else None
         try:
             if rule is None:
