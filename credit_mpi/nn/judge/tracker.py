@@ -69,6 +69,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
+from ...grid import grid_of
 from ...partition import normalize_dim
 from .. import base
 from ..base import DomainParallelModule
@@ -244,6 +245,7 @@ class Tracker(TorchFunctionMode):
         self.on_conflict: Callable | None = None
         self.plan_rows: list = []  # the plan's rows so far (a module rule asks what its forward communicated)
         self.grid: tuple[int, int] | None = None  # the dry run's domain grid (None: latitude bands)
+        self.columns: int | None = None  # at run time: the manager's grid's columns, once read (tracked_columns)
         # replicated rows joined to a band along the sharded dim (credit_mpi.nn.judge.field_values): what a split takes apart
         self.joins: list[tuple] = []
 
@@ -431,13 +433,12 @@ class Tracker(TorchFunctionMode):
         every branch (and for a conv with that padding). Decided from the forward's structure (the
         same on every rank); the layer agrees on the folded rows with its input.
         """
-        from ..conv import fold_edge_rows
-
         if not traits_of(module).folds_edge_rows or module.padding_mode != "zeros" or len(args) != 1:
             return None
         rec = self.record_of(args[0])
         if rec is None or rec.edge_pad is None:
             return None
+        from ..conv import fold_edge_rows
         x, (before, after), others = rec.edge_pad
         p = self.get(x)
         sd = None if p is None else p.dim - (x.ndim - len(module.kernel_size))
@@ -590,8 +591,6 @@ base.judged = judge_forward
 
 def grid_columns(manager: Any) -> int:
     """The longitude columns of the manager's domain grid (1: latitude bands)."""
-    from ...grid import grid_of
-
     return grid_of(manager, manager.domain_parallel_size)[1]
 
 
@@ -600,4 +599,6 @@ def tracked_columns(tr: Tracker) -> int:
     ``domain_grid`` (1 on bands)."""
     if tr.manager is None:
         return (getattr(tr, "grid", None) or (1, 1))[1]
-    return grid_columns(tr.manager)
+    if tr.columns is None:  # read for every size and reshape: once per forward (the manager's grid is fixed)
+        tr.columns = grid_columns(tr.manager)
+    return tr.columns
