@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
+from ..replicated import is_replicated
 from .field_values import field_partner
-from .registry import Refusal, argument, op_name, rule, tensors_in
+from .registry import MISS, Refusal, argument, leaves_in, op_name, rule, tensors_in
 from .tracker import Extent, Sharded, Tracker
 
 POINTWISE = """
@@ -30,11 +31,56 @@ __ifloordiv__ __mod__ __rmod__ __imod__
 _LIKE = {"to", "type", "type_as", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
 
 
-@rule(*POINTWISE)
+_PLAIN = frozenset({float, int, bool, type(None), str, torch.dtype, torch.device, torch.memory_format})
+
+
+def _pointwise_fast(tr: Tracker, func, args, kwargs):
+    """The common case of :func:`_pointwise`, from the records alone: bands of one placement and height.
+
+    Every band argument has the same placement, dims and rows along it, and no global dims (attention's
+    scores); every other tensor has one row (or no dim) along it; the other arguments are plain numbers,
+    dtypes, devices (no size read from a band, no list). Then the output is a band of that placement, as
+    the rule would place it; anything else is MISS and the rule runs.
+    """
+    records, p, ndim, rows, partners = tr.records, None, 0, 0, None
+    for v in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(v, torch.Tensor):
+            rec = records.get(id(v))
+            if rec is None or rec.ref() is not v or rec.where is None or is_replicated(v):
+                partners = (partners or []) + [v]
+                continue
+            q = rec.where
+            if rec.global_dims:
+                return MISS
+            if p is None:
+                p, ndim, rows = q, v.ndim, v.shape[q.dim]
+            elif (q is not p and q != p) or v.ndim != ndim or v.shape[q.dim] != rows:
+                return MISS
+        elif type(v) not in _PLAIN:
+            return MISS
+    if p is None:
+        return MISS
+    for t in partners or ():
+        k = p.dim - (ndim - t.ndim)
+        if t.ndim > ndim or (k >= 0 and t.shape[k] != 1):
+            return MISS
+        if (rec := records.get(id(t))) is not None and rec.ref() is t and rec.global_dims:
+            return MISS
+    out = func(*args, **kwargs)
+    if isinstance(out, torch.Tensor):
+        tr.set(out, p if out.ndim == ndim else Sharded(p.dim - (ndim - out.ndim), p.outer, p.inner)
+               if out.ndim >= ndim - p.dim else None)
+    else:
+        for t in tensors_in(out):
+            tr.set(t, Sharded(p.dim - (ndim - t.ndim), p.outer, p.inner) if t.ndim >= ndim - p.dim else None)
+    return out
+
+
+@rule(*POINTWISE, fast=_pointwise_fast)
 def _pointwise(tr: Tracker, func, args, kwargs, held):
     """Elementwise (with broadcasting): one placement; a partner that is not a band has one row along it."""
     op = op_name(func)
-    if any(isinstance(v, Extent) and v.block for v in tree_flatten((args, kwargs))[0]):
+    if any(isinstance(v, Extent) and v.block for v in leaves_in((args, kwargs))):
         raise Refusal("it is given a size read from a block of a latitude x longitude grid (the block's own size, not "
                       "the field's: x.sum(-1) / x.shape[-1] would divide by the block's columns); no rule on a grid "
                       "yet: use mean(), or a size stored for the field")

@@ -33,9 +33,9 @@ from torch.utils._pytree import tree_flatten
 from ...partition import normalize_dim
 from ..errors import ConversionError
 
-__all__ = ["Refusal", "DuplicateRule", "rule", "wraps", "module_rule", "without_bands", "rule_for", "module_rules",
+__all__ = ["Refusal", "DuplicateRule", "rule", "wraps", "module_rule", "without_bands", "rule_for", "rule_of", "MISS", "module_rules",
            "rules_without_bands", "check_wrappers", "conversion_error",
-           "op_name", "argument", "tensors_in", "dims_of"]
+           "op_name", "argument", "tensors_in", "leaves_in", "dims_of"]
 
 
 class Refusal(Exception):
@@ -49,6 +49,7 @@ class DuplicateRule(ValueError):
 _BASE: dict[str, Callable] = {}  # name -> its rule
 _WRAPPERS: dict[str, Callable] = {}  # name -> fn(base, tr, func, args, kwargs, held)
 _TABLE: dict[str, Callable] = {}  # name -> the rule that runs (its wrapper around it, if any); built on demand
+_BY_FUNC: dict = {}  # torch function -> (name, rule, fast path or None, reads only): built on demand, cleared with _TABLE
 _MODULE_RULES: list[Callable] = []
 _WITHOUT_BANDS: list[Callable] = []
 
@@ -65,16 +66,21 @@ def _register(table: dict, names: tuple[str, ...], fn: Callable, what: str) -> N
     for name in names:
         table[name] = fn
     _TABLE.clear()
+    _BY_FUNC.clear()
 
 
-def rule(*names: str, joins: bool = False) -> Callable[[Callable], Callable]:
+def rule(*names: str, joins: bool = False, fast: Callable | None = None) -> Callable[[Callable], Callable]:
     """Register ``fn(tracker, func, args, kwargs, held)`` as the rule of the torch functions ``names``.
 
     ``joins``: the rule joins bands whose layouts may differ and re-bands them itself (``torch.cat``):
     the dry run does not report its parts' layouts as a conflict.
+    ``fast``: ``fast(tracker, func, args, kwargs) -> out or MISS``, tried first at run time: the rule's
+    common case decided from the records alone (no held list, no wrapper); MISS when it is not that case
+    (the rule then runs as always). It must give what the rule (and its wrapper) would give.
     """
     def register(fn: Callable) -> Callable:
         fn.joins = joins
+        fn.fast = fast
         _register(_BASE, names, fn, "the rule of")
         return fn
 
@@ -109,6 +115,37 @@ def rule_for(name: str) -> Callable | None:
     if found is None and name not in _TABLE:
         found = _TABLE[name] = _composed(name)
     return found
+
+
+MISS = object()  # a fast path's answer: not its case, run the rule
+
+# attribute reads that return no tensor and read no size along the band: with no rule, they pass untouched
+_READS = frozenset("ndim dim dtype device is_floating_point is_complex is_contiguous is_cuda is_sparse is_quantized "
+                   "is_meta layout element_size get_device is_leaf".split())
+
+
+def rule_of(func: Callable) -> tuple[str, Callable | None, Callable | None, bool]:
+    """``(name, rule, fast path, reads only)`` of a torch function (cached per function: the judge's hot path).
+
+    The rule is the name's, else that of its out-of-place name (``add_``: ``add``'s); ``reads only``:
+    an attribute read with no rule that returns no tensor (``x.ndim``, ``x.dtype``).
+    """
+    try:
+        return _BY_FUNC[func]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable callable
+        return _rule_of(func)
+    found = _BY_FUNC[func] = _rule_of(func)
+    return found
+
+
+def _rule_of(func: Callable) -> tuple[str, Callable | None, Callable | None, bool]:
+    op = op_name(func)
+    found = rule_for(op) or rule_for(op.rstrip("_") if not op.startswith("__") else op)
+    # the base rule's fast path (it answers for the wrapper too: its case is one the wrapper adds nothing to)
+    fast = getattr(_BASE.get(op) or _BASE.get(op.rstrip("_")), "fast", None) if found is not None else None
+    return op, found, fast, found is None and op in _READS
 
 
 def check_wrappers() -> None:
@@ -163,8 +200,46 @@ def op_name(func: Callable) -> str:
 
 
 def tensors_in(tree: Any) -> list:
-    """The tensors in a tree of arguments (tuples, lists, dicts)."""
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    """The tensors in a tree of arguments (tuples, lists, dicts), in pytree's order.
+
+    Called several times for every judged op: plain tuples, lists and dicts are walked here (pytree's
+    generic walk cost half the judge's time); any other container pytree knows (a namedtuple,
+    ``torch.return_types``, an OrderedDict) goes through :func:`~torch.utils._pytree.tree_flatten`.
+    """
+    out: list = []
+    _collect(tree, out, True)
+    return out
+
+
+def leaves_in(tree: Any) -> list:
+    """Every leaf of a tree of arguments (tensors, numbers, sizes' ints), as ``tree_flatten`` gives them."""
+    out: list = []
+    _collect(tree, out, False)
+    return out
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, slice, type(Ellipsis)})
+
+
+def _collect(x: Any, out: list, only_tensors: bool) -> None:
+    t = type(x)
+    if t is tuple or t is list:
+        for v in x:
+            _collect(v, out, only_tensors)
+    elif t is dict:
+        for v in x.values():
+            _collect(v, out, only_tensors)
+    elif isinstance(x, torch.Tensor):
+        out.append(x)
+    elif t in _SCALARS or isinstance(x, (int, float)):  # an Extent is an int
+        if not only_tensors:
+            out.append(x)
+    elif t is torch.Size:
+        if not only_tensors:
+            out.extend(x)
+    else:  # another container pytree knows, or a leaf (an Extent, a memory format, a function)
+        leaves = tree_flatten(x)[0]
+        out.extend(v for v in leaves if isinstance(v, torch.Tensor)) if only_tensors else out.extend(leaves)
 
 
 def argument(args: tuple, kwargs: dict, index: int, name: str, default: Any = None) -> Any:

@@ -263,12 +263,24 @@ STRIDED_WINDOWS: dict[str, frozenset] = {
 
 
 def _strided(module: torch.nn.Module) -> bool:
-    return any(getattr(module, name, None) in values for name, values in STRIDED_WINDOWS.items())
+    return any(_plain_attribute(module, name) in values for name, values in STRIDED_WINDOWS.items())
+
+
+def _plain_attribute(module: torch.nn.Module, name: str) -> Any:
+    """``module.name``, None when absent: asked of every module a forward enters, so a missing one is found absent
+    without ``nn.Module.__getattr__``'s exception (a parameter, buffer or submodule of that name is no int or str)."""
+    found = module.__dict__.get(name, _ABSENT)
+    if found is not _ABSENT:
+        return found
+    return getattr(module, name, None) if hasattr(type(module), name) else None
+
+
+_ABSENT = object()
 
 
 def _window_size(module: torch.nn.Module) -> int | None:
     """``module.window_size`` along the sharded dim (an int or a sequence's first entry) when it is an int >= 2."""
-    size = getattr(module, "window_size", None)
+    size = _plain_attribute(module, "window_size")
     if isinstance(size, (tuple, list)) and size:
         size = size[0]
     if isinstance(size, bool) or not isinstance(size, int) or size < 2:

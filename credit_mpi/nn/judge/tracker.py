@@ -69,12 +69,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
+from ...grid import grid_of
 from ...partition import normalize_dim
 from .. import base
 from ..base import DomainParallelModule
 from ..replicated import is_replicated, replicated
 from ..rules import traits_of
-from .registry import Refusal, conversion_error, module_rules, op_name, rule_for, rules_without_bands, tensors_in
+from .registry import MISS, Refusal, conversion_error, module_rules, rule_of, rules_without_bands, tensors_in
 
 __all__ = ["Sharded", "Placement", "Extent", "Tracker", "active_tracker", "judge_forward", "follows_band", "grid_columns",
            "tracked_columns"]
@@ -246,6 +247,7 @@ class Tracker(TorchFunctionMode):
         self.on_conflict: Callable | None = None
         self.plan_rows: list = []  # the plan's rows so far (a module rule asks what its forward communicated)
         self.grid: tuple[int, int] | None = None  # the dry run's domain grid (None: latitude bands)
+        self.columns: int | None = None  # at run time: the manager's grid's columns, once read (tracked_columns)
         # replicated rows joined to a band along the sharded dim (credit_mpi.nn.judge.field_values): what a split takes apart
         self.joins: list[tuple] = []
         # describe()'s dry run: the host values of integer and bool tensors on the meta device (index buffers, indices
@@ -436,13 +438,12 @@ class Tracker(TorchFunctionMode):
         every branch (and for a conv with that padding). Decided from the forward's structure (the
         same on every rank); the layer agrees on the folded rows with its input.
         """
-        from ..conv import fold_edge_rows
-
         if not traits_of(module).folds_edge_rows or module.padding_mode != "zeros" or len(args) != 1:
             return None
         rec = self.record_of(args[0])
         if rec is None or rec.edge_pad is None:
             return None
+        from ..conv import fold_edge_rows
         x, (before, after), others = rec.edge_pad
         p = self.get(x)
         sd = None if p is None else p.dim - (x.ndim - len(module.kernel_size))
@@ -487,6 +488,11 @@ class Tracker(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.trusted:
             return func(*args, **kwargs)
+        op, rule, fast, reads = rule_of(func)
+        if reads:  # x.ndim, x.dtype: no tensor out, no size read
+            return func(*args, **kwargs)
+        if fast is not None and not self.own_layouts and (out := fast(self, func, args, kwargs)) is not MISS:
+            return out
         held = [(t, p) for t in tensors_in((args, kwargs)) if (p := self.get(t)) is not None]
         if not held:
             if self.fields:  # a replicated sum over a field spread back to its tokens
@@ -495,8 +501,6 @@ class Tracker(TorchFunctionMode):
                     if handled:
                         return out
             return func(*args, **kwargs)
-        op = op_name(func)
-        rule = rule_for(op) or rule_for(op.rstrip("_") if not op.startswith("__") else op)
         here = self._held_layouts(op, rule, held) if self.own_layouts else None
         try:
             if rule is None:
@@ -592,8 +596,6 @@ base.judged = judge_forward
 
 def grid_columns(manager: Any) -> int:
     """The longitude columns of the manager's domain grid (1: latitude bands)."""
-    from ...grid import grid_of
-
     return grid_of(manager, manager.domain_parallel_size)[1]
 
 
@@ -602,4 +604,6 @@ def tracked_columns(tr: Tracker) -> int:
     ``domain_grid`` (1 on bands)."""
     if tr.manager is None:
         return (getattr(tr, "grid", None) or (1, 1))[1]
-    return grid_columns(tr.manager)
+    if tr.columns is None:  # read for every size and reshape: once per forward (the manager's grid is fixed)
+        tr.columns = grid_columns(tr.manager)
+    return tr.columns
