@@ -120,11 +120,12 @@ def test_global_average_pool_is_replicated(make_manager):
     with prefix_managers(make_manager) as managers:
         for d, manager in managers:
             for h in _heights(d, 3):
-                def build():
-                    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1))
+                for size in (1, (1, 3), (1, None)):  # the mean of every plane (scSE), and torch's windows in longitude
+                    def build(size=size):
+                        return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveAvgPool2d(size))
 
-                r = run_both(build, (2, 2, h, 5), manager, seed=h, replicated=True)
-                assert_same(r)
+                    r = run_both(build, (2, 2, h, 5), manager, seed=h, replicated=True)
+                    assert_same(r)
 
 
 @pytest.mark.mpi(min_size=1)
