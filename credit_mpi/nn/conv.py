@@ -150,28 +150,27 @@ class BandPlan(NamedTuple):
 
     layout: geometry.LayerBands  # every rank's window (``layout.problem``: why it has none)
     boundary: str  # the halo's outer edge (:data:`credit_mpi.partition.BOUNDARIES`, or ``"replicate"``)
-    halo_problem: str | None  # the halo does not fit the bands (check_halo's message), else None
+    halo_fits: bool  # the halo fits the bands (else the layer raises check_halo's error, on every rank)
     pad: tuple[list[int], str] | None  # ``F.pad`` of the other spatial dims (argument, mode), or None
     spec: ConvSpec  # the kernel call's settings (the sharded dim unpadded)
 
 
 @functools.lru_cache(maxsize=1024)
 def band_plan(kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], groups: int, padding,
-              padding_mode: str, edge, sizes: tuple[int, ...], sd: int, axis: int) -> BandPlan:
-    """The :class:`BandPlan` of a convolution with these settings on bands ``sizes`` (sharded spatial dim ``sd``,
-    tensor axis ``axis``): a pure function of agreed values, so a layer called step after step with the same
+              padding_mode: str, edge, sizes: tuple[int, ...], sd: int) -> BandPlan:
+    """The :class:`BandPlan` of a convolution with these settings on bands ``sizes`` (sharded spatial dim ``sd``): a pure function of agreed values, so a layer called step after step with the same
     bands plans once (no geometry, halo check or padding arithmetic per call)."""
     nd = len(kernel)
     pads = _paddings(kernel, dilation, padding, edge)
     before, after = pads[sd]
     lay = geometry.conv_layout(list(sizes), kernel[sd], stride[sd], dilation[sd], before, after)
     boundary = _BOUNDARY[padding_mode]
-    problem = None
+    fits = True
     if not lay.problem and boundary != "replicate":
         try:
-            check_halo_width(list(sizes), lay.width, boundary, axis)
-        except ValueError as exc:
-            problem = str(exc)
+            check_halo_width(list(sizes), lay.width, boundary, sd)
+        except ValueError:
+            fits = False
     conv_padding = [0] * nd
     pad = None
     if padding_mode == "zeros":
@@ -181,7 +180,7 @@ def band_plan(kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[
             conv_padding = [0 if i == sd or pads[i][0] != pads[i][1] else pads[i][0] for i in range(nd)]
     elif any(p != (0, 0) for i, p in enumerate(pads) if i != sd):
         pad = (_pad_arg(list(pads), sd, nd), padding_mode)
-    return BandPlan(lay, boundary, problem, pad, ConvSpec(tuple(stride), tuple(conv_padding), tuple(dilation), groups))
+    return BandPlan(lay, boundary, fits, pad, ConvSpec(tuple(stride), tuple(conv_padding), tuple(dilation), groups))
 
 
 class _EdgeRows(torch.autograd.Function):
@@ -266,22 +265,22 @@ class _ConvMixin(DomainParallelModule):
 
     def dp_geometry(self, sizes: list[int], sd: int, h_out: int | None = None) -> geometry.RowGeometry:
         """A window layout with a halo past the edges as ``padding_mode`` pads."""
-        return geometry.RowGeometry(self._plan(sizes, sd, sd).layout, self.stride[sd], _BOUNDARY[self.padding_mode])
+        return geometry.RowGeometry(self._plan(sizes, sd).layout, self.stride[sd], _BOUNDARY[self.padding_mode])
 
     def dp_no_halo(self, sizes: list[int], sd: int) -> bool:
         """No row of another band is read (a 1x1 conv): the remembered plan's answer."""
-        lay = self._plan(sizes, sd, sd).layout
+        lay = self._plan(sizes, sd).layout
         return not lay.problem and not lay.width
 
     def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
         """A halo of the input's rows forward; its gradients home backward (the input requires grad)."""
         return halo_rule(n, width, row_bytes(shape_in, axis, dtype.itemsize), _BOUNDARY[self.padding_mode], grad, quiet=True)
 
-    def _plan(self, sizes, sd: int, axis: int) -> BandPlan:
-        """:func:`band_plan` of this module's settings (``axis``: the sharded tensor axis, named in the halo check)."""
+    def _plan(self, sizes, sd: int) -> BandPlan:
+        """:func:`band_plan` of this module's settings."""
         return band_plan(tuple(self.kernel_size), tuple(self.stride), tuple(self.dilation), self.groups,
                          _hashable(self.padding), self.padding_mode, self.__dict__.get("dp_edge_rows"), tuple(sizes),
-                         sd, axis)
+                         sd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp_local(x):
@@ -296,12 +295,12 @@ class _ConvMixin(DomainParallelModule):
                       quiet=lambda b: self.dp_no_halo(b.sizes, b.axis - (x.ndim - nd)))
         axis = bands.axis
         sd = axis - (x.ndim - nd)
-        plan = self._plan(bands.sizes, sd, axis)  # remembered: the agreed values decide it (every rank alike)
+        plan = self._plan(bands.sizes, sd)  # remembered: the agreed values decide it (every rank alike)
         lay, boundary = plan.layout, plan.boundary
         if lay.problem:
             raise layout_error(self.dp_path, lay, self.stride[sd])
-        if plan.halo_problem:
-            raise ValueError(f"{self.dp_path}: {plan.halo_problem}")
+        if not plan.halo_fits:  # agreed sizes: raises on every rank
+            check_halo(self.dp_path, bands.sizes, lay.width, boundary, axis)
         band = lay.bands[bands.rank]
         if overlap and lay.width and boundary in ("zero", "periodic") and x.device.type == "cpu":
             span = self.dilation[sd] * (self.kernel_size[sd] - 1) + 1
