@@ -120,11 +120,12 @@ def test_global_average_pool_is_replicated(make_manager):
     with prefix_managers(make_manager) as managers:
         for d, manager in managers:
             for h in _heights(d, 3):
-                def build():
-                    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1))
+                for size in (1, (1, 3), (1, None)):  # the mean of every plane (scSE), and torch's windows in longitude
+                    def build(size=size):
+                        return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveAvgPool2d(size))
 
-                r = run_both(build, (2, 2, h, 5), manager, seed=h, replicated=True)
-                assert_same(r)
+                    r = run_both(build, (2, 2, h, 5), manager, seed=h, replicated=True)
+                    assert_same(r)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -462,3 +463,18 @@ def test_layer_rules_are_registered_next_to_their_classes():
     assert rules.traits_of(conv).folds_edge_rows and rules.traits_of(norm).batch_statistics
     assert rules.traits_of(nn.Conv2d(1, 1, 1)) == rules.LayerTraits()  # a torch module: nothing declared
     assert rules.RULES[nn.Conv2d] is credit_mpi.nn.DomainParallelConv2d
+
+
+@pytest.mark.mpi(min_size=1)
+def test_band_conv_plans_once_per_band_layout(make_manager):
+    """A band conv called again with the same bands reuses its plan (no geometry per call) and stays exact."""
+    from credit_mpi.nn.conv import band_plan
+
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            for h in _heights(d, 8):
+                band_plan.cache_clear()
+                r = run_both(CONVS["k3s2p1"], (2, 2, h, 6), manager, seed=h, steps=2)
+                assert_same(r)
+                if d > 1:  # one process runs the module as it is
+                    assert band_plan.cache_info().hits > band_plan.cache_info().misses, (d, h, band_plan.cache_info())

@@ -160,3 +160,35 @@ def test_band_conv_double_backward_equals_one_process(make_manager):
             (h_ref,) = torch.autograd.grad(g_ref.pow(2).sum(), xr)
             for ours, ref in ((g, g_ref), (h, h_ref)):
                 torch.testing.assert_close(ours, credit_mpi.shard_tensor(ref, -2, manager, uneven=True), rtol=1e-12, atol=1e-12)
+
+
+def _pools() -> dict:
+    """Pools and their input shapes (None: the sharded dim): max pools of 1-3 dims, and the global mean."""
+    return {
+        "maxpool2d k3s2p1": (lambda: nn.MaxPool2d(3, 2, 1), (2, 3, None, 6)),
+        "maxpool2d ceil": (lambda: nn.MaxPool2d(3, 2, 1, ceil_mode=True), (1, 2, None, 5)),
+        "maxpool1d k3s1p1": (lambda: nn.MaxPool1d(3, 1, 1), (2, 3, None)),
+        "maxpool3d k3s2p1": (lambda: nn.MaxPool3d(3, 2, 1), (1, 2, 3, None, 4)),
+        "global mean": (lambda: nn.AdaptiveAvgPool2d(1), (2, 3, None, 6)),
+    }
+
+
+@pytest.mark.mpi(min_size=1)
+def test_band_pools_keep_no_more_than_torch_on_the_band(make_manager):
+    """A max pool keeps its indices only (not the fetched rows), the global mean nothing (as torch's ``x.mean``);
+    their forward, input and parameter gradients are one process's (even and uneven bands)."""
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            for name, (build, shape) in _pools().items():
+                for h in (4 * d, 4 * d + d - 1):  # even and uneven bands
+                    full = tuple(h if s is None else s for s in shape)
+                    axis = shape.index(None)
+                    glob = name == "global mean"
+                    assert_same(run_both(build, full, manager, seed=h, shard_dim=axis - len(full), replicated=glob))
+                    a, b = band(h, manager)
+                    x = torch.randn(full, dtype=torch.float64).narrow(axis, a, b - a).contiguous().requires_grad_()
+                    layer = convert_to_domain_parallel(build(), manager, shard_dim=axis - len(full))
+                    ours, out = saved_activation_bytes(lambda m=layer, x=x: m(x))
+                    theirs, _ = saved_activation_bytes(lambda m=build(), x=x: m(x))
+                    assert ours <= theirs - (0 if glob or d == 1 else x.numel() * 8), (name, d, h, ours, theirs)  # not the input
+                    out.sum().backward()  # every rank: the halo's / the mean's backward is collective

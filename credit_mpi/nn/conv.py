@@ -23,6 +23,7 @@ their overlap to the neighbouring blocks, corners included.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..manager import domain_of
+from ..partition import check_halo_width
 from . import geometry
 from ._comm import agree, agree_blocks, check_halo, fetch_block, fetch_rows, overlap_add, overlap_add_2d
 from ._overlap import overlapped_conv, split
@@ -70,22 +72,32 @@ def conv_paddings(module: nn.Module) -> list[tuple[int, int]]:
     output rows on the unpadded field, so branches padded differently (WXFormer's CrossEmbed
     branches) give their outputs one band layout.
     """
-    nd = len(module.kernel_size)
-    if isinstance(module.padding, str):
-        if module.padding == "valid":
+    return list(_paddings(tuple(module.kernel_size), tuple(module.dilation), _hashable(module.padding),
+                          module.__dict__.get("dp_edge_rows")))
+
+
+def _hashable(padding):
+    return padding if isinstance(padding, str) else tuple(padding)
+
+
+@functools.lru_cache(maxsize=256)
+def _paddings(kernel: tuple[int, ...], dilation: tuple[int, ...], padding, edge) -> tuple[tuple[int, int], ...]:
+    """:func:`conv_paddings` of a module's settings."""
+    nd = len(kernel)
+    if isinstance(padding, str):
+        if padding == "valid":
             out = [(0, 0)] * nd
         else:
             out = []
-            for k, d in zip(module.kernel_size, module.dilation, strict=True):
+            for k, d in zip(kernel, dilation, strict=True):
                 total = d * (k - 1)
                 out.append((total // 2, total - total // 2))
     else:
-        out = [(p, p) for p in module.padding]
-    edge = module.__dict__.get("dp_edge_rows")
+        out = [(p, p) for p in padding]
     if edge is not None:
         sd, before, after = edge
         out[sd] = (out[sd][0] + before, out[sd][1] + after)
-    return out
+    return tuple(out)
 
 
 def fold_edge_rows(module: nn.Module, edge: tuple[int, int, int] | None) -> None:
@@ -131,6 +143,44 @@ class ConvSpec(NamedTuple):
     padding: tuple[int, ...]
     dilation: tuple[int, ...]
     groups: int
+
+
+class BandPlan(NamedTuple):
+    """What a band convolution does for one agreed band layout: decided once, remembered (:func:`band_plan`)."""
+
+    layout: geometry.LayerBands  # every rank's window (``layout.problem``: why it has none)
+    boundary: str  # the halo's outer edge (:data:`credit_mpi.partition.BOUNDARIES`, or ``"replicate"``)
+    halo_fits: bool  # the halo fits the bands (else the layer raises check_halo's error, on every rank)
+    pad: tuple[list[int], str] | None  # ``F.pad`` of the other spatial dims (argument, mode), or None
+    spec: ConvSpec  # the kernel call's settings (the sharded dim unpadded)
+
+
+@functools.lru_cache(maxsize=1024)
+def band_plan(kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], groups: int, padding,
+              padding_mode: str, edge, sizes: tuple[int, ...], sd: int) -> BandPlan:
+    """The :class:`BandPlan` of a convolution with these settings on bands ``sizes`` (sharded spatial dim ``sd``): a pure function of agreed values, so a layer called step after step with the same
+    bands plans once (no geometry, halo check or padding arithmetic per call)."""
+    nd = len(kernel)
+    pads = _paddings(kernel, dilation, padding, edge)
+    before, after = pads[sd]
+    lay = geometry.conv_layout(list(sizes), kernel[sd], stride[sd], dilation[sd], before, after)
+    boundary = _BOUNDARY[padding_mode]
+    fits = True
+    if not lay.problem and boundary != "replicate":
+        try:
+            check_halo_width(list(sizes), lay.width, boundary, sd)
+        except ValueError:
+            fits = False
+    conv_padding = [0] * nd
+    pad = None
+    if padding_mode == "zeros":
+        conv_padding = [0 if i == sd else pads[i][0] for i in range(nd)]
+        if any(pads[i][0] != pads[i][1] for i in range(nd) if i != sd):  # "same" with an even kernel
+            pad = (_pad_arg(list(pads), sd, nd, skip_symmetric=True), "constant")
+            conv_padding = [0 if i == sd or pads[i][0] != pads[i][1] else pads[i][0] for i in range(nd)]
+    elif any(p != (0, 0) for i, p in enumerate(pads) if i != sd):
+        pad = (_pad_arg(list(pads), sd, nd), padding_mode)
+    return BandPlan(lay, boundary, fits, pad, ConvSpec(tuple(stride), tuple(conv_padding), tuple(dilation), groups))
 
 
 class _EdgeRows(torch.autograd.Function):
@@ -215,11 +265,22 @@ class _ConvMixin(DomainParallelModule):
 
     def dp_geometry(self, sizes: list[int], sd: int, h_out: int | None = None) -> geometry.RowGeometry:
         """A window layout with a halo past the edges as ``padding_mode`` pads."""
-        return geometry.RowGeometry(conv_layout(self, sizes, sd), self.stride[sd], _BOUNDARY[self.padding_mode])
+        return geometry.RowGeometry(self._plan(sizes, sd).layout, self.stride[sd], _BOUNDARY[self.padding_mode])
+
+    def dp_no_halo(self, sizes: list[int], sd: int) -> bool:
+        """No row of another band is read (a 1x1 conv): the remembered plan's answer."""
+        lay = self._plan(sizes, sd).layout
+        return not lay.problem and not lay.width
 
     def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
         """A halo of the input's rows forward; its gradients home backward (the input requires grad)."""
         return halo_rule(n, width, row_bytes(shape_in, axis, dtype.itemsize), _BOUNDARY[self.padding_mode], grad, quiet=True)
+
+    def _plan(self, sizes, sd: int) -> BandPlan:
+        """:func:`band_plan` of this module's settings."""
+        return band_plan(tuple(self.kernel_size), tuple(self.stride), tuple(self.dilation), self.groups,
+                         _hashable(self.padding), self.padding_mode, self.__dict__.get("dp_edge_rows"), tuple(sizes),
+                         sd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp_local(x):
@@ -234,50 +295,33 @@ class _ConvMixin(DomainParallelModule):
                       quiet=lambda b: self.dp_no_halo(b.sizes, b.axis - (x.ndim - nd)))
         axis = bands.axis
         sd = axis - (x.ndim - nd)
-        geo = self.dp_geometry(bands.sizes, sd)
-        lay, boundary = geo.layout, geo.boundary
+        plan = self._plan(bands.sizes, sd)  # remembered: the agreed values decide it (every rank alike)
+        lay, boundary = plan.layout, plan.boundary
         if lay.problem:
-            raise layout_error(self.dp_path, lay, geo.stride)
-        if boundary != "replicate":
+            raise layout_error(self.dp_path, lay, self.stride[sd])
+        if not plan.halo_fits:  # agreed sizes: raises on every rank
             check_halo(self.dp_path, bands.sizes, lay.width, boundary, axis)
         band = lay.bands[bands.rank]
-        conv = self._band_conv(sd)
         if overlap and lay.width and boundary in ("zero", "periodic") and x.device.type == "cpu":
             span = self.dilation[sd] * (self.kernel_size[sd] - 1) + 1
             every = [split(b.in_lo - (b.start - lay.width), lay.width, b.stop - b.start, b.out_stop - b.out_start,
                            self.stride[sd], span) for b in lay.bands]
             if all(every):  # decided from the agreed layout: every rank overlaps, or none does
                 neighbours = domain_of(manager).neighbors(boundary == "periodic")
-                return overlapped_conv(x, conv, axis, lay.width, band.in_lo - (bands.start - lay.width),
-                                       band.out_stop - band.out_start, self.stride[sd], span,
-                                       manager.domain_group, neighbours, every[bands.rank])
+                return overlapped_conv(x, functools.partial(self._conv_rows, plan), axis, lay.width,
+                                       band.in_lo - (bands.start - lay.width), band.out_stop - band.out_start,
+                                       self.stride[sd], span, manager.domain_group, neighbours, every[bands.rank])
         rows = fetch_rows(x, bands, band.in_lo, band.in_hi, lay.width, manager, boundary)
-        if not lay.width or not conv.plain:  # the rows are x's own (a view), or padded again in another dim (as torch's)
-            return conv(rows)
-        return halo_conv(x, rows, band.in_lo - bands.start, axis, self.weight, self.bias, conv.spec)
+        if not lay.width or plan.pad is not None:  # the rows are x's own (a view), or padded again in another dim
+            return self._conv_rows(plan, rows)
+        return halo_conv(x, rows, band.in_lo - bands.start, axis, self.weight, self.bias, plan.spec)
 
-    def _band_conv(self, sd: int):
+    def _conv_rows(self, plan: BandPlan, rows: torch.Tensor) -> torch.Tensor:
         """The convolution of fetched rows (the sharded dim's halo in, no padding along it): the other dims padded like the module."""
-        nd = self._nd
-        pads = conv_paddings(self)
-        conv_padding = [0] * nd
-        pad = None
-        if self.padding_mode == "zeros":
-            conv_padding = [0 if i == sd else pads[i][0] for i in range(nd)]
-            if any(pads[i][0] != pads[i][1] for i in range(nd) if i != sd):  # "same" with an even kernel
-                pad = (_pad_arg(pads, sd, nd, skip_symmetric=True), "constant")
-                conv_padding = [0 if i == sd or pads[i][0] != pads[i][1] else pads[i][0] for i in range(nd)]
-        elif any(p != (0, 0) for i, p in enumerate(pads) if i != sd):
-            pad = (_pad_arg(pads, sd, nd), self.padding_mode)
-
-        def conv(rows: torch.Tensor) -> torch.Tensor:
-            if pad is not None:
-                rows = F.pad(rows, pad[0], mode=pad[1])
-            return _CONV[nd](rows, self.weight, self.bias, self.stride, conv_padding, self.dilation, self.groups)
-
-        conv.plain = pad is None  # type: ignore[attr-defined]
-        conv.spec = ConvSpec(tuple(self.stride), tuple(conv_padding), tuple(self.dilation), self.groups)  # type: ignore[attr-defined]
-        return conv
+        if plan.pad is not None:
+            rows = F.pad(rows, plan.pad[0], mode=plan.pad[1])
+        spec = plan.spec
+        return _CONV[self._nd](rows, self.weight, self.bias, spec.stride, spec.padding, spec.dilation, spec.groups)
 
     def _grid_forward(self, x: torch.Tensor) -> torch.Tensor:
         """On a 2-D grid: fetch the (latitude, longitude) window of this block's output block, then convolve."""

@@ -236,6 +236,64 @@ class DomainParallelInterpolate(_InterpolateMixin, nn.Module):
         return self._interp(x, self.size, self.scale_factor, self.mode, self.align_corners, self.recompute_scale_factor)
 
 
+_MAX_POOL = {2: torch.ops.aten.max_pool2d_with_indices, 3: torch.ops.aten.max_pool3d_with_indices}
+_MAX_POOL_BACKWARD = {2: torch.ops.aten.max_pool2d_with_indices_backward,
+                      3: torch.ops.aten.max_pool3d_with_indices_backward}
+
+
+class _MaxPoolRows(torch.autograd.Function):
+    """Max pooling of fetched rows that keeps the indices alone for backward, as torch's kernel on the band does
+    (its input, which the layer before keeps anyway, is not copied: the fetched rows are freed after the forward).
+
+    ``edges``: how many of the first and last rows lie past the field's edges; they are set to -inf here (the
+    exchange's zeros, in place: no copy of the rows), so their gradient is zero as a padded -inf row's is.
+    Backward: torch's own ``max_pool*_with_indices_backward`` (the same kernel ``F.max_pool*``'s backward runs).
+    """
+
+    @staticmethod
+    def forward(ctx, rows, axis, edges, window, ceil_mode):
+        r = rows.detach()
+        low, high = edges
+        if low:
+            r.narrow(axis, 0, low).fill_(float("-inf"))
+        if high:
+            r.narrow(axis, r.shape[axis] - high, high).fill_(float("-inf"))
+        out, idx = _MAX_POOL[len(window[0])](r, *window, ceil_mode)
+        ctx.save_for_backward(idx)
+        ctx.shape, ctx.window, ctx.ceil_mode = rows.shape, window, ceil_mode
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        shape_of = grad.new_empty(ctx.shape)  # read for its shape (and layout) only: the kernel's output starts at zero
+        g = _MAX_POOL_BACKWARD[len(ctx.window[0])](grad, shape_of, *ctx.window, ctx.ceil_mode, idx)
+        return g, None, None, None, None
+
+
+def max_pool_rows(rows: torch.Tensor, axis: int, edges: tuple[int, int], window: tuple[list, list, list, list],
+                  ceil_mode: bool) -> torch.Tensor:
+    """``F.max_pool*`` of fetched rows (``window``: kernel, stride, padding, dilation per spatial dim), the first
+    ``edges[0]`` and last ``edges[1]`` rows along ``axis`` (past the field's edges) counted as -inf.
+
+    Recorded (the input requires grad): :class:`_MaxPoolRows`, which keeps the indices only. Else torch's
+    pooling (no indices), the edge rows -inf in place (rows past an edge are the exchange's fresh output).
+    """
+    nd = len(window[0])
+    if torch.is_grad_enabled() and rows.requires_grad:
+        if nd == 1:  # torch's 1-D pooling is its 2-D kernel on one row (the sharded dim is the last)
+            window2 = tuple([first, *w] for first, w in zip((1, 1, 0, 1), window, strict=True))
+            return _MaxPoolRows.apply(rows.unsqueeze(-2), axis % rows.ndim + 1, edges, window2, ceil_mode).squeeze(-2)
+        return _MaxPoolRows.apply(rows, axis, edges, window, ceil_mode)
+    low, high = edges  # not recorded: rows past the edges come from the exchange (a fresh tensor), set in place
+    if low:
+        rows.narrow(axis, 0, low).fill_(float("-inf"))
+    if high:
+        rows.narrow(axis, rows.shape[axis] - high, high).fill_(float("-inf"))
+    fn = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]
+    return fn(rows, *window, ceil_mode)
+
+
 class _PoolMixin(DomainParallelModule):
     _nd = 2
     _max = True
@@ -275,12 +333,12 @@ class _PoolMixin(DomainParallelModule):
             raise layout_error(self.dp_path, lay, geo.stride)
         check_halo(self.dp_path, bands.sizes, lay.width, geo.boundary, axis)
         band = lay.bands[bands.rank]
-        fill = float("-inf") if self._max else None
-        rows = fetch_rows(x, bands, band.in_lo, band.in_hi, lay.width, manager, fill=fill)
         pad = [0 if i == sd else p[i] for i in range(nd)]
-        if self._max:
-            fn = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]
-            return fn(rows, k, s, pad, d, self.ceil_mode)
+        if self._max:  # the rows past the field's edges (zeros from the exchange) are -inf, set inside the pooling
+            rows = fetch_rows(x, bands, band.in_lo, band.in_hi, lay.width, manager)
+            edges = (max(0, -band.in_lo), max(0, band.in_hi - bands.total))
+            return max_pool_rows(rows, axis, edges, (k, s, pad, d), self.ceil_mode)
+        rows = fetch_rows(x, bands, band.in_lo, band.in_hi, lay.width, manager)
         fn = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[nd]
         args = (rows, k, s, pad, self.ceil_mode, self.count_include_pad)
         y = fn(*args) if nd == 1 else fn(*args, self.divisor_override)
@@ -377,13 +435,27 @@ class _AdaptiveAvgMixin(DomainParallelModule):
         if out[sd] is None or out[sd] == bands.total:
             return fn(x, keep)
         if self.dp_replicated(bands.total, out[sd]):  # the global mean along the sharded dim: replicated on every rank
-            local = fn(x, keep).sum(axis, keepdim=True)
-            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-            total = allgather_stats(local.to(acc), manager.domain_group).sum(0)
-            return replicated((total / bands.total).to(x.dtype))
+            return replicated(self._global_mean(x, bands, sd, keep, fn).to(x.dtype))
         y = _apply_rows(self, x, bands, adaptive_matrix(bands.total, out[sd]))
         keep[sd] = y.shape[axis]
         return fn(y, keep)
+
+    def _global_mean(self, x: torch.Tensor, bands, sd: int, keep: list[int], fn) -> torch.Tensor:
+        """The mean over the sharded dim (and torch's windows in the others) from this band's sums: one allgather.
+
+        Sums keep nothing for backward (their gradient is the output's, expanded), as torch's own
+        global mean (``adaptive_avg_pool`` to 1 x 1 is ``x.mean``) does: an output of one element
+        per plane (scSE's channel squeeze) is one sum over the band's spatial dims; otherwise the
+        band's row sum, then torch's pooling of the other dims on that one row.
+        """
+        nd, axis = self._nd, bands.axis
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        others = [x.ndim - nd + i for i in range(nd) if i != sd]
+        if all(keep[i] == 1 for i in range(nd) if i != sd):
+            local, count = x.sum([axis, *others], keepdim=True, dtype=acc), bands.total * math.prod(x.shape[d] for d in others)
+        else:
+            local, count = fn(x.sum(axis, keepdim=True, dtype=acc), [1 if i == sd else keep[i] for i in range(nd)]), bands.total
+        return allgather_stats(local, self.dp_manager.domain_group).sum(0) / count
 
 
 @layer_rule(nn.AdaptiveAvgPool1d, grid=False)
