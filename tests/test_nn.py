@@ -104,6 +104,20 @@ def test_norm_layers(name, make_manager):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_norm_layers_one_sample(name, make_manager):
+    """One sample: the per-sample statistics are the batch-norm kernels' channels as they are (and LayerNorm's
+    elementwise gradients one row, no sum)."""
+    with prefix_managers(make_manager) as managers:
+        for d, manager in managers:
+            for h in _heights(d, 3):
+                build = NORMS[name] or (lambda h=h: nn.LayerNorm((4, h, 5)))
+                r = run_both(lambda b=build: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), b(), nn.Conv2d(4, 2, 3, padding=1)),
+                             (1, 3, h, 5), manager, seed=d * 10 + h + 1)
+                assert_same(r)
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("name", sorted(RESAMPLE))
 def test_resample_layers(name, make_manager):
     with prefix_managers(make_manager) as managers:
@@ -120,11 +134,12 @@ def test_global_average_pool_is_replicated(make_manager):
     with prefix_managers(make_manager) as managers:
         for d, manager in managers:
             for h in _heights(d, 3):
-                def build():
-                    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1))
+                for size in (1, (1, 3)):  # every spatial dim's mean (one sum), and the latitude's alone
+                    def build(size=size):
+                        return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveAvgPool2d(size))
 
-                r = run_both(build, (2, 2, h, 5), manager, seed=h, replicated=True)
-                assert_same(r)
+                    r = run_both(build, (2, 2, h, 5), manager, seed=h, replicated=True)
+                    assert_same(r)
 
 
 @pytest.mark.mpi(min_size=1)

@@ -8,7 +8,7 @@ al.'s pairwise formula: stable, true counts, any band sizes). All four run
 as one autograd Function (:func:`band_norm`) on torch's fused CPU kernels
 (the band's moments in one pass, the output in one pass) that keeps for
 backward what torch's own kernel keeps on one process (the input, the
-weight, the per-group mean and 1/std: no normalised copy), and whose
+weight, the per-group mean and variance: no normalised copy), and whose
 backward gathers the two per-group sums it needs across the bands in one
 allgather; the input and parameter gradients are those of one process
 (after :func:`credit_mpi.reduce_gradients`). Once differentiable.
@@ -169,9 +169,15 @@ def _channel_sums(gh: torch.Tensor, xa: torch.Tensor, mean_c: torch.Tensor, var_
     return db.reshape(mean_c.shape), dsx.reshape(mean_c.shape)
 
 
-def _flat(p: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """An elementwise weight or bias (this band's part, maybe a view of the parameter) as ``(1, 1, S)`` in ``acc``."""
-    return p.to(acc).reshape(1, 1, -1)
+def _elementwise_view(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``t`` ``(rows, 1, S)`` as ``(rows, *p.shape)``: an elementwise weight or bias ``p`` (this band's part, maybe a
+    strided view of the parameter) broadcasts against it as it is, no copy."""
+    return t.reshape(t.shape[0], *p.shape)
+
+
+def _row_sum(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``t`` ``(rows, 1, S)`` summed over the rows, shaped ``shape`` (one row: ``t`` itself, no pass)."""
+    return t.reshape(shape) if t.shape[0] == 1 else t.sum((0, 1)).reshape(shape)
 
 
 class _BandNorm(torch.autograd.Function):
@@ -216,10 +222,14 @@ class _BandNorm(torch.autograd.Function):
         c = x.shape[1]
         mean_c, var_c = _per_channel(mean, c), _per_channel(var, c)
         y = _normalise(xa, y, mean_c, var_c, _per_row(weight, mean_c, acc), _per_row(bias, mean_c, acc), eps)
-        if ew is not None:
-            y = y.mul_(_flat(ew, acc)) if eb is None else y.mul_(_flat(ew, acc)).add_(_flat(eb, acc))
-        elif eb is not None:
-            y = y.add_(_flat(eb, acc))
+        if ew is not None or eb is not None:  # in place, one pass; the (narrowed) parameters broadcast, not copied
+            yv = _elementwise_view(y, ew if ew is not None else eb)
+            if ew is None:
+                yv.add_(eb.to(acc))
+            elif eb is None:
+                yv.mul_(ew.to(acc))
+            else:
+                torch.addcmul(eb.to(acc), yv, ew.to(acc), out=yv)
         ctx.save_for_backward(x, weight, ew, mean, var)
         ctx.groups, ctx.comm, ctx.eps, ctx.count = groups, comm, eps, float(total.reshape(-1)[0])
         ctx.path = paths.current()  # the backward's gather moves on the forward's data path
@@ -236,12 +246,12 @@ class _BandNorm(torch.autograd.Function):
         xa, g = x.to(acc), grad.to(acc)
         mean_c, var_c = _per_channel(mean, c), _per_channel(var, c)
         gx = gw = gb = gew = geb = None
-        if ew is not None and ctx.needs_input_grad[3]:
-            xhat = (xa - mean_c.unsqueeze(-1)) * torch.rsqrt(var_c + eps).unsqueeze(-1)
-            gew = (g * xhat).sum((0, 1)).reshape(ew.shape).to(ew.dtype)
+        if ew is not None and ctx.needs_input_grad[3]:  # xhat in one fused pass, times g in place, summed over the rows
+            xg = _normalise(xa, torch.empty(xa.shape, dtype=acc, device=xa.device), mean_c, var_c, None, None, eps).mul_(g)
+            gew = _row_sum(xg, ew.shape).to(ew.dtype)
         if ctx.eb is not None and ctx.needs_input_grad[4]:
-            geb = g.sum((0, 1)).reshape(ctx.eb[0]).to(ctx.eb[1])
-        gh = g if ew is None else g * _flat(ew, acc)
+            geb = _row_sum(g, ctx.eb[0]).to(ctx.eb[1])
+        gh = g if ew is None else (_elementwise_view(g, ew) * ew.to(acc)).view(g.shape)
         need_w = weight is not None and ctx.needs_input_grad[1]
         need_b = ctx.needs_input_grad[2]
         if not (need_w or need_b or ctx.needs_input_grad[0]):

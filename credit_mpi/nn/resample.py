@@ -377,10 +377,14 @@ class _AdaptiveAvgMixin(DomainParallelModule):
         if out[sd] is None or out[sd] == bands.total:
             return fn(x, keep)
         if self.dp_replicated(bands.total, out[sd]):  # the global mean along the sharded dim: replicated on every rank
-            local = fn(x, keep).sum(axis, keepdim=True)
             acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-            total = allgather_stats(local.to(acc), manager.domain_group).sum(0)
-            return replicated((total / bands.total).to(x.dtype))
+            spatial = list(range(x.ndim - nd, x.ndim))
+            if all(o == 1 for i, o in enumerate(out) if i != sd):  # the mean of every spatial dim: one sum, nothing saved
+                local, count = x.sum(spatial, keepdim=True, dtype=acc), bands.total * math.prod(x.shape[d] for d in spatial if d != axis)
+            else:
+                local, count = fn(x, keep).sum(axis, keepdim=True).to(acc), bands.total
+            total = allgather_stats(local, manager.domain_group).sum(0)
+            return replicated((total / count).to(x.dtype))
         y = _apply_rows(self, x, bands, adaptive_matrix(bands.total, out[sd]))
         keep[sd] = y.shape[axis]
         return fn(y, keep)
