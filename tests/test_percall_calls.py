@@ -25,8 +25,9 @@ from credit_mpi import DomainParallelManager, gather_tensor, halo_exchange
 _PACKAGE = os.path.dirname(credit_mpi.__file__) + os.sep
 
 # per-path budgets of credit_mpi calls per repeated call; at the time of writing, on 2, 3 and 4 ranks:
-# halo_exchange 22, HaloExchange forward + backward 53, gather_tensor 28, 29, 30 (one band message a peer)
-BUDGETS = {"halo_exchange": 24, "HaloExchange fwd+bwd": 56, "gather_tensor": 33}
+# halo_exchange 22, HaloExchange forward + backward 53, gather_tensor 28, 29, 30 (one band message a peer);
+# gather_tensor of a torch CPU tensor 32 (the numpy path and the torch checks)
+BUDGETS = {"halo_exchange": 24, "HaloExchange fwd+bwd": 56, "gather_tensor": 33, "gather_tensor torch": 34}
 
 
 def _count(fn, calls: int = 4) -> float:
@@ -53,6 +54,8 @@ def _paths(manager, rank):
     paths = {"halo_exchange": lambda: halo_exchange(x, 1, manager=manager),
              "gather_tensor": lambda: gather_tensor(x, manager=manager)}
     torch = pytest.importorskip("torch")
+    xt = torch.from_numpy(x.copy())
+    paths["gather_tensor torch"] = lambda: gather_tensor(xt, manager=manager)
     module = credit_mpi.HaloExchange(1, manager=manager)
     xg = torch.from_numpy(x).clone().requires_grad_(True)
     g = torch.ones((4, 8, 25, 90))

@@ -8,7 +8,7 @@ al.'s pairwise formula: stable, true counts, any band sizes). All four run
 as one autograd Function (:func:`band_norm`) on torch's fused CPU kernels
 (the band's moments in one pass, the output in one pass) that keeps for
 backward what torch's own kernel keeps on one process (the input, the
-weight, the per-group mean and 1/std: no normalised copy), and whose
+weight, the per-group mean and variance: no normalised copy), and whose
 backward gathers the two per-group sums it needs across the bands in one
 allgather; the input and parameter gradients are those of one process
 (after :func:`credit_mpi.reduce_gradients`). Once differentiable.
@@ -90,19 +90,21 @@ def global_mean_var(x: torch.Tensor, dims: list[int], comm) -> tuple[torch.Tenso
 
 
 def _band_moments(xa: torch.Tensor, groups: int | None, eps: float):
-    """This band normalised with its own statistics, and those statistics: torch's group-norm kernel, one stable pass.
+    """This band's statistics, one stable pass (torch's group-norm kernel), and the kernel's output buffer.
 
-    ``xa`` is ``(N, C, S)``; the statistics are per sample and group of
-    channels (``groups`` None: per sample and channel), shape ``(N, G)``:
-    ``(xhat, mean, var, count)`` with ``xhat = (xa - mean) / sqrt(var + eps)``.
-    The variance comes back from the kernel's ``1/sqrt(var + eps)``, exact
-    to round-off relative to ``var + eps`` (all the normalisation uses).
+    ``xa`` is ``(N, C, S)`` contiguous; the statistics are per sample and
+    group of channels (``groups`` None: per sample and channel), shape
+    ``(N, G)``: ``(buffer, mean, var, count)``. ``buffer`` (the band
+    normalised with its own statistics) is only memory, already touched,
+    for the output pass to write into. The variance comes back from the
+    kernel's ``1/sqrt(var + eps)``, exact to round-off relative to
+    ``var + eps`` (all the normalisation uses).
     """
     n, c, s = xa.shape
     g = c if groups is None else groups
-    xhat, mean, rstd = torch.native_group_norm(xa.contiguous(), None, None, n, c, s, g, eps)  # a band view: a copy
+    buffer, mean, rstd = torch.native_group_norm(xa, None, None, n, c, s, g, eps)
     var = (rstd.reshape(n, g).pow(-2) - eps).clamp_min_(0.0)
-    return xhat, mean.reshape(n, g), var, c // g * s
+    return buffer, mean.reshape(n, g), var, c // g * s
 
 
 def _band_stats(mean: torch.Tensor, var: torch.Tensor, count: int, groups: int | None):
@@ -126,24 +128,56 @@ def _per_group(t: torch.Tensor, groups: int | None) -> torch.Tensor:
     return t.reshape(t.shape[0], groups, -1).sum(-1)
 
 
-def _channel_sums(gh: torch.Tensor, xa: torch.Tensor, mean_c: torch.Tensor, rstd_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _channel_rows(t: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """``t`` ``(N, C, S)`` as torch's batch-norm kernels see it: one channel per row of the per-channel ``stats``.
+
+    ``stats`` ``(1, C)`` (BatchNorm): ``t`` itself; ``(N, C)`` (per sample): ``(1, N * C, S)``, a view.
+    """
+    n, c, _ = t.shape
+    return t.reshape(1, n * c, -1) if stats.shape[0] == n and n > 1 else t
+
+
+def _per_row(p: torch.Tensor | None, stats: torch.Tensor, acc: torch.dtype) -> torch.Tensor | None:
+    """A per-channel weight or bias (or None) for :func:`_channel_rows`' rows, in ``acc``."""
+    if p is None:
+        return None
+    p = p.to(acc)
+    return p.repeat(stats.shape[0]) if stats.shape[0] > 1 else p
+
+
+def _normalise(xa, out, mean_c, var_c, w, b, eps: float):
+    """``(xa - mean) / sqrt(var + eps) * w + b`` per channel (``w``, ``b`` per row of :func:`_channel_rows`, or None), into ``out``.
+
+    ``out`` is contiguous (its rows a view). One fused pass: torch's batch-norm kernel in eval mode, the statistics
+    given as its running ones (the arithmetic of torch's CPU Batch and
+    GroupNorm outputs, ``x * scale + shift``).
+    """
+    torch.ops.aten.native_batch_norm.out(_channel_rows(xa, mean_c), w, b, mean_c.reshape(-1), var_c.reshape(-1), False, 0.0,
+                                         eps, out=_channel_rows(out, mean_c), save_mean=xa.new_empty(0), save_invstd=xa.new_empty(0))
+    return out
+
+
+def _channel_sums(gh: torch.Tensor, xa: torch.Tensor, mean_c: torch.Tensor, var_c: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per ``(sample | 1, channel)``: the sums of ``gh`` and of ``gh * (xa - mean) * rstd`` (one fused pass, torch's kernel).
 
-    ``mean_c`` / ``rstd_c`` of shape ``(1, C)`` give per-channel sums over
+    ``mean_c`` / ``var_c`` of shape ``(1, C)`` give per-channel sums over
     the samples too (BatchNorm); of shape ``(N, C)``, per sample and channel.
     """
-    n, c, s = xa.shape
-    rows = mean_c.numel()
-    view = (1, rows, -1) if mean_c.shape[0] == n and n > 1 else (n, c, s)
     _, dsx, db = torch.ops.aten.native_batch_norm_backward(
-        gh.reshape(view), xa.reshape(view), None, mean_c.reshape(-1), rstd_c.reshape(-1).pow(-2), None, None,
-        False, 0.0, [False, True, True])
+        _channel_rows(gh, mean_c), _channel_rows(xa, mean_c), None, mean_c.reshape(-1), var_c.reshape(-1), None, None,
+        False, eps, [False, True, True])
     return db.reshape(mean_c.shape), dsx.reshape(mean_c.shape)
 
 
-def _flat(p: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """An elementwise weight or bias (this band's part, maybe a view of the parameter) as ``(1, 1, S)`` in ``acc``."""
-    return p.to(acc).reshape(1, 1, -1)
+def _elementwise_view(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``t`` ``(rows, 1, S)`` as ``(rows, *p.shape)``: an elementwise weight or bias ``p`` (this band's part, maybe a
+    strided view of the parameter) broadcasts against it as it is, no copy."""
+    return t.reshape(t.shape[0], *p.shape)
+
+
+def _row_sum(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``t`` ``(rows, 1, S)`` summed over the rows, shaped ``shape`` (one row: ``t`` itself, no pass)."""
+    return t.reshape(shape) if t.shape[0] == 1 else t.sum((0, 1)).reshape(shape)
 
 
 class _BandNorm(torch.autograd.Function):
@@ -154,17 +188,19 @@ class _BandNorm(torch.autograd.Function):
     LayerNorm, the last as ``(rows, 1, normalised)``); ``weight`` / ``bias``
     are per channel, ``ew`` / ``eb`` a weight and bias of ``S`` elements
     (LayerNorm's, this band's part). Each band's mean and variance is one
-    fused pass (torch's batch-norm statistics kernel), every rank's
+    fused pass (torch's group-norm kernel), every rank's
     ``(count, mean, M2)`` one ``Allgather`` combined in rank order (Chan et
     al.: exact on uneven bands, the same bits on every rank); the output is
-    one pass ``x * scale + shift`` per channel (as torch's CPU Batch and
-    GroupNorm compute it). Saved for backward: the input, the weight and the
-    per-group mean and ``1/sqrt(var + eps)`` (what torch's own kernels keep
-    on one process). The backward's per-channel sums of the gradient and of
-    the gradient times the normalised value are one fused pass (torch's
-    batch-norm backward kernel); their per-group totals one ``Allgather``
-    added in rank order; the input gradient two passes
-    (``x * b + c``, then ``+ g * a``, per-channel ``a``, ``b``, ``c``).
+    one fused pass ``x * scale + shift`` per channel (torch's batch-norm
+    kernel in eval mode with the global statistics, written into the
+    statistics kernel's buffer: no fresh memory touched). Saved for
+    backward: the input, the weight and the per-group mean and variance
+    (what torch's own kernels keep on one process). The backward's
+    per-channel sums of the gradient and of the gradient times the
+    normalised value are one fused pass (torch's batch-norm backward
+    kernel); their per-group totals one ``Allgather`` added in rank order;
+    the input gradient two passes (``xhat * b + c`` by the eval-mode
+    batch-norm kernel, then ``+ g * a``, per-channel ``a``, ``b``, ``c``).
     torch's fused SyncBatchNorm kernels (``batch_norm_stats``,
     ``batch_norm_elemt``, ``batch_norm_backward_reduce`` / ``_elemt``) are
     CUDA-only: these are the CPU kernels that do the same passes. The weight and bias gradients are this band's
@@ -176,26 +212,26 @@ class _BandNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ew, eb, groups, eps, comm, on_stats):
         acc = _acc(x.dtype)
-        y, mean_l, var_l, count = _band_moments(x.to(acc), groups, eps)
-        mean, var, count = _band_stats(mean_l, var_l, count, groups)
+        xa = x.to(acc).contiguous()  # a band view: a copy
+        y, mean, var, count = _band_moments(xa, groups, eps)
+        mean, var, count = _band_stats(mean, var, count, groups)
         every = allgather_stats(torch.stack([torch.full_like(mean, float(count)), mean, var * count]), comm)
         mean, var, total = _combine(every)
         if on_stats is not None:
             on_stats(mean, var, total)
-        rstd = torch.rsqrt(var + eps)
         c = x.shape[1]
-        mean_c, rstd_c = _per_channel(mean, c), _per_channel(rstd, c)
-        mean_l, rstd_l = _per_channel(mean_l, c), _per_channel(torch.rsqrt(var_l + eps), c)
-        # the band's own normalisation rescaled in place: (x - m) r w + b = xhat_l (r / r_l) w + ((m_l - m) r w + b)
-        scale = rstd_c if weight is None else rstd_c * weight.to(acc)
-        shift = (mean_l - mean_c) * scale if bias is None else bias.to(acc) + (mean_l - mean_c) * scale
-        y = torch.addcmul(shift.unsqueeze(-1), y, (scale / rstd_l).unsqueeze(-1), out=y)
-        if ew is not None:
-            y = y.mul_(_flat(ew, acc)) if eb is None else y.mul_(_flat(ew, acc)).add_(_flat(eb, acc))
-        elif eb is not None:
-            y = y.add_(_flat(eb, acc))
-        ctx.save_for_backward(x, weight, ew, mean, rstd)
-        ctx.groups, ctx.comm, ctx.count = groups, comm, float(total.reshape(-1)[0])
+        mean_c, var_c = _per_channel(mean, c), _per_channel(var, c)
+        y = _normalise(xa, y, mean_c, var_c, _per_row(weight, mean_c, acc), _per_row(bias, mean_c, acc), eps)
+        if ew is not None or eb is not None:  # in place, one pass; the (narrowed) parameters broadcast, not copied
+            yv = _elementwise_view(y, ew if ew is not None else eb)
+            if ew is None:
+                yv.add_(eb.to(acc))
+            elif eb is None:
+                yv.mul_(ew.to(acc))
+            else:
+                torch.addcmul(eb.to(acc), yv, ew.to(acc), out=yv)
+        ctx.save_for_backward(x, weight, ew, mean, var)
+        ctx.groups, ctx.comm, ctx.eps, ctx.count = groups, comm, eps, float(total.reshape(-1)[0])
         ctx.path = paths.current()  # the backward's gather moves on the forward's data path
         ctx.eb = None if eb is None else (eb.shape, eb.dtype)
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -205,22 +241,22 @@ class _BandNorm(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         check_backward_thread()
-        x, weight, ew, mean, rstd = ctx.saved_tensors
-        acc, c = mean.dtype, x.shape[1]
+        x, weight, ew, mean, var = ctx.saved_tensors
+        acc, c, eps = mean.dtype, x.shape[1], ctx.eps
         xa, g = x.to(acc), grad.to(acc)
-        mean_c, rstd_c = _per_channel(mean, c), _per_channel(rstd, c)
+        mean_c, var_c = _per_channel(mean, c), _per_channel(var, c)
         gx = gw = gb = gew = geb = None
-        if ew is not None and ctx.needs_input_grad[3]:
-            xhat = (xa - mean_c.unsqueeze(-1)) * rstd_c.unsqueeze(-1)
-            gew = (g * xhat).sum((0, 1)).reshape(ew.shape).to(ew.dtype)
+        if ew is not None and ctx.needs_input_grad[3]:  # xhat in one fused pass, times g in place, summed over the rows
+            xg = _normalise(xa, torch.empty(xa.shape, dtype=acc, device=xa.device), mean_c, var_c, None, None, eps).mul_(g)
+            gew = _row_sum(xg, ew.shape).to(ew.dtype)
         if ctx.eb is not None and ctx.needs_input_grad[4]:
-            geb = g.sum((0, 1)).reshape(ctx.eb[0]).to(ctx.eb[1])
-        gh = g if ew is None else g * _flat(ew, acc)
+            geb = _row_sum(g, ctx.eb[0]).to(ctx.eb[1])
+        gh = g if ew is None else (_elementwise_view(g, ew) * ew.to(acc)).view(g.shape)
         need_w = weight is not None and ctx.needs_input_grad[1]
         need_b = ctx.needs_input_grad[2]
         if not (need_w or need_b or ctx.needs_input_grad[0]):
             return gx, gw, gb, gew, geb, None, None, None, None
-        db, dsx = _channel_sums(gh, xa, mean_c, rstd_c)
+        db, dsx = _channel_sums(gh, xa, mean_c, var_c, eps)
         if need_w:
             gw = dsx.sum(0).to(weight.dtype)
         if need_b:
@@ -229,11 +265,11 @@ class _BandNorm(torch.autograd.Function):
             w = 1.0 if weight is None else weight.to(acc)
             mine = torch.stack([_per_group(db * w, ctx.groups), _per_group(dsx * w, ctx.groups)])
             sums = allgather_stats(mine, ctx.comm, ctx.path).sum(0) / ctx.count
+            rstd_c = torch.rsqrt(var_c + eps)
             s1, s2 = _per_channel(sums[0], c), _per_channel(sums[1], c)
-            b = -rstd_c * rstd_c * s2  # gx = rstd * (w g - s1 - xhat s2) as a * gh + b * x + shift, one pass each
-            shift = rstd_c * (mean_c * rstd_c * s2 - s1)
-            gx = torch.addcmul(shift.unsqueeze(-1), xa, b.unsqueeze(-1)).addcmul_(gh, (rstd_c * w).unsqueeze(-1))
-            gx = gx.to(x.dtype)
+            # gx = rstd * (w g - s1 - xhat s2): xhat * (-rstd s2) - rstd s1 in one fused pass, then + (rstd w) g
+            gx = _normalise(xa, torch.empty(xa.shape, dtype=acc, device=xa.device), mean_c, var_c, (-rstd_c * s2).reshape(-1), (-rstd_c * s1).reshape(-1), eps)
+            gx = gx.addcmul_(gh, (rstd_c * w).unsqueeze(-1)).to(x.dtype)
         return gx, gw, gb, gew, geb, None, None, None, None
 
 

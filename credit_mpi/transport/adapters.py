@@ -328,6 +328,13 @@ class TorchAdapter:
     def host_bytes(x: Any) -> np.ndarray | None:
         if x.device.type != "cpu":
             return None
+        typed = _NUMPY_DTYPES.get(x.dtype, False)
+        if typed is False:
+            typed = _numpy_dtype(x.dtype)
+        if typed is not None:  # numpy's own views: one torch call, not four (the per-call fast path)
+            flat = x.detach().numpy().reshape(-1)
+            if flat.flags.c_contiguous:
+                return flat.view(np.uint8)
         return _torch_bytes(x.detach()).numpy()
 
     @staticmethod
@@ -338,6 +345,11 @@ class TorchAdapter:
         if nbytes == 0:
             return _torch_empty(shape, like.dtype, like.device)
         base = POOL.take(("torch", str(like.dtype), shape), lambda: np.empty(nbytes, dtype=np.uint8))
+        typed = _NUMPY_DTYPES.get(like.dtype, False)
+        if typed is False:
+            typed = _numpy_dtype(like.dtype)
+        if typed is not None:  # shaped by numpy, one tensor made (the view keeps the base: the pool sees it live)
+            return _torch().from_numpy(base.view(typed).reshape(shape))
         return _torch().from_numpy(base).view(like.dtype).reshape(shape)
 
     @staticmethod
@@ -392,6 +404,20 @@ class TorchAdapter:
     def from_host(owner: Any, view: np.ndarray, dst: Any) -> None:
         # Blocking too: the staging buffer may be reused right after.
         dst.copy_(owner[: view.size])
+
+
+_NUMPY_DTYPES: dict = {}  # torch dtype -> numpy dtype, or None where numpy has none (bfloat16, float8)
+
+
+def _numpy_dtype(dtype: Any) -> Any:
+    """numpy's dtype for the torch ``dtype``, or None, remembered in ``_NUMPY_DTYPES`` (read it first: a dict
+    lookup, no call; torch is never imported here)."""
+    if not _NUMPY_DTYPES:
+        torch = _torch()
+        for name in ("float16", "float32", "float64", "complex64", "complex128", "int8", "int16", "int32", "int64",
+                     "uint8", "bool"):
+            _NUMPY_DTYPES[getattr(torch, name)] = np.dtype(name)
+    return _NUMPY_DTYPES.setdefault(dtype, None)
 
 
 def _torch_bytes(x: Any) -> Any:
