@@ -171,13 +171,11 @@ def test_compiled_squeeze_excite_equals_eager(make_manager, record_property):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.world_sizes(2)
-@pytest.mark.xfail(strict=True, raises=credit_mpi.nn.ConversionError,
-                   reason="issue 35: the aot_eager graph of WXFormer's CrossEmbed runs aten ops (constant_pad_nd.default "
-                          "of its ZeroPad2d) under the judge's tracker, which has rules for torch functions, not aten "
-                          "overloads: ConversionError on every rank (no hang, nothing wrong computed)")
 def test_compiled_wxformer_equals_eager(make_manager, record_property):
     """CREDIT's WXFormer (the example configuration of tests/test_credit_models.py) compiles on 2 bands: its forward,
-    input gradient and parameter gradients are eager's bit for bit; its graph breaks are reported."""
+    input gradient and parameter gradients (after reduce_gradients) are eager's bit for bit; its graph breaks are
+    reported. The modules whose forward the judge follows (CrossEmbed's ZeroPad2d, Attention's bias from the field's
+    sizes) run eagerly (credit_mpi.nn.eager: issue 35 refused both on every rank under dynamo)."""
     pytest.importorskip("einops")
     pytest.importorskip("credit")
     from .credit_stand_ins import credit_models
@@ -203,7 +201,10 @@ def test_compiled_wxformer_equals_eager(make_manager, record_property):
         out.square().sum().backward()
         outs.append((out.detach(), xi.grad))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    credit_mpi.reduce_gradients(model.parameters(), manager)
+    credit_mpi.reduce_gradients(eager.parameters(), manager)
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
-    graphs, _ = report(record_property, "wxformer")
-    assert graphs > 0
+    assert any(p.grad is not None for p in model.parameters())
+    graphs, breaks = report(record_property, "wxformer")
+    assert graphs > 0 and breaks > 0  # the root compiles; each judged module's call is a graph break
