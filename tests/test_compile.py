@@ -56,7 +56,7 @@ def train(model, x, y, steps: int, manager) -> list[float]:
 def test_compiled_unet_equals_eager(make_manager, record_property):
     if MPI.COMM_WORLD.Get_size() != 2:
         pytest.skip("one compile on 2 ranks is enough (slow on small machines)")
-    torch._dynamo.reset()
+    fresh_dynamo()
     manager = make_manager()
     ref = unet()
     eager = credit_mpi.convert_to_domain_parallel(copy.deepcopy(ref), manager)
@@ -101,7 +101,7 @@ class _NormAttention(torch.nn.Module):
 @pytest.mark.world_sizes(1, 3)
 def test_compiled_norm_attention_model_equals_eager(make_manager):
     """GroupNorm and attention across bands compile on 1 and 3 ranks: the eager run's training, bit for bit."""
-    torch._dynamo.reset()
+    fresh_dynamo()
     manager = make_manager()
     torch.manual_seed(0)
     ref = _NormAttention().double()
@@ -118,8 +118,17 @@ def test_compiled_norm_attention_model_equals_eager(make_manager):
         assert torch.equal(p, q)
 
 
+def fresh_dynamo() -> None:
+    """Dynamo's caches and its counters emptied (``torch._dynamo.reset()`` keeps the counters: a case's report would
+    add the cases before it)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
 def graph_breaks() -> tuple[int, int]:
-    """``(graphs compiled, graph breaks)`` since the last ``torch._dynamo.reset()`` (dynamo's counters)."""
+    """``(graphs compiled, graph breaks)`` since the last :func:`fresh_dynamo` (dynamo's counters)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
@@ -152,7 +161,7 @@ class _SqueezeExcite(torch.nn.Module):
 @pytest.mark.world_sizes(1, 2, 3)
 def test_compiled_squeeze_excite_equals_eager(make_manager, record_property):
     """The squeeze-excite block compiles (``aot_eager``) on bands and trains as eager does, bit for bit."""
-    torch._dynamo.reset()
+    fresh_dynamo()
     manager = make_manager()
     torch.manual_seed(0)
     ref = _SqueezeExcite().double()
@@ -181,7 +190,7 @@ def test_compiled_wxformer_equals_eager(make_manager, record_property):
     from .credit_stand_ins import credit_models
 
     _, wxformer = credit_models()
-    torch._dynamo.reset()
+    fresh_dynamo()
     manager = make_manager()
     d = manager.domain_parallel_size
     torch.manual_seed(0)
@@ -208,3 +217,29 @@ def test_compiled_wxformer_equals_eager(make_manager, record_property):
     assert any(p.grad is not None for p in model.parameters())
     graphs, breaks = report(record_property, "wxformer")
     assert graphs > 0 and breaks > 0  # the root compiles; each judged module's call is a graph break
+
+
+class _PadInForward(torch.nn.Module):
+    """``F.pad`` of the sharded dim called in the compiled forward itself (not a padding module, which runs eagerly)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 2, 4, stride=2)
+
+    def forward(self, x):
+        return self.conv(torch.nn.functional.pad(x, (1, 1, 1, 1)))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.world_sizes(2)
+def test_compiled_pad_in_forward_is_refused_on_every_rank(make_manager):
+    """Dynamo inlines ``F.pad`` past the judge: the compiled graph's ``aten.constant_pad_nd`` on a band is refused at
+    run time on every rank (no hang, nothing computed locally), while the ZeroPad2d module of the other tests runs."""
+    fresh_dynamo()
+    manager = make_manager()
+    torch.manual_seed(0)
+    model = credit_mpi.convert_to_domain_parallel(_PadInForward().double(), manager)
+    full = torch.from_numpy(np.random.default_rng(4).standard_normal((1, 2, 8 * manager.domain_parallel_size, 8)))
+    x = credit_mpi.shard_tensor(full, -2, manager)
+    with pytest.raises(credit_mpi.nn.ConversionError, match="constant_pad_nd"):
+        torch.compile(model, backend="aot_eager")(x)
