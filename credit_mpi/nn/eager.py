@@ -21,6 +21,7 @@ time where its input is a band the tracker knows.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -38,6 +39,11 @@ class EagerForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return _eager_call(self.module, args, kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The module's own forward signature (for code that inspects ``module.forward``)."""
+        return inspect.signature(type(self.module).forward.__get__(self.module))
 
     def __deepcopy__(self, memo: dict) -> EagerForward:
         import copy
