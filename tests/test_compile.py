@@ -11,7 +11,10 @@ model (sdpa across bands: the function rules' K/V gather) on 1 and 3 ranks
 (under compile the converted root's judged forward stays eager: skipping the
 judge there made the attention silently local);
 ``inductor`` (it needs a C++ compiler) was checked by hand: equal to
-round-off (its fused kernels reorder float64 sums).
+round-off (its fused kernels reorder float64 sums). CREDIT's WXFormer
+compiles on 2 bands with its judged modules (CrossEmbed, Attention, the
+ZeroPad2d) eager (credit_mpi.nn.eager); each case's graphs and graph
+breaks are recorded (``record_property``) and printed (docs/gpus.rst).
 """
 
 from __future__ import annotations
