@@ -504,8 +504,6 @@ class Tracker(TorchFunctionMode):
                 self._inherit(out, held)
             return out
         except Refusal as why:
-            if _dynamo_compiling_a_frame():  # dynamo's own reads of a band (a guard's failure reason), not the model's
-                return func(*args, **kwargs)
             raise conversion_error(self.stack[-1][0], f"{op}()", str(why)) from None
         finally:
             if here is not None:
@@ -561,12 +559,6 @@ class Tracker(TorchFunctionMode):
         if self.own_layouts:  # the dry run: an output of the rows of an input with its own layout has that layout
             self._inherit(out, [(t, p) for t in tensors_in(args) if (p := self.get(t)) is not None])
         return out
-
-
-def _dynamo_compiling_a_frame() -> bool:
-    """True while dynamo compiles a frame: its own Python on the frame's real tensors runs under the tracker (the
-    reason a cached graph's guard failed: ``L['t']._base.stride()``), none of it the model's computation (issue 35)."""
-    return torch._guards.CompileContext.try_get() is not None
 
 
 def _replicated_input(args: tuple) -> bool:
