@@ -56,8 +56,9 @@ from ..transport import paths
 from ..validation import check_int
 from . import conv, dropout, judge, norm, resample  # noqa: F401 - the layers register their rules; judge the custom forwards
 from .base import DomainParallelModule, adopt, guard_forward
+from .eager import judged_eagerly, keep_eager
 from .errors import ConversionError
-from .rules import BANDS_ONLY, RULES, local_rule, refusal_of
+from .rules import BANDS_ONLY, PADDING, RULES, local_rule, refusal_of
 from .sht import sht_converter
 
 __all__ = ["convert_to_domain_parallel", "keep_local", "ConversionError", "RULES"]
@@ -181,13 +182,14 @@ def _convert(module: nn.Module, path: str, manager, shard_dim: int, custom: dict
     why = local_rule(module, shard_dim, grid)  # a type kept as it is (credit_mpi.nn.rules), or refused
     if why:
         _refuse(module, label, why)
-    if why is not None:
-        return module
+    if why is not None:  # kept as it is; a pad runs eagerly under torch.compile, as the judge must see it (nn.eager)
+        return keep_eager(module) if isinstance(module, PADDING) and judged_eagerly(module, path, manager) else module
     for name, child in list(module.named_children()):
         new = _convert(child, f"{path}.{name}" if path else name, manager, shard_dim, custom)
         if new is not child:
             module._modules[name] = new
-    return module  # its own forward is judged function by function while it runs (credit_mpi.nn.judge)
+    # its own forward is judged function by function while it runs (credit_mpi.nn.judge): eagerly under torch.compile
+    return keep_eager(module) if judged_eagerly(module, path, manager) else module
 
 
 def _grid_with_columns(manager: Any) -> tuple[int, int] | None:

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-__all__ = ["RULES", "BANDS_ONLY", "POINTWISE", "REFUSED", "LayerTraits", "layer_rule", "refusal_of", "local_rule",
+__all__ = ["RULES", "BANDS_ONLY", "POINTWISE", "PADDING", "REFUSED", "LayerTraits", "layer_rule", "refusal_of", "local_rule",
            "traits_of"]
 
 
@@ -112,7 +112,8 @@ REFUSED: dict[type, str] = {
     nn.AdaptiveMaxPool3d: "no rule for a max over windows that cross bands (use AdaptiveAvgPool or a custom converter)",
 }
 
-_PADS = tuple(
+#: torch's padding modules (kept when they leave the sharded dim or pad the field's edges by zeros; judged by F.pad)
+PADDING: tuple[type, ...] = tuple(
     getattr(nn, f"{kind}Pad{n}d") for kind in ("Zero", "Constant", "Circular", "Reflection", "Replication") for n in (1, 2, 3)
     if hasattr(nn, f"{kind}Pad{n}d")
 )
@@ -155,7 +156,7 @@ def local_rule(module: nn.Module, shard_dim: int, grid: tuple[int, int] | None) 
     kind = type(module)
     if kind in POINTWISE:
         return ""
-    if kind in _PADS:
+    if kind in PADDING:
         return _padding_rule(module, shard_dim, grid)
     if kind is nn.Linear:
         return _linear_rule(shard_dim, grid)
