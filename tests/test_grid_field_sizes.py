@@ -53,10 +53,12 @@ def _scale(x):
 
 
 def _windows(x):
-    """A longitude split into windows of WS columns (every block a whole number of them), each window's own mean."""
+    """A longitude split into windows of WS columns (every block a whole number of them), each window's own mean and
+    the mean over the windows by hand (the field's window count)."""
     b, c, h, w = x.shape
     t = x.view(b, c, h, w // WS, WS)
-    return (t - t.mean(-1, keepdim=True)).reshape(b, c, h, w)
+    t = t - t.mean(-1, keepdim=True) + t.sum(3, keepdim=True) / t.shape[3]
+    return t.reshape(b, c, h, w)
 
 
 def _pad_crop(x):
@@ -138,3 +140,43 @@ def test_describe_sees_field_sizes_on_grid():
     for name, make in CASES.items():
         shape = (1, 2, 10, 12)
         assert describe(make(shape).double(), shape, domain_grid=(2, 2)).exact, name
+
+
+@pytest.mark.mpi(min_size=2)
+def test_grid_size_reads_are_quiet_on_a_repeated_forward(make_manager, monkeypatch):
+    """On a grid a size read agrees the block layout along its dim (latitude over the domain, longitude over the grid
+    row); a forward with the last one's inputs skips every such agreement on every rank, as on bands."""
+    import copy
+
+    import credit_mpi.validation as validation
+    from credit_mpi.layout import offsets
+    from credit_mpi.nn import convert_to_domain_parallel
+
+    seen = []
+    agree_cached = validation.agree_cached
+
+    def counted(comm, kind, key, *args, **kwargs):
+        seen.append(key)
+        return agree_cached(comm, kind, key, *args, **kwargs)
+
+    for grid, manager in grid_managers(make_manager):
+        if grid[1] == 1:
+            continue
+        torch.manual_seed(3)
+        ref = Then(_branch).double()
+        model = convert_to_domain_parallel(copy.deepcopy(ref), manager)
+        shape = _shapes(grid)[1]
+        x = torch.randn(shape, dtype=torch.float64)
+        out = ref(x)
+        hs, ws = band_sizes(shape[-2], grid[0], True), band_sizes(shape[-1], grid[1], True)
+        (row, col) = manager.domain_coords
+        y0, x0 = offsets(hs)[row], offsets(ws)[col]
+        window = (..., slice(y0, y0 + hs[row]), slice(x0, x0 + ws[col]))
+        reads = []
+        with monkeypatch.context() as m:
+            m.setattr(validation, "agree_cached", counted)
+            for _ in range(3):
+                seen.clear()
+                torch.testing.assert_close(model(x[window]), out[window], atol=1e-12, rtol=0)
+                reads.append(sum("the field's size" in str(k) for k in seen))
+        assert reads[0] == 2 and reads[1:] == [0, 0], (grid, reads)  # H, then W: one agreement each, then none

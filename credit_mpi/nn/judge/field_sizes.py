@@ -27,7 +27,16 @@ one's (every training step of one shape) skips it on every rank
 (:func:`credit_mpi.agreement.quiet_forward`); a tensor made by a reshape or a selection of a band
 whose layout is known has its layout without an agreement. Nothing of it runs outside a converted
 forward (the halo exchange and the gather are untouched), nor on a forward that reads no size of a
-band. On a latitude x longitude grid the sizes stay the block's (no rule there yet).
+band.
+
+On a latitude x longitude grid the same holds along both dims at once: each dim's judge (the latitude's
+:class:`Tracker`, the longitude's :class:`~credit_mpi.nn.judge.longitude.LongitudeTracker`) replaces its own dim's
+size with the field's; an :class:`Extent` then carries every RANK's value (:func:`per_rank`: rank ``r``'s block
+height or width), so ``H * W`` is each block's token count rank by rank. The latitude's layout is agreed over the
+domain (the grid rows' heights), the longitude's over the grid row. Ops that take sizes (a reshape, an expand, an
+interpolation or adaptive pool size) get the block's values (:func:`block_sizes`) and are judged on the block;
+slices, ``narrow`` and ``F.pad`` of the longitude take the field's indices (its first and last block pad). A size
+read along a dim that merges a block's rows and columns (tokens) stays the block's, marked (``Extent.block``).
 """
 
 from __future__ import annotations
