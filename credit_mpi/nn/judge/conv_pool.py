@@ -32,7 +32,7 @@ from torch import nn
 from ...transport import paths
 from ..base import adopt
 from ..rules import BANDS_ONLY, RULES, refusal_of
-from .field_sizes import band_layout, band_value, field_extent, on_bands
+from .field_sizes import band_layout, band_value, block_sizes, field_extent, on_bands, on_grid
 from .registry import Refusal, argument, op_name, rule
 from .tracker import Sharded, Tracker, follows_band, grid_columns, tracked_columns
 
@@ -193,6 +193,8 @@ def _no_layer(tr: Tracker, func, args, kwargs, held):
     if sd < 0:
         raise Refusal("it mixes the channels, which hold the bands")
     if op.startswith("adaptive"):
+        if on_grid(tr):  # the field's sizes given on a grid: the block's, judged on the block
+            args, kwargs = block_sizes(tr, (args, kwargs))
         size = _per_dim(_bound(_ADAPTIVE_ARGS, args, kwargs)["output_size"], nd)[sd]
         field = on_bands(tr) and size is not None
         trivial = _keeps_rows(size, int(field_extent(tr, x, p)) if field else x.shape[p.dim], field)
@@ -213,6 +215,8 @@ def _interpolate(tr, func, args, kwargs, held):
     (:class:`DomainParallelInterpolate`; a stored size: :func:`_stored_size`)."""
     from ..resample import DomainParallelInterpolate
 
+    if on_grid(tr):  # the field's sizes given on a grid: the block's, judged on the block
+        args, kwargs = block_sizes(tr, (args, kwargs))
     x, p = args[0], tr.get(args[0])
     nsp = x.ndim - 2
     sd = p.dim - 2

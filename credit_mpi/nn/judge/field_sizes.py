@@ -27,7 +27,16 @@ one's (every training step of one shape) skips it on every rank
 (:func:`credit_mpi.agreement.quiet_forward`); a tensor made by a reshape or a selection of a band
 whose layout is known has its layout without an agreement. Nothing of it runs outside a converted
 forward (the halo exchange and the gather are untouched), nor on a forward that reads no size of a
-band. On a latitude x longitude grid the sizes stay the block's (no rule there yet).
+band.
+
+On a latitude x longitude grid the same holds along both dims at once: each dim's judge (the latitude's
+:class:`Tracker`, the longitude's :class:`~credit_mpi.nn.judge.longitude.LongitudeTracker`) replaces its own dim's
+size with the field's; an :class:`Extent` then carries every RANK's value (:func:`per_rank`: rank ``r``'s block
+height or width), so ``H * W`` is each block's token count rank by rank. The latitude's layout is agreed over the
+domain (the grid rows' heights), the longitude's over the grid row. Ops that take sizes (a reshape, an expand, an
+interpolation or adaptive pool size) get the block's values (:func:`block_sizes`) and are judged on the block;
+slices, ``narrow`` and ``F.pad`` of the longitude take the field's indices (its first and last block pad). A size
+read along a dim that merges a block's rows and columns (tokens) stays the block's, marked (``Extent.block``).
 """
 
 from __future__ import annotations
@@ -37,10 +46,12 @@ from typing import Any
 
 import torch
 
+from torch.utils._pytree import tree_map_only
+
 from .registry import Refusal
 from .tracker import Extent, Sharded, Tracker, tracked_columns
 
-__all__ = ["on_bands", "band_layout", "field_extent", "field_shape", "reshaped_field", "reshape_band", "select_rows",
+__all__ = ["on_bands", "on_grid", "field_indices", "band_axis", "per_rank", "block_sizes", "band_layout", "field_extent", "field_shape", "reshaped_field", "reshape_band", "select_rows",
            "band_value"]
 
 
@@ -49,17 +60,63 @@ def on_bands(tr: Tracker) -> bool:
     return tracked_columns(tr) == 1 and not torch.compiler.is_compiling()
 
 
+def on_grid(tr: Tracker) -> bool:
+    """True at run time on a latitude x longitude grid of more than one column, eager (sizes read are the field's,
+    the ops that take sizes get the block's: :func:`block_sizes`)."""
+    return tr.manager is not None and tracked_columns(tr) > 1 and not torch.compiler.is_compiling()
+
+
+def field_indices(tr: Tracker) -> bool:
+    """True where indices given along the tracked dim are the field's (a slice, ``narrow``): eager forwards, on latitude
+    bands and along both dims of a grid (each judge its own dim)."""
+    return not torch.compiler.is_compiling()
+
+
 def _always(counts: Any) -> bool:
     return True
 
 
+def band_axis(tr: Tracker) -> tuple[int, int, tuple[int, ...] | None]:
+    """At run time: ``(this rank's band along the tracker's dim, this rank's index in an Extent's values, the band of
+    every rank of the domain in rank order: None on latitude bands, where it is the rank)``.
+
+    On a latitude x longitude grid the latitude's bands are the grid rows (rank ``r`` holds band ``r // cols``), the
+    longitude's the grid columns (``r % cols``: the :class:`~credit_mpi.nn.judge.longitude.LongitudeTracker`'s
+    manager is a view of the grid row); an :class:`Extent`'s ``bands`` are then every RANK's value, so that sizes read
+    along both dims combine rank by rank (``H * W``: each block's tokens).
+    """
+    got = tr.__dict__.get("_band_axis")
+    if got is None:
+        from ...grid import grid_of
+
+        m = tr.manager
+        if getattr(m, "grid_rank", None) is not None:  # the longitude's judge: a grid row's view
+            (rows, cols), rank = m.grid, m.grid_rank
+            got = (rank % cols, rank, tuple(r % cols for r in range(rows * cols)))
+        else:
+            rows, cols = grid_of(m, m.domain_parallel_size)
+            rank = m.domain_rank
+            got = (rank, rank, None) if cols == 1 else (rank // cols, rank, tuple(r // cols for r in range(rows * cols)))
+        tr._band_axis = got
+    return got
+
+
+def per_rank(tr: Tracker, values: Any) -> tuple[int, ...]:
+    """Every rank's value from every band's (the same on latitude bands; on a grid, each rank its band's)."""
+    if tr.manager is None:
+        return tuple(values)
+    of = band_axis(tr)[2]
+    return tuple(values) if of is None else tuple(values[b] for b in of)
+
+
 def band_layout(tr: Tracker, t: torch.Tensor, p: Sharded) -> tuple[int, ...]:
-    """Every band's rows of ``t`` (in rows of its placement: ``t.shape[p.dim] // (outer * inner)``), in rank order.
+    """Every band's rows of ``t`` (in rows of its placement: ``t.shape[p.dim] // (outer * inner)``), in band order.
 
     The dry run: the layout a reshape or a selection gave it, else its height's. At run time: known when the forward made ``t``
     from a band of known layout, else agreed (collective over the domain: every rank reads the same
     sizes at the same point of the same forward, as one process does; a repeat of a forward with
-    the last one's inputs skips the agreement).
+    the last one's inputs skips the agreement). On a latitude x longitude grid the bands are the grid's rows (the
+    latitude's judge, agreed over the domain) or columns (the longitude's, agreed over the grid row).
     """
     rows = t.shape[p.dim] // (p.outer * p.inner)
     if tr.manager is None:  # the layout a reshape or a selection here gave it, else its height's
@@ -68,8 +125,8 @@ def band_layout(tr: Tracker, t: torch.Tensor, p: Sharded) -> tuple[int, ...]:
             return rec.bands
         return tuple(int(s) for s in tr.band_sizes(rows))
     rec = tr.record(t)
-    rank = tr.manager.domain_rank
-    if rec.bands is not None and rec.bands[rank] == rows:
+    band, _, of = band_axis(tr)
+    if rec.bands is not None and rec.bands[band] == rows:
         return rec.bands
     from ...ops.reband import agree_rows
 
@@ -78,9 +135,17 @@ def band_layout(tr: Tracker, t: torch.Tensor, p: Sharded) -> tuple[int, ...]:
     from ... import watchdog
 
     seq = watchdog.STATE.seq
+    comm = tr.manager.domain_group
+    whole = of is None or comm.Get_size() != len(of)  # bands or a grid row: the other dims agree too
     with torch._C.DisableTorchFunction():  # the agreement's own tensor calls are not the model's
-        (sizes,) = agree_rows([rows], [t], p.dim, tr.manager.domain_group, path, quiet=_always)
-    tr.size_agreements += watchdog.STATE.seq - seq  # moves no data (a module running a phantom window may make it)
+        (sizes,) = agree_rows([rows], [t] if whole else [], p.dim, comm, path, quiet=_always)
+    made = watchdog.STATE.seq - seq  # moves no data (a module running a phantom window may make it)
+    tr.size_agreements += made
+    owner = getattr(tr, "_owner", None)
+    if owner is not None:  # the longitude's agreements, inside the latitude's module rules too
+        owner.size_agreements += made
+    if not whole:  # every rank's rows: each grid row's, from its first rank
+        sizes = [sizes[of.index(b)] for b in range(max(of) + 1)]
     rec.bands = tuple(int(s) for s in sizes)
     return rec.bands
 
@@ -105,19 +170,27 @@ def field_shape(t: torch.Tensor, p: Sharded, sizes: tuple[int, ...]) -> list[int
 
 
 def field_extent(tr: Tracker, t: torch.Tensor, p: Sharded) -> Extent:
-    """The field's size of ``t`` along its band's dim, with every band's."""
+    """The field's size of ``t`` along its band's dim, with every rank's (:func:`per_rank`)."""
     sizes = band_layout(tr, t, p)
     merged = p.outer * p.inner
     if tr.manager is None and merged * sum(sizes) != t.shape[p.dim]:  # phantom windows (see reshape_band)
         return Extent(t.shape[p.dim], [merged * s for s in sizes])
-    return Extent(merged * sum(sizes), [merged * s for s in sizes])
+    return Extent(merged * sum(sizes), per_rank(tr, [merged * s for s in sizes]))
 
 
-def field_numel(tr: Tracker, t: torch.Tensor, p: Sharded) -> Extent:
-    """The field's element count of ``t``, with every band's."""
+def field_numel(tr: Tracker, t: torch.Tensor, p: Sharded, read: int | None = None) -> Extent:
+    """The field's element count of ``t``, with every rank's. On a grid at run time ``read`` is the count the judges
+    under this one gave (the latitude's, scaled to its field): scaled along this judge's dim too."""
     sizes = band_layout(tr, t, p)
+    if read is not None and tr.manager is not None and band_axis(tr)[2] is not None:
+        merged, band = p.outer * p.inner, band_axis(tr)[0]
+        mine = merged * sizes[band]
+        theirs = getattr(read, "bands", None) or (int(read),) * len(band_axis(tr)[2])
+        if mine:
+            return Extent(int(read) // mine * merged * sum(sizes),
+                          [v // mine * merged * s for v, s in zip(theirs, per_rank(tr, sizes), strict=True)])
     rest = math.prod(v for i, v in enumerate(t.shape) if i != p.dim) * p.outer * p.inner
-    return Extent(rest * sum(sizes), [rest * s for s in sizes])
+    return Extent(rest * sum(sizes), per_rank(tr, [rest * s for s in sizes]))
 
 
 def band_value(tr: Tracker, size: Any) -> int:
@@ -125,7 +198,24 @@ def band_value(tr: Tracker, size: Any) -> int:
     bands = getattr(size, "bands", None)
     if bands is None or tr.manager is None:
         return int(size)
-    return int(bands[tr.manager.domain_rank])
+    return int(bands[band_axis(tr)[1]])
+
+
+def block_sizes(tr: Tracker, tree: Any) -> Any:
+    """On a latitude x longitude grid at run time: the sizes in ``tree`` read from the field (:class:`Extent`) as this
+    rank's block's, still marked (a reshape, an expand, an interpolation's size are then judged on the block, as
+    before sizes were the field's). A size of the field whose block value is not known is refused."""
+    def local(v: Extent) -> Extent:
+        if v.bands is None:
+            if v.block:
+                return v
+            raise Refusal(f"it is given a size {int(v)} computed from the field's sizes whose share on each block of the "
+                          f"latitude x longitude grid is not known (an empty block divided?)")
+        out = Extent(v.bands[band_axis(tr)[1]], v.bands)
+        out.block = v.block
+        return out
+
+    return tree_map_only(Extent, local, tree)
 
 
 def reshaped_field(shape_in: list[int], p: Sharded, shape_out: list[int],
@@ -211,7 +301,7 @@ def select_rows(tr: Tracker, x: torch.Tensor, p: Sharded, wanted: Any, what: str
         raise Refusal(f"{what} selects rows of a dim that holds the bands' rows merged with another ({p.describe()})")
     sizes = tuple(p.inner * s for s in band_layout(tr, x, p))  # rows merged with whole inner ones: a block of the dim
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
-    rank = 0 if tr.manager is None else tr.manager.domain_rank
+    rank = 0 if tr.manager is None else band_axis(tr)[0]
     if isinstance(wanted, slice):
         got = _row_range(wanted, sum(sizes))
         if got is None:

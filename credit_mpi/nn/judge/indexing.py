@@ -9,7 +9,7 @@ import torch
 
 from ...partition import normalize_dim
 from ...transport import paths
-from .field_sizes import band_layout, keep_bands, on_bands, select_rows
+from .field_sizes import band_axis, band_layout, field_indices, keep_bands, on_bands, select_rows
 from .field_values import field_partner, split_joined
 from .longitude import along_longitude
 from .registry import Refusal, argument, op_name, rule
@@ -33,7 +33,7 @@ def _indexed(tr, func, args, kwargs, held):
         if out is not None:  # replicated rows joined to a band, taken apart again (credit_mpi.nn.judge.field_values)
             return out
     if op == "narrow" and p is not None and dim is not None and normalize_dim(int(dim), x.ndim) == p.dim and \
-            on_bands(tr) and isinstance(argument(args, kwargs, 2, "start"), int):
+            field_indices(tr) and isinstance(argument(args, kwargs, 2, "start"), int):
         start, length = int(argument(args, kwargs, 2, "start")), int(argument(args, kwargs, 3, "length"))
         rows = sum(band_layout(tr, x, p)) if start < 0 else 0
         local, after = select_rows(tr, x, p, slice(start + rows, start + rows + length), "narrow()")
@@ -209,7 +209,7 @@ def _getitem(tr, func, args, kwargs, held):
         last = d
         if d == p.dim:
             if not _whole(item):
-                if not (isinstance(item, slice) and on_bands(tr) and op_name(func) == "__getitem__"):
+                if not (isinstance(item, slice) and field_indices(tr) and op_name(func) == "__getitem__"):
                     raise Refusal(f"it indexes the sharded dim with {item!r}: a row of the field that one band holds")
                 local, after = select_rows(tr, x, p, item, f"x[{item.start}:{item.stop}]")  # the band's share
                 items[k] = (d, local)
@@ -283,12 +283,12 @@ def _pad(tr, func, args, kwargs, held):
 def _padded(tr, func, args, kwargs, p, x, pad, pair, before, after, rows):
     """``F.pad`` of the sharded dim as a band: the field's edges only (the first band's top, the last band's bottom)."""
     if tr.manager is not None:  # the run: the first band pads the field's first edge, the last band its last
-        from ...grid import grid_of
-
-        size, rank = tr.manager.domain_parallel_size, tr.manager.domain_rank
-        if grid_of(tr.manager, size)[1] > 1:
-            raise Refusal("F.pad of the sharded dim has no rule on a latitude x longitude domain grid yet")
-        pad[2 * pair], pad[2 * pair + 1] = (before if rank == 0 else 0), (after if rank == size - 1 else 0)
+        band, _, of = band_axis(tr)
+        if of is not None and not along_longitude(tr):
+            raise Refusal("F.pad of the latitude has no rule on a latitude x longitude domain grid yet (the longitude's "
+                          "edges have one)")
+        last = tr.manager.domain_parallel_size - 1 if of is None or along_longitude(tr) else max(of)
+        pad[2 * pair], pad[2 * pair + 1] = (int(before) if band == 0 else 0), (int(after) if band == last else 0)
         rest = [a for i, a in enumerate(args) if i > 1]
         return tr.run(func, (x, tuple(pad), *rest), {k: v for k, v in kwargs.items() if k != "pad"}, p)
     sizes = list(band_layout(tr, x, p)) if tr.band_sizes is not None else [rows]

@@ -69,6 +69,7 @@ class _RowView:
         self.domain_parallel_size = cols
         self.domain_rank = manager.domain_rank % cols
         self.domain_coords = (0, self.domain_rank)
+        self.grid, self.grid_rank = (rows, cols), manager.domain_rank  # an Extent's values are every domain rank's
 
     @property
     def domain_group(self):
@@ -134,10 +135,19 @@ class LongitudeTracker(Tracker):
             return self._post(module, args, out) if mine else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_function__(func, types, args, kwargs)
-        if self.trusted or self._owner is None:
-            return out
-        return self._latitude_follows(func, args, kwargs or {}, out)
+        lat = self._owner
+        if lat is None:
+            return super().__torch_function__(func, types, args, kwargs)
+        # this judge's own code reads the block's sizes (plain); the forward's size reads get the field's from both
+        # judges (credit_mpi.nn.judge.shapes: the read itself clears the mark)
+        lat.plain_sizes += 1
+        try:
+            out = super().__torch_function__(func, types, args, kwargs)
+            if self.trusted:
+                return out
+            return self._latitude_follows(func, args, kwargs or {}, out)
+        finally:
+            lat.plain_sizes -= 1
 
     def _latitude_follows(self, func, args: tuple, kwargs: dict, out: Any) -> Any:
         """The latitude's placements of what a longitude rule made (a row move, a domain sum): the latitude tracker

@@ -81,9 +81,10 @@ def _pointwise(tr: Tracker, func, args, kwargs, held):
     """Elementwise (with broadcasting): one placement; a partner that is not a band has one row along it."""
     op = op_name(func)
     if any(isinstance(v, Extent) and v.block for v in leaves_in((args, kwargs))):
-        raise Refusal("it is given a size read from a block of a latitude x longitude grid (the block's own size, not "
-                      "the field's: x.sum(-1) / x.shape[-1] would divide by the block's columns); no rule on a grid "
-                      "yet: use mean(), or a size stored for the field")
+        raise Refusal("it is given a size read on a latitude x longitude grid along a dim that merges a block's rows "
+                      "or columns with another (tokens: the block's own count, not the field's: t.sum(1) / t.shape[1] "
+                      "would divide by the block's tokens); read the sizes before merging (H * W from x.shape), or "
+                      "use mean()")
     tensors = tensors_in((args, kwargs))
     if op in _LIKE:
         tensors = tensors[:1]

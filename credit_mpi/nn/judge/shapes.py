@@ -9,7 +9,8 @@ import torch
 
 from ...partition import normalize_dim
 from ...transport import paths
-from .field_sizes import band_layout, field_extent, field_numel, field_shape, on_bands, reshape_band
+from .field_sizes import (band_layout, block_sizes, field_extent, field_numel, field_shape, on_bands, on_grid,
+                          reshape_band)
 from .field_values import field_partner, join_replicated
 from .registry import Refusal, argument, op_name, rule
 from .tracker import Extent, Sharded, Tracker, follows_band, grid_columns, tracked_columns
@@ -102,6 +103,8 @@ def _reshape(tr, func, args, kwargs, held):
         out = reshape_band(tr, func, args, kwargs, x, p)
         if out is not None:
             return out
+    elif on_grid(tr):  # a grid: the field's sizes as the block's, judged on the block
+        args, kwargs = block_sizes(tr, (args, kwargs))
     requested = _requested(func, x, args, kwargs)
     try:
         out = func(*args, **kwargs)
@@ -114,53 +117,65 @@ def _reshape(tr, func, args, kwargs, held):
 
 @rule("shape", "size")
 def _shape(tr, func, args, kwargs, held):
-    """The size along the band's dim is the field's, an :class:`Extent` (:mod:`credit_mpi.nn.judge.field_sizes`; on a
-    latitude x longitude grid still the block's)."""
+    """The size along the band's dim is the field's, an :class:`Extent` (:mod:`credit_mpi.nn.judge.field_sizes`); on a
+    latitude x longitude grid along both of its dims (each judge its own), with every rank's value."""
     x, p = args[0], tr.get(args[0])
-    out = func(*args, **kwargs)
-    if p is None:
+    out = _read(tr, func, args, kwargs)
+    if p is None or tr.plain_sizes:
         return out
-    if on_bands(tr):
+    if on_bands(tr) or (on_grid(tr) and p.outer * p.inner == 1):
         if isinstance(out, int):
             return field_extent(tr, x, p) if normalize_dim(int(argument(args, kwargs, 1, "dim")), x.ndim) == p.dim else out
         return torch.Size([field_extent(tr, x, p) if i == p.dim else v for i, v in enumerate(out)])
-    # on a latitude x longitude grid the column dim after the band's rows holds a block's columns too (Extent.block)
-    columns = p.dim + 1 if tracked_columns(tr) > 1 and p.outer * p.inner == 1 and not torch.compiler.is_compiling() else None
+    if torch.compiler.is_compiling():
+        return out
+    # a grid's dry run (its tensors are the field), or a block's rows merged with another dim (tokens: the block's own)
     if isinstance(out, int):
-        i = normalize_dim(int(argument(args, kwargs, 1, "dim")), x.ndim)
-        return _extent(tr, out, p) if i == p.dim else _block(out) if i == columns else out
-    return torch.Size([_extent(tr, v, p) if i == p.dim else _block(v) if i == columns else v for i, v in enumerate(out)])
+        return _extent(tr, out, p) if normalize_dim(int(argument(args, kwargs, 1, "dim")), x.ndim) == p.dim else out
+    return torch.Size([_extent(tr, v, p) if i == p.dim else v for i, v in enumerate(out)])
 
 
-def _block(size: int) -> Extent:
-    out = Extent(size)
-    out.block = True
-    return out
+def _read(tr, func, args, kwargs):
+    """The forward's own size read, through the judges under this one (on a grid the longitude's judge runs over the
+    latitude's, which gives the field's sizes to the forward's reads only, not to the judge's own code)."""
+    owner = getattr(tr, "_owner", None)
+    if owner is None or not owner.plain_sizes:
+        return func(*args, **kwargs)
+    held, owner.plain_sizes = owner.plain_sizes, 0
+    try:
+        return func(*args, **kwargs)
+    finally:
+        owner.plain_sizes = held
 
 
 @rule("numel", "nelement", "__len__")
 def _numel(tr, func, args, kwargs, held):
     """The field's element count (``len``: the field's rows when the bands are along dim 0)."""
     x, p = args[0], tr.get(args[0])
-    out = func(*args, **kwargs)
-    if p is None:
+    out = _read(tr, func, args, kwargs)
+    if p is None or tr.plain_sizes:
         return out
-    if not on_bands(tr):  # a block of a latitude x longitude grid: its own count, marked (Extent.block)
-        return _extent(tr, out, Sharded(p.dim)) if tracked_columns(tr) > 1 and not torch.compiler.is_compiling() else out
+    grid = on_grid(tr) and p.outer * p.inner == 1
+    if not (on_bands(tr) or grid):  # a grid's dry run (the field's count), or a block of merged rows (its own, marked)
+        if torch.compiler.is_compiling() or tracked_columns(tr) == 1:
+            return out
+        count = Extent(out)
+        count.block = p.outer * p.inner > 1
+        return count
     if op_name(func) == "__len__":
         return field_extent(tr, x, p) if p.dim == 0 else out
-    return field_numel(tr, x, p)
+    return field_numel(tr, x, p, out if grid else None)
 
 
 def _extent(tr: Tracker, size: int, p: Sharded) -> Extent:
-    """The band's ``size`` along its dim; in the dry run with every band's value (the layout of its rows). On a
-    latitude x longitude grid: the block's own size (:attr:`Extent.block`), not the field's."""
+    """The band's ``size`` along its dim; in the dry run with every band's value (the layout of its rows). At run time
+    on a latitude x longitude grid (rows merged with another dim): the block's own size (:attr:`Extent.block`)."""
     merged = p.outer * p.inner
     if tr.band_sizes is None or size % merged:
         out = Extent(size)
     else:
         out = Extent(size, [merged * s for s in tr.band_sizes(size // merged)])
-    out.block = tracked_columns(tr) > 1
+    out.block = tracked_columns(tr) > 1 and merged > 1
     return out
 
 
@@ -187,6 +202,8 @@ def _expand(tr, func, args, kwargs, held):
         return tr.run(func, args, kwargs, q)
     if op_name(func) in ("expand", "broadcast_to") and on_bands(tr):
         args, kwargs = _expanded_to_band(tr, x, p, args, kwargs)
+    elif on_grid(tr):
+        args, kwargs = block_sizes(tr, (args, kwargs))
     out = func(*args, **kwargs)
     d = p.dim + out.ndim - x.ndim
     if out.shape[d] != x.shape[p.dim]:

@@ -146,8 +146,8 @@ class Extent(int):
     """
 
     bands: tuple[int, ...] | None = None  # every band's value (None: unknown, e.g. an empty band divided)
-    # a block's own size on a latitude x longitude grid (the field's sizes are not known there yet): a tensor op given
-    # one is refused (pointwise rules), as ``x.sum(-1) / x.shape[-1]`` would divide by the block's columns
+    # a block's own size on a latitude x longitude grid, read along a dim that merges the block's rows or columns with
+    # another (tokens: no field size there): a tensor op given one is refused (pointwise rules)
     block: bool = False
 
     def __new__(cls, value: int, bands: Any = None) -> Extent:
@@ -253,6 +253,8 @@ class Tracker(TorchFunctionMode):
         # describe()'s dry run: the host values of integer and bool tensors on the meta device (index buffers, indices
         # made in the forward), by id -> (meta tensor, host tensor): a rule that takes the field's rows reads them
         self.seen_values: dict[int, tuple] = {}
+        # on a grid, while the longitude's judge runs its own code: sizes read here are the block's (plain ints)
+        self.plain_sizes = 0
 
     # -- placements ------------------------------------------------------------------------------
 
