@@ -45,7 +45,6 @@ import math
 from typing import Any
 
 import torch
-
 from torch.utils._pytree import tree_map_only
 
 from .registry import Refusal

@@ -9,8 +9,16 @@ import torch
 
 from ...partition import normalize_dim
 from ...transport import paths
-from .field_sizes import (band_layout, block_sizes, field_extent, field_numel, field_shape, on_bands, on_grid,
-                          reshape_band)
+from .field_sizes import (
+    band_layout,
+    block_sizes,
+    field_extent,
+    field_numel,
+    field_shape,
+    on_bands,
+    on_grid,
+    reshape_band,
+)
 from .field_values import field_partner, join_replicated
 from .registry import Refusal, argument, op_name, rule
 from .tracker import Extent, Sharded, Tracker, follows_band, grid_columns, tracked_columns
