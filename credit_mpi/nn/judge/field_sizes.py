@@ -32,8 +32,8 @@ band.
 On a latitude x longitude grid the same holds along both dims at once: each dim's judge (the latitude's
 :class:`Tracker`, the longitude's :class:`~credit_mpi.nn.judge.longitude.LongitudeTracker`) replaces its own dim's
 size with the field's; an :class:`Extent` then carries every RANK's value (:func:`per_rank`: rank ``r``'s block
-height or width), so ``H * W`` is each block's token count rank by rank. The latitude's layout is agreed over the
-domain (the grid rows' heights), the longitude's over the grid row. Ops that take sizes (a reshape, an expand, an
+height or width), so ``H * W`` is each block's token count rank by rank. Both layouts are agreed over the whole
+domain (the grid rows' heights, the grid columns' widths). Ops that take sizes (a reshape, an expand, an
 interpolation or adaptive pool size) get the block's values (:func:`block_sizes`) and are judged on the block;
 slices, ``narrow`` and ``F.pad`` of the longitude take the field's indices (its first and last block pad). A size
 read along a dim that merges a block's rows and columns (tokens) stays the block's, marked (``Extent.block``).
@@ -115,7 +115,8 @@ def band_layout(tr: Tracker, t: torch.Tensor, p: Sharded) -> tuple[int, ...]:
     from a band of known layout, else agreed (collective over the domain: every rank reads the same
     sizes at the same point of the same forward, as one process does; a repeat of a forward with
     the last one's inputs skips the agreement). On a latitude x longitude grid the bands are the grid's rows (the
-    latitude's judge, agreed over the domain) or columns (the longitude's, agreed over the grid row).
+    latitude's judge) or columns (the longitude's), agreed over the whole domain: every rank's rows, each band's
+    from its first rank.
     """
     rows = t.shape[p.dim] // (p.outer * p.inner)
     if tr.manager is None:  # the layout a reshape or a selection here gave it, else its height's
@@ -134,8 +135,10 @@ def band_layout(tr: Tracker, t: torch.Tensor, p: Sharded) -> tuple[int, ...]:
     from ... import watchdog
 
     seq = watchdog.STATE.seq
-    comm = tr.manager.domain_group
-    whole = of is None or comm.Get_size() != len(of)  # bands or a grid row: the other dims agree too
+    # over the whole domain on a grid too (the longitude's judge: not its grid row), where a rank that failed alone
+    # meets it with its failure (the ForwardGuard's agreement); a grid's blocks differ in their other dims
+    comm = getattr(tr.manager, "grid_group", None) or tr.manager.domain_group
+    whole = of is None
     with torch._C.DisableTorchFunction():  # the agreement's own tensor calls are not the model's
         (sizes,) = agree_rows([rows], [t] if whole else [], p.dim, comm, path, quiet=_always)
     made = watchdog.STATE.seq - seq  # moves no data (a module running a phantom window may make it)

@@ -72,6 +72,11 @@ class _RowView:
         self.grid, self.grid_rank = (rows, cols), manager.domain_rank  # an Extent's values are every domain rank's
 
     @property
+    def grid_group(self):
+        """The whole domain's communicator (the size agreements of :mod:`credit_mpi.nn.judge.field_sizes`)."""
+        return self._manager.domain_group
+
+    @property
     def domain_group(self):
         """The ranks of this grid row (longitude blocks in order), made once per manager (collective on first use)."""
         comm = getattr(self._manager, "_dp_longitude_row", None)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from ...partition import normalize_dim
 from ...transport import paths
 from .field_sizes import (
+    band_axis,
     band_layout,
     block_sizes,
     field_extent,
@@ -111,16 +113,55 @@ def _reshape(tr, func, args, kwargs, held):
         out = reshape_band(tr, func, args, kwargs, x, p)
         if out is not None:
             return out
-    elif on_grid(tr):  # a grid: the field's sizes as the block's, judged on the block
+    layout = None
+    if on_grid(tr) and op_name(func) not in ("view_as", "reshape_as"):  # the field's sizes as the block's
         args, kwargs = block_sizes(tr, (args, kwargs))
+        layout = _every_block(tr, func, args, kwargs, x, p)
     requested = _requested(func, x, args, kwargs)
     try:
         out = func(*args, **kwargs)
     except RuntimeError as exc:
         raise Refusal(f"the reshape does not fit this band ({exc}); a size stored for the whole field? compute it "
                    f"from x.shape in the forward") from None
-    tr.set(out, _reshaped(tr, tuple(x.shape), p, tuple(out.shape), requested))
+    if layout is None:
+        tr.set(out, _reshaped(tr, tuple(x.shape), p, tuple(out.shape), requested))
+        return out
+    rows, before = x.shape[p.dim] // (p.outer * p.inner), tr.band_sizes
+    tr.band_sizes = lambda r: list(layout) if r == rows else [r]  # whole windows checked on every block of the dim
+    try:
+        tr.set(out, _reshaped(tr, tuple(x.shape), p, tuple(out.shape), requested))
+    finally:
+        tr.band_sizes = before
     return out
+
+
+def _every_block(tr: Tracker, func, args: tuple, kwargs: dict, x: torch.Tensor, p: Sharded) -> tuple[int, ...] | None:
+    """On a grid at run time: the reshape tried on the shape of every block along this judge's dim (of this rank's
+    grid row or column: the agreed layout, each block's sizes), so that one it does not fit is refused on every rank
+    (a rank that refused alone would leave the others in the next collective of its grid row). Returns the layout."""
+    if p.outer * p.inner != 1:
+        return None
+    sizes = band_layout(tr, x, p)
+    _, rank, of = band_axis(tr)
+    for b, rows in enumerate(sizes):
+        # the rank of block b whose other grid coordinate is this rank's (its other dims are this rank's)
+        mate = next(r for r in range(len(of)) if of[r] == b and _other(of, r) == _other(of, rank))
+        given = tree_map_only(Extent, lambda v, mate=mate: v if v.bands is None else Extent(v.bands[mate], v.bands),
+                              (args[1:], kwargs))
+        shape = list(x.shape)
+        shape[p.dim] = rows
+        with torch._C.DisableTorchFunction():
+            try:
+                func(torch.empty(shape, device="meta", dtype=x.dtype), *given[0], **given[1])
+            except RuntimeError as exc:
+                raise Refusal(f"the reshape does not fit the block {b} of {list(sizes)} along the sharded dim ({exc}): "
+                              f"choose a field whose blocks it fits (e.g. whole windows on every block)") from None
+    return sizes
+
+
+def _other(of: tuple, r: int) -> int:
+    """Rank ``r``'s grid coordinate along the other dim: its position among the ranks of its band."""
+    return sum(1 for q in range(r) if of[q] == of[r])
 
 
 @rule("shape", "size")
