@@ -61,6 +61,7 @@ __all__ = ["DEFAULT_TIMEOUT", "STATE", "arm", "disarm", "set_timeout", "forget_t
 DEFAULT_TIMEOUT = 1800.0  # seconds; CREDIT_MPI_TIMEOUT overrides it, 0 turns the watchdog off
 POLL_S = 0.5  # how often the thread looks at the deadline and at queries
 ANSWER_S = 2.0  # how long a firing watchdog waits for the other ranks' answers
+REPORT_S = 0.5  # how long a firing watchdog waits after its report before the abort (the launcher forwards it)
 ABORT_CODE = 1
 _TAG_QUERY, _TAG_ANSWER = 31001, 31002
 _ANSWER = struct.Struct("<qd32s64s")  # seq, seconds in the current collective (-1: none), operation, communicator
@@ -324,6 +325,7 @@ def _fire(server: _Server, op: str, seq: int, comm: Any, waited: float, limit: f
         lines.append(f"  not arrived in {op} on {where}: rank(s) {', '.join(map(str, missing)) or 'none (all are waiting)'}")
     sys.stderr.write("\n".join(lines) + "\n")
     sys.stderr.flush()
+    time.sleep(REPORT_S)  # the launcher forwards the report before the abort tears its pipes down (lost under load)
     MPI.COMM_WORLD.Abort(ABORT_CODE)
 
 

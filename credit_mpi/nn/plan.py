@@ -490,6 +490,8 @@ class _DryRun(TorchFunctionMode):
             return self.on_value(self.tracker, name, tensors[0])
         if any(t.is_meta for t in tensors) and any(not t.is_meta and t.ndim for t in tensors):
             args, kwargs = tree_map(self._to_meta, (args, kwargs))
+        if name == "__getitem__" and len(args) == 2:
+            args = (args[0], self._masks_as_rows(args[1]))
         if name == "scaled_dot_product_attention":
             named = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(("query", "key", "value", "attn_mask"))]
             self.on_call(self.tracker, *named[:3], bool(args[7] if len(args) > 7 else kwargs.get("enable_gqa", False)),
@@ -498,6 +500,26 @@ class _DryRun(TorchFunctionMode):
         if tensors and all(not (t.is_floating_point() or t.is_complex()) for t in tensors):
             self._shadow(func, args, kwargs, out)
         return out
+
+    def _masks_as_rows(self, item):
+        """``x[..., mask]`` with a bool mask whose host values are known: the mask as the rows it keeps (meta has no
+        ``nonzero``: its values decide the output's shape), one index tensor a dim of the mask, as torch reads it."""
+        items = item if isinstance(item, tuple) else (item,)
+        out, changed = [], False
+        for it in items:
+            got = self.tracker.seen_values.get(id(it)) if isinstance(it, torch.Tensor) and it.is_meta and \
+                it.dtype == torch.bool else None
+            if got is None or got[0] is not it:
+                out.append(it)
+                continue
+            for rows in got[1].nonzero().unbind(1):
+                m = rows.to("meta")
+                self.tracker.seen_values[id(m)] = (m, rows)
+                out.append(m)
+            changed = True
+        if not changed:
+            return item
+        return tuple(out) if isinstance(item, tuple) or len(out) != 1 else out[0]
 
     def _to_meta(self, t):
         m = _to_meta(t)
