@@ -252,12 +252,7 @@ class _MaxPoolRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, axis, edges, window, ceil_mode):
-        r = rows.detach()
-        low, high = edges
-        if low:
-            r.narrow(axis, 0, low).fill_(float("-inf"))
-        if high:
-            r.narrow(axis, r.shape[axis] - high, high).fill_(float("-inf"))
+        r = _edges_to_minus_inf(rows.detach(), axis, edges)
         out, idx = _MAX_POOL[len(window[0])](r, *window, ceil_mode)
         ctx.save_for_backward(idx)
         ctx.shape, ctx.window, ctx.ceil_mode = rows.shape, window, ceil_mode
@@ -285,13 +280,19 @@ def max_pool_rows(rows: torch.Tensor, axis: int, edges: tuple[int, int], window:
             window2 = tuple([first, *w] for first, w in zip((1, 1, 0, 1), window, strict=True))
             return _MaxPoolRows.apply(rows.unsqueeze(-2), axis % rows.ndim + 1, edges, window2, ceil_mode).squeeze(-2)
         return _MaxPoolRows.apply(rows, axis, edges, window, ceil_mode)
-    low, high = edges  # not recorded: rows past the edges come from the exchange (a fresh tensor), set in place
+    fn = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]  # not recorded: the rows are the exchange's, fresh
+    return fn(_edges_to_minus_inf(rows, axis, edges), *window, ceil_mode)
+
+
+def _edges_to_minus_inf(rows: torch.Tensor, axis: int, edges: tuple[int, int]) -> torch.Tensor:
+    """``rows`` with its first ``edges[0]`` and last ``edges[1]`` rows along ``axis`` (past the field's edges: the
+    exchange's zeros) set to -inf in place (no copy), as a max pool's padding counts them."""
+    low, high = edges
     if low:
         rows.narrow(axis, 0, low).fill_(float("-inf"))
     if high:
         rows.narrow(axis, rows.shape[axis] - high, high).fill_(float("-inf"))
-    fn = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]
-    return fn(rows, *window, ceil_mode)
+    return rows
 
 
 class _PoolMixin(DomainParallelModule):
