@@ -89,10 +89,11 @@ def global_mean_var(x: torch.Tensor, dims: list[int], comm) -> tuple[torch.Tenso
     return _combine(allgather_stats(torch.stack([torch.full_like(mean, float(count)), mean, var * count]), comm))
 
 
-def _band_moments(xa: torch.Tensor, groups: int | None, eps: float):
+def _band_moments(xa: torch.Tensor, n: int, c: int, groups: int | None, eps: float):
     """This band's statistics, one stable pass (torch's group-norm kernel), and the kernel's output buffer.
 
-    ``xa`` is ``(N, C, S)`` contiguous; the statistics are per sample and
+    ``xa`` is contiguous, read as ``(N, C, S)`` (any shape of that many
+    elements: the buffer has ``xa``'s); the statistics are per sample and
     group of channels (``groups`` None: per sample and channel), shape
     ``(N, G)``: ``(buffer, mean, var, count)``. ``buffer`` (the band
     normalised with its own statistics) is only memory, already touched,
@@ -100,7 +101,7 @@ def _band_moments(xa: torch.Tensor, groups: int | None, eps: float):
     kernel's ``1/sqrt(var + eps)``, exact to round-off relative to
     ``var + eps`` (all the normalisation uses).
     """
-    n, c, s = xa.shape
+    s = xa.numel() // (n * c) if n * c else 0
     g = c if groups is None else groups
     buffer, mean, rstd = torch.native_group_norm(xa, None, None, n, c, s, g, eps)
     var = (rstd.reshape(n, g).pow(-2) - eps).clamp_min_(0.0)
@@ -210,20 +211,20 @@ class _BandNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, ew, eb, groups, eps, comm, on_stats):
-        acc = _acc(x.dtype)
+    def forward(ctx, x, weight, bias, ew, eb, groups, eps, comm, on_stats, nc):
+        acc, (n, c) = _acc(x.dtype), nc
         xa = x.to(acc).contiguous()  # a band view: a copy
-        y, mean, var, count = _band_moments(xa, groups, eps)
+        y, mean, var, count = _band_moments(xa, n, c, groups, eps)  # y: x's shape (the output is no view: an
+        xa, out = xa.view(n, c, -1), y.view(n, c, -1)  # in-place op after the layer costs what it costs on torch's)
         mean, var, count = _band_stats(mean, var, count, groups)
         every = allgather_stats(torch.stack([torch.full_like(mean, float(count)), mean, var * count]), comm)
         mean, var, total = _combine(every)
         if on_stats is not None:
             on_stats(mean, var, total)
-        c = x.shape[1]
         mean_c, var_c = _per_channel(mean, c), _per_channel(var, c)
-        y = _normalise(xa, y, mean_c, var_c, _per_row(weight, mean_c, acc), _per_row(bias, mean_c, acc), eps)
+        _normalise(xa, out, mean_c, var_c, _per_row(weight, mean_c, acc), _per_row(bias, mean_c, acc), eps)
         if ew is not None or eb is not None:  # in place, one pass; the (narrowed) parameters broadcast, not copied
-            yv = _elementwise_view(y, ew if ew is not None else eb)
+            yv = _elementwise_view(out, ew if ew is not None else eb)
             if ew is None:
                 yv.add_(eb.to(acc))
             elif eb is None:
@@ -231,7 +232,7 @@ class _BandNorm(torch.autograd.Function):
             else:
                 torch.addcmul(eb.to(acc), yv, ew.to(acc), out=yv)
         ctx.save_for_backward(x, weight, ew, mean, var)
-        ctx.groups, ctx.comm, ctx.eps, ctx.count = groups, comm, eps, float(total.reshape(-1)[0])
+        ctx.groups, ctx.comm, ctx.eps, ctx.count, ctx.nc = groups, comm, eps, float(total.reshape(-1)[0]), nc
         ctx.path = paths.current()  # the backward's gather moves on the forward's data path
         ctx.eb = None if eb is None else (eb.shape, eb.dtype)
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -242,8 +243,8 @@ class _BandNorm(torch.autograd.Function):
     def backward(ctx, grad):
         check_backward_thread()
         x, weight, ew, mean, var = ctx.saved_tensors
-        acc, c, eps = mean.dtype, x.shape[1], ctx.eps
-        xa, g = x.to(acc), grad.to(acc)
+        (n, c), acc, eps = ctx.nc, mean.dtype, ctx.eps
+        xa, g = x.to(acc).reshape(n, c, -1), grad.to(acc).reshape(n, c, -1)
         mean_c, var_c = _per_channel(mean, c), _per_channel(var, c)
         gx = gw = gb = gew = geb = None
         if ew is not None and ctx.needs_input_grad[3]:  # xhat in one fused pass, times g in place, summed over the rows
@@ -255,7 +256,7 @@ class _BandNorm(torch.autograd.Function):
         need_w = weight is not None and ctx.needs_input_grad[1]
         need_b = ctx.needs_input_grad[2]
         if not (need_w or need_b or ctx.needs_input_grad[0]):
-            return gx, gw, gb, gew, geb, None, None, None, None
+            return gx, gw, gb, gew, geb, None, None, None, None, None
         db, dsx = _channel_sums(gh, xa, mean_c, var_c, eps)
         if need_w:
             gw = dsx.sum(0).to(weight.dtype)
@@ -269,12 +270,13 @@ class _BandNorm(torch.autograd.Function):
             s1, s2 = _per_channel(sums[0], c), _per_channel(sums[1], c)
             # gx = rstd * (w g - s1 - xhat s2): xhat * (-rstd s2) - rstd s1 in one fused pass, then + (rstd w) g
             gx = _normalise(xa, torch.empty(xa.shape, dtype=acc, device=xa.device), mean_c, var_c, (-rstd_c * s2).reshape(-1), (-rstd_c * s1).reshape(-1), eps)
-            gx = gx.addcmul_(gh, (rstd_c * w).unsqueeze(-1)).to(x.dtype)
-        return gx, gw, gb, gew, geb, None, None, None, None
+            gx = gx.addcmul_(gh, (rstd_c * w).unsqueeze(-1)).to(x.dtype).view(x.shape)
+        return gx, gw, gb, gew, geb, None, None, None, None, None
 
 
 @_eager
-def band_norm(x: torch.Tensor, weight, bias, groups: int | None, eps: float, comm, elementwise=(None, None), on_stats=None) -> torch.Tensor:
+def band_norm(x: torch.Tensor, weight, bias, groups: int | None, eps: float, comm, elementwise=(None, None), on_stats=None,
+              rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Normalise ``x`` ``(N, C, *rest)`` with the statistics of every rank of ``comm``, then the affine step.
 
     ``groups`` None: per channel over the samples and ``rest`` (BatchNorm);
@@ -284,12 +286,13 @@ def band_norm(x: torch.Tensor, weight, bias, groups: int | None, eps: float, com
     result has ``x``'s dtype and shape, the arithmetic is in the
     statistics' (float32 for bf16/fp16 input). Collective over ``comm``, in
     the backward too (when ``x`` requires grad). See :class:`_BandNorm`
-    for what it keeps for backward.
+    for what it keeps for backward. ``rows``: ``(N, C)`` to read ``x`` as instead (LayerNorm's rows and one channel).
+    The output is no view (of ``x``'s shape, made by the Function): an in-place op after the norm (an
+    inplace ReLU) is one op in backward, as after torch's norms, not a view's rebase.
     """
-    n, c = x.shape[0], x.shape[1]
+    n, c = (x.shape[0], x.shape[1]) if rows is None else rows
     ew, eb = elementwise
-    y = _BandNorm.apply(x.reshape(n, c, -1), weight, bias, ew, eb, groups, float(eps), comm, on_stats)
-    return y.reshape(x.shape)
+    return _BandNorm.apply(x, weight, bias, ew, eb, groups, float(eps), comm, on_stats, (n, c))
 
 
 _GLOBAL_STATS = RowGeometry(note="global statistics: one allgather")  # the bands kept, the statistics over all of them
@@ -298,7 +301,7 @@ _GLOBAL_STATS = RowGeometry(note="global statistics: one allgather")  # the band
 def _layer_norm(x: torch.Tensor, k: int, weight, bias, eps: float, comm) -> torch.Tensor:
     """LayerNorm over the last ``k`` dims on bands: one group per leading index, the (narrowed) affine elementwise."""
     rows = math.prod(x.shape[: x.ndim - k])
-    return band_norm(x.reshape(rows, 1, -1), None, None, 1, eps, comm, elementwise=(weight, bias)).reshape(x.shape)
+    return band_norm(x, None, None, 1, eps, comm, elementwise=(weight, bias), rows=(rows, 1))
 
 
 def _group_traffic(n: int, groups: int, dtype: torch.dtype, grad: bool):
