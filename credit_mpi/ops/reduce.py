@@ -82,7 +82,7 @@ class ReduceGradients(Op):
 
         for dtype in sorted(groups):
             tensors = groups[dtype]
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            flat = _flatten([t.detach() for t in tensors])  # torch's C++ pack and unpack (DDP's): no per-tensor Python
             if dtype in _WIDEN:
                 flat = flat.float()
             datatype = arrays.mpi_datatype(flat)
@@ -92,11 +92,19 @@ class ReduceGradients(Op):
                         comm.Allreduce(MPI.IN_PLACE, [buf, datatype], op=MPI.SUM)
             if dp > 1:
                 flat.div_(dp)
-            offset = 0
-            for t in tensors:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
+            torch._foreach_copy_(tensors, _unflatten(flat, tensors))  # (a widened flat copies back to the narrow dtype)
+
+
+def _flatten(tensors: list) -> Any:
+    from torch._utils import _flatten_dense_tensors
+
+    return _flatten_dense_tensors(tensors)
+
+
+def _unflatten(flat: Any, tensors: list) -> list:
+    from torch._utils import _unflatten_dense_tensors
+
+    return _unflatten_dense_tensors(flat, tensors)
 
 
 REDUCE = ReduceGradients()
