@@ -90,27 +90,73 @@ def adaptive_matrix(size: int, out_size: int) -> torch.Tensor:
 
 
 def _support(w: torch.Tensor) -> list[tuple[int, int]]:
-    out = []
-    for row in w:
-        nz = torch.nonzero(row).flatten()
-        out.append((int(nz[0]), int(nz[-1]) + 1) if len(nz) else (0, 0))
+    """Per row of ``w``: the column range ``(lo, hi)`` of its non-zero weights (``(0, 0)`` for a zero row)."""
+    rows, cols = torch.nonzero(w, as_tuple=True)  # row-major: each row's columns ascending
+    out = [(0, 0)] * w.shape[0]
+    for r, c in zip(rows.tolist(), cols.tolist(), strict=True):
+        lo, hi = out[r]
+        out[r] = (c, c + 1) if hi == 0 else (lo, c + 1)
     return out
 
 
-def stored_size_bands(module, n: int, out_size: int) -> list[int] | None:
-    """The output bands of an interpolation to a size stored for the whole field (``dp_stored_size``), else None.
+def _matrix(key: tuple) -> torch.Tensor:
+    """The map along the sharded dim: ``("interp", mode, size, out_size, scale, align_corners, recompute)`` (the
+    arguments of :func:`resample_matrix`) or ``("adaptive", size, out_size)``."""
+    return resample_matrix(*key[1:]) if key[0] == "interp" else adaptive_matrix(*key[1:])
+
+
+def _on_band(key: tuple, rows: int, out_rows: int) -> tuple:
+    """``key``'s map on a band of ``rows`` rows alone, giving ``out_rows`` rows (a scale as it is, else the size)."""
+    if key[0] == "interp":
+        mode, _, _, scale, align, recompute = key[1:]
+        return ("interp", mode, rows, None if scale is not None else out_rows, scale, align, recompute)
+    return ("adaptive", rows, out_rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(key: tuple, sizes: tuple[int, ...], stored: bool) -> tuple[geometry.LayerBands, bool]:
+    """The layout of ``_matrix(key) @ x`` on bands ``sizes`` (``stored``: output bands of a size stored for the
+    whole field), and whether the call is BAND-LOCAL: no halo row, and every band's rows of the matrix are the same
+    map on the band alone (nearest by a whole factor on bands of whole cells), so torch's own call on the band
+    computes them, bit for bit. A pure function of agreed values (cached): every rank takes the same branch.
+    """
+    w = _matrix(key)
+    out_size = w.shape[0]
+    lay = geometry.resample_layout(list(sizes), out_size, _support(w),
+                                   stored_size_bands(len(sizes), out_size) if stored else None)
+    return lay, _band_alone(key, w, lay)
+
+
+def _band_alone(key: tuple, w: torch.Tensor, lay: geometry.LayerBands) -> bool:
+    if lay.problem or lay.width:
+        return False
+    for b in lay.bands:
+        rows, out_rows = b.stop - b.start, b.out_stop - b.out_start
+        if not rows or not out_rows:
+            return False
+        try:
+            alone = _matrix(_on_band(key, rows, out_rows))
+        except (RuntimeError, ValueError):  # torch refuses the call on the band alone: the matrix path
+            return False
+        if alone.shape != (out_rows, rows) or not torch.equal(alone, w[b.out_start : b.out_stop, b.start : b.stop]):
+            return False
+    return True
+
+
+def stored_size_bands(n: int, out_size: int) -> list[int]:
+    """The output bands of an interpolation to a size stored for the whole field (a module's ``dp_stored_size``).
 
     ``F.interpolate(x, size=(image_height, image_width))`` with the height stored in ``__init__``
     asks for the field's rows: its output is a tensor of that many rows like the model's input,
     so it gets their partition over the domain (:func:`credit_mpi.layout.split`, array_split),
     not the resampling rule's (which follows the input's bands).
     """
-    return split(out_size, n, uneven=True) if module.__dict__.get("dp_stored_size") else None
+    return split(out_size, n, uneven=True)
 
 
-def _rows_layout(module, sizes: list[int], w: torch.Tensor) -> geometry.LayerBands:
-    """The layout of ``w @ x`` along the sharded dim for input bands ``sizes`` (the output bands a stored size asks for)."""
-    return geometry.resample_layout(sizes, w.shape[0], _support(w), stored_size_bands(module, len(sizes), w.shape[0]))
+def _rows_plan(module, sizes: list[int], key: tuple) -> tuple[geometry.LayerBands, bool]:
+    """:func:`_plan` of ``key`` for input bands ``sizes`` (the output bands a stored size asks for)."""
+    return _plan(key, tuple(sizes), bool(module.__dict__.get("dp_stored_size")))
 
 
 def _input_halo(shape_in, dtype, axis: int, n: int, width: int, grad: bool, quiet: bool = False):
@@ -119,9 +165,8 @@ def _input_halo(shape_in, dtype, axis: int, n: int, width: int, grad: bool, quie
     return halo_rule(n, width, row_bytes(shape_in, axis, dtype.itemsize), "zero", grad, quiet)
 
 
-def _apply_rows(module, x, bands, w: torch.Tensor):
-    """Rows of ``w @ x`` along the sharded axis that this rank owns (collective)."""
-    lay = _rows_layout(module, bands.sizes, w)
+def _apply_rows(module, x, bands, lay: geometry.LayerBands, w: torch.Tensor):
+    """Rows of ``w @ x`` along the sharded axis that this rank owns (layout ``lay``; collective)."""
     if lay.problem:
         raise layout_error(module.dp_path, lay, 1)
     check_halo(module.dp_path, bands.sizes, lay.width, "zero", bands.axis)
@@ -147,9 +192,9 @@ class _InterpolateMixin(DomainParallelModule):
     def dp_geometry(self, sizes: list[int], sd: int, h_out: int | None = None) -> geometry.RowGeometry:
         """The resampling's layout, from the module's own mode / scale (``h_out``: the rows a ``size`` asks for)."""
         sf = _per_dim(self.scale_factor, sd + 1)[sd]
-        w = resample_matrix(self.mode, sum(sizes), h_out if sf is None else None, None if sf is None else float(sf),
-                            self.align_corners, self.recompute_scale_factor)
-        return geometry.RowGeometry(_rows_layout(self, sizes, w))
+        key = ("interp", self.mode, sum(sizes), h_out if sf is None else None, None if sf is None else float(sf),
+               self.align_corners, self.recompute_scale_factor)
+        return geometry.RowGeometry(_rows_plan(self, sizes, key)[0])
 
     def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
         """A halo of the input's rows."""
@@ -170,32 +215,39 @@ class _InterpolateMixin(DomainParallelModule):
 
         sizes, scales = _per_dim(size, nd), _per_dim(scale_factor, nd)
 
-        def matrix(b):
+        def plan(b):
             sd = b.axis - 2
-            return resample_matrix(mode, b.total, sizes[sd], None if scale_factor is None else float(scales[sd]),
-                                   align_corners, recompute)
+            key = ("interp", mode, b.total, sizes[sd], None if scale_factor is None else float(scales[sd]),
+                   align_corners, recompute)
+            return key, _rows_plan(self, b.sizes, key)
 
         def quiet(b) -> bool:  # no halo row (nearest by an integer factor on bands of whole cells): no MPI call
-            lay = _rows_layout(self, b.sizes, matrix(b))
+            lay = plan(b)[1][0]
             return not lay.problem and not lay.width
 
         bands = agree(x, axis_of, manager.domain_group, self.dp_path, lambda: (size, scale_factor, mode, align_corners),
                       mode=self.dp_mode(), quiet=quiet)
         sd = bands.axis - 2
-        w = matrix(bands)
-        y = _apply_rows(self, x, bands, w)
+        key, (lay, alone) = plan(bands)
         kw = {"mode": mode}
         if mode in ("linear", "bilinear", "bicubic", "trilinear"):
             kw["align_corners"] = align_corners
         if scale_factor is not None:
-            kw["scale_factor"] = tuple(1.0 if i == sd else float(s) for i, s in enumerate(scales))
             kw["recompute_scale_factor"] = recompute
+        if alone:  # every band's rows are torch's call on the band alone (agreed: every rank here): that call, whole
+            if scale_factor is not None:
+                kw["scale_factor"] = tuple(float(s) for s in scales)
+            else:
+                kw["size"] = tuple(lay.bands[bands.rank].out_rows if i == sd else s for i, s in enumerate(sizes))
+            return F.interpolate(x, **kw)
+        y = _apply_rows(self, x, bands, lay, _matrix(key))
+        if scale_factor is not None:
+            kw["scale_factor"] = tuple(1.0 if i == sd else float(s) for i, s in enumerate(scales))
         else:
             kw["size"] = tuple(y.shape[bands.axis] if i == sd else s for i, s in enumerate(sizes))
         if scale_factor is not None and all(float(k) == 1.0 for i, k in enumerate(scales) if i != sd):
             return y
         return F.interpolate(y, **kw)
-
 
 
 def _return_indices(module: nn.Module) -> str:
@@ -413,7 +465,7 @@ class _AdaptiveAvgMixin(DomainParallelModule):
             return geometry.RowGeometry(note="global mean: one allgather, output replicated")
         if h_out == h_in:
             return geometry.RowGeometry()
-        return geometry.RowGeometry(geometry.resample_layout(sizes, h_out, _support(adaptive_matrix(h_in, h_out))))
+        return geometry.RowGeometry(_plan(("adaptive", h_in, h_out), tuple(sizes), False)[0])
 
     def dp_traffic(self, shape_in, shape_out, dtype, axis, n, width, grad, weight_grad):
         """The global mean: sums gathered, a reduce-scatter backward; else a halo of the input's rows (none kept)."""
@@ -437,7 +489,12 @@ class _AdaptiveAvgMixin(DomainParallelModule):
             return fn(x, keep)
         if self.dp_replicated(bands.total, out[sd]):  # the global mean along the sharded dim: replicated on every rank
             return replicated(self._global_mean(x, bands, sd, keep, fn).to(x.dtype))
-        y = _apply_rows(self, x, bands, adaptive_matrix(bands.total, out[sd]))
+        key = ("adaptive", bands.total, out[sd])
+        lay, alone = _plan(key, tuple(bands.sizes), False)
+        if alone:  # every band's windows are its own (agreed: every rank here): torch's pooling of the band
+            keep[sd] = lay.bands[bands.rank].out_rows
+            return fn(x, keep)
+        y = _apply_rows(self, x, bands, lay, _matrix(key))
         keep[sd] = y.shape[axis]
         return fn(y, keep)
 

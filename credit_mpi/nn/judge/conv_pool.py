@@ -273,7 +273,9 @@ def _band_size(tr, func, x, p, args, kwargs, size, nsp, mode, align):
     :func:`credit_mpi.ops.reband.agree_rows`; the dry run reads them from the layouts): the same
     layouts pass as they are; a target of a whole factor of the field's rows is the exact layer by
     that factor (its output bands ``factor`` times ``x``'s), re-banded to the target's layout where
-    that differs (a skip connection's on uneven bands). Any other target is refused on every rank.
+    that differs (a skip connection's on uneven bands). Where it does not, the layer takes the call's
+    own size (the field's rows along the sharded dim), every dim in one call: on bands of whole cells
+    (nearest) torch's call on the band. Any other target is refused on every rank.
     """
     from ..resample import DomainParallelInterpolate
 
@@ -292,12 +294,17 @@ def _band_size(tr, func, x, p, args, kwargs, size, nsp, mode, align):
         raise Refusal(f"size={tuple(_per_dim(size, nsp))} asks for {total} rows of a field of {rows} along the sharded dim, "
                    f"not a whole factor of them (give scale_factor, or a size that is a whole multiple of the rows)")
     factor = total // rows
-    layer = DomainParallelInterpolate(scale_factor=tuple(float(factor) if i == sd else 1.0 for i in range(nsp)),
-                                      mode=mode, align_corners=align, manager=_NoManager, shard_dim=p.dim - x.ndim)
+    moved = [factor * s for s in mine]
+    if moved == list(theirs):  # no re-band after: the call's own size, every dim in one call (the field's rows along sd)
+        whole = tuple(total if i == sd else int(v) for i, v in enumerate(_per_dim(size, nsp)))
+        layer = DomainParallelInterpolate(size=whole, mode=mode, align_corners=align, manager=_NoManager,
+                                          shard_dim=p.dim - x.ndim)
+    else:
+        layer = DomainParallelInterpolate(scale_factor=tuple(float(factor) if i == sd else 1.0 for i in range(nsp)),
+                                          mode=mode, align_corners=align, manager=_NoManager, shard_dim=p.dim - x.ndim)
     layer.dp_manager = tr.manager
     layer.dp_path = f"{path}: interpolate"
     y = layer(x)  # the tracker's module hooks: a layer of the plan, its output a band
-    moved = [factor * s for s in mine]
     _report_size(tr, path, y, p.dim, moved, list(theirs))
     y = _to_layout(tr, y, p, moved, list(theirs), path)
     rest = [y.shape[p.dim] if i == sd else v for i, v in enumerate(_per_dim(size, nsp))]
