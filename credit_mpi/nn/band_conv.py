@@ -121,26 +121,27 @@ def band_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     """The convolution of the band ``x`` (rank ``rank`` of agreed ``sizes`` along ``axis``) with its neighbours' rows
     (``boundary``: ``"zero"`` or ``"periodic"``); ``edges`` from :func:`band_edges`. Collective over the domain group
     (every rank or none calls it, as the layer's agreement decides); differentiable, twice."""
-    plan = None
+    plan = edge = None
     comm = live_domain_comm(manager) or domain_of(manager).comm
     path = paths.current()  # the converted forward's data path
     if any(e.top or e.bottom for e in edges):  # agreed: every rank exchanges, or none
-        plan = agreed_plan(halo_op.BANDS, _edge_rows(x.detach(), axis, width), comm, (2 * width,) * len(sizes),
-                           halo_width=width, dim=axis, boundary=boundary, transport="mpi", manager=manager)
+        edge = _edge_rows(x.detach(), axis, width)
+        plan = agreed_plan(halo_op.BANDS, edge, comm, (2 * width,) * len(sizes), halo_width=width, dim=axis,
+                           boundary=boundary, transport="mpi", manager=manager)
         plan = path.rebind(plan, comm)
     pad = padding[axis - (x.ndim - len(stride))]
     job = _Job(edges[rank], axis, width, tuple(stride), tuple(padding), tuple(strip_padding), tuple(dilation), groups,
                plan, (comm, sizes, boundary, manager, path, width - pad, x.shape[axis] + 2 * pad))
-    received = None if plan is None else _fetch(x.detach(), job)
+    received = None if plan is None else _fetch(edge, plan)
     top, bottom = _halo_rows(received, job)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return _BandConv.apply(x, weight, bias, top, bottom, job)
     return _compute(x, weight, bias, top, bottom, job)
 
 
-def _fetch(x: torch.Tensor, job: _Job) -> torch.Tensor:
-    """The band's first and last ``width`` rows exchanged: ``4 * width`` rows, the neighbours' at both ends."""
-    return apply_agreed(halo_op.BANDS, _edge_rows(x, job.axis, job.width), job.plan)
+def _fetch(edge: torch.Tensor, plan: Any) -> torch.Tensor:
+    """The band's edge rows (:func:`_edge_rows`) exchanged: ``4 * width`` rows, the neighbours' at both ends."""
+    return apply_agreed(halo_op.BANDS, edge, plan)
 
 
 def _edge_rows(x: torch.Tensor, axis: int, width: int) -> torch.Tensor:
