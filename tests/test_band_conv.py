@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import credit_mpi  # noqa: E402
 from credit_mpi.nn import conv as conv_module  # noqa: E402
 from credit_mpi.nn import convert_to_domain_parallel  # noqa: E402
-from credit_mpi.nn.band_conv import band_edges  # noqa: E402
+from credit_mpi.nn.band_conv import Strip, band_edges  # noqa: E402
 from credit_mpi.nn.geometry import conv_layout  # noqa: E402
 
 from .halo_reference import band, prefix_managers  # noqa: E402
@@ -100,9 +100,14 @@ def test_band_edges_decides_exact_and_simple_layouts_only():
 
     three = edges((8, 7, 7), 3)
     assert [(e.top is not None, e.bottom is not None) for e in three] == [(False, True), (True, True), (True, False)]
-    assert three[1].top == (1, 0, 1, 2) and three[1].bottom == (6, 1, 2, 1)  # one row: 1 halo + 2 band rows
+    # one output row each side, read by the one tap that reaches the neighbour's row (received row 0 above, 3 below)
+    assert three[1].top == Strip(0, 1, 0, 1, 0, True, 0, 1) and three[1].bottom == Strip(6, 1, 3, 1, 0, False, 2, 1)
     assert all(e.top and e.bottom for e in edges((8, 7, 7), 3, periodic=True))
-    assert edges((8, 8), 3, stride=2)[1].top == (1, 0, 1, 2) and edges((8, 8), 3, stride=2)[0].bottom is None
+    assert edges((8, 8), 3, stride=2)[1].top == Strip(0, 1, 0, 1, 0, True, 0, 1)
+    assert edges((8, 8), 3, stride=2)[0].bottom is None  # the last window ends in the band
+    # a 7-row kernel, stride 2: two output rows above, three taps, the second row's third tap on a zero (band) row
+    assert edges((32, 32), 7, stride=2)[1].top == Strip(0, 2, 0, 3, 2, True, 0, 3)
+    assert edges((32, 32), 7, stride=2)[0].bottom == Strip(15, 1, 9, 2, 0, False, 5, 2)
     assert edges((7, 9), 3, stride=2) is None  # an odd start under stride 2
     assert edges((4, 4), 7, stride=2) is None  # a 4-row band: one output row's window reaches both neighbours
     assert edges((8, 8), 4, pad=2) is None  # an even kernel: the local call has one row more than the band owns

@@ -40,24 +40,38 @@ from ..ops import halo as halo_op
 from ..transport import paths
 from ._comm import _eager, _overlap_add_with
 
-__all__ = ["BandEdges", "band_edges", "band_conv"]
+__all__ = ["Strip", "BandEdges", "band_edges", "band_conv"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-class BandEdges(NamedTuple):
-    """One rank's edge strips (rows along the sharded dim, relative to the band).
+class Strip(NamedTuple):
+    """The halo rows' share of a band's edge output rows: ``conv(strip, the kernel's taps [tap, tap + taps))``.
 
-    ``top``: ``(out_rows, first, halo, zeros)``: the first ``out_rows`` output rows read
-    ``halo`` received rows above the band (from row ``first`` of the ``width`` received)
-    then ``zeros`` band rows; ``bottom``: ``(first_out, out_rows, zeros, halo)``: output rows
-    ``first_out..`` read ``zeros`` band rows then the first ``halo`` rows received from below.
-    None: no strip on that side (a zero-padded field edge, or no window reaches past it).
+    The strip is ``halo`` received rows (from row ``recv`` of the ``4 * width`` exchanged) and ``zeros``
+    zero rows in place of the band's (the halo first when ``above``, else the zeros); its convolution
+    (no bias, no padding along the sharded dim) gives output rows ``[out_first, out_first + out_rows)``.
+    Only the taps that can reach past the band's edge are in the call: the others read band rows,
+    which the band's own call covers.
     """
 
+    out_first: int
+    out_rows: int
+    recv: int
+    halo: int
+    zeros: int
+    above: bool
+    tap: int
+    taps: int
+
+
+class BandEdges(NamedTuple):
+    """One rank's strips above and below (None: no strip on that side: a zero-padded field edge, or no
+    window reaches past it)."""
+
     rows: int  # the band's output rows (the local conv's, which are the rows it owns)
-    top: tuple[int, int, int, int] | None
-    bottom: tuple[int, int, int, int] | None
+    top: Strip | None
+    bottom: Strip | None
 
 
 def band_edges(sizes: tuple[int, ...], kernel: int, stride: int, dilation: int, pad: int, width: int,
@@ -84,16 +98,20 @@ def band_edges(sizes: tuple[int, ...], kernel: int, stride: int, dilation: int, 
             return None
         top = bottom = None
         if n_top and (r > 0 or periodic):
-            length = (n_top - 1) * stride + span
+            taps = min(kernel, -(-pad // dilation))  # taps [0, taps) reach above the band (row 0's: the most)
+            length = (n_top - 1) * stride + (taps - 1) * dilation + 1  # from global row start - pad
             halo = min(pad, length)
-            top = (n_top, width - pad, halo, length - halo)
+            top = Strip(0, n_top, width - pad, halo, length - halo, True, 0, taps)
         if first_bottom < rows and (r < n - 1 or periodic):
-            length = (rows - 1 - first_bottom) * stride + span
-            zeros = m - (first_bottom * stride - pad)
-            halo = length - zeros
-            if zeros < 0 or halo > width:
+            tap = max(0, -(-(m + pad - (rows - 1) * stride) // dilation))  # the last row's first tap below the band
+            first = first_bottom * stride - pad + tap * dilation  # the strip's first row, from the band's start
+            length = (rows - 1 - first_bottom) * stride + (kernel - 1 - tap) * dilation + 1
+            zeros = max(0, m - first)
+            recv = first + zeros - m  # its first row past the band: the received row of the neighbour below
+            if recv + length - zeros > width:
                 return None
-            bottom = (first_bottom, rows - first_bottom, zeros, halo)
+            bottom = Strip(first_bottom, rows - first_bottom, 3 * width + recv, length - zeros, zeros, False, tap,
+                           kernel - tap)
         out.append(BandEdges(rows, top, bottom))
     return tuple(out)
 
@@ -103,6 +121,7 @@ class _Job(NamedTuple):
 
     edges: BandEdges
     axis: int
+    waxis: int  # the weight's dim of the sharded one
     width: int
     stride: tuple[int, ...]
     padding: tuple[int, ...]  # the band's call: the module's padding, the sharded dim's too
@@ -130,7 +149,7 @@ def band_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
                            boundary=boundary, transport="mpi", manager=manager)
         plan = path.rebind(plan, comm)
     pad = padding[axis - (x.ndim - len(stride))]
-    job = _Job(edges[rank], axis, width, tuple(stride), tuple(padding), tuple(strip_padding), tuple(dilation), groups,
+    job = _Job(edges[rank], axis, axis - (x.ndim - weight.ndim), width, tuple(stride), tuple(padding), tuple(strip_padding), tuple(dilation), groups,
                plan, (comm, sizes, boundary, manager, path, width - pad, x.shape[axis] + 2 * pad))
     received = None if plan is None else _fetch(edge, plan)
     top, bottom = _halo_rows(received, job)
@@ -151,40 +170,34 @@ def _edge_rows(x: torch.Tensor, axis: int, width: int) -> torch.Tensor:
 
 def _halo_rows(received: torch.Tensor | None, job: _Job) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The received rows the strips read (above, below), or None."""
-    top, bottom = job.edges.top, job.edges.bottom
-    w = job.width
-    return (None if top is None else received.narrow(job.axis, top[1], top[2]),
-            None if bottom is None else received.narrow(job.axis, 3 * w, bottom[3]))
+    return tuple(None if st is None else received.narrow(job.axis, st.recv, st.halo)
+                 for st in (job.edges.top, job.edges.bottom))
 
 
-def _strip(rows: torch.Tensor, zeros: int, after: bool, axis: int) -> torch.Tensor:
-    """``rows`` with ``zeros`` zero rows after (``after``) or before them along ``axis``."""
-    if not zeros:
+def _strip(rows: torch.Tensor, st: Strip, axis: int) -> torch.Tensor:
+    """The strip's rows: ``rows`` (the halo) and its zero rows, in their order along ``axis``."""
+    if not st.zeros:
         return rows
     shape = list(rows.shape)
-    shape[axis] = zeros
+    shape[axis] = st.zeros
     pad = rows.new_zeros(shape)
-    return torch.cat([rows, pad] if after else [pad, rows], axis)
+    return torch.cat([rows, pad] if st.above else [pad, rows], axis)
 
 
-def _strips(top: torch.Tensor | None, bottom: torch.Tensor | None, job: _Job) -> tuple:
-    e, axis = job.edges, job.axis
-    return (None if top is None else _strip(top, e.top[3], True, axis),
-            None if bottom is None else _strip(bottom, e.bottom[2], False, axis))
+def _taps(weight: torch.Tensor, st: Strip, job: _Job) -> torch.Tensor:
+    """The kernel's taps along the sharded dim that the strip's call uses (a view)."""
+    return weight.narrow(job.waxis, st.tap, st.taps)
 
 
 def _compute(x, weight, bias, top, bottom, job: _Job) -> torch.Tensor:
     """The band's call with the module's padding, the strips' contributions added into its edge rows."""
     conv = _CONV[weight.ndim - 2]
     out = conv(x, weight, bias, job.stride, job.padding, job.dilation, job.groups)
-    strip_top, strip_bottom = _strips(top, bottom, job)
-    e = job.edges
-    if strip_top is not None:
-        out.narrow(job.axis, 0, e.top[0]).add_(
-            conv(strip_top, weight, None, job.stride, job.strip_padding, job.dilation, job.groups))
-    if strip_bottom is not None:
-        out.narrow(job.axis, e.bottom[0], e.bottom[1]).add_(
-            conv(strip_bottom, weight, None, job.stride, job.strip_padding, job.dilation, job.groups))
+    for rows, st in ((top, job.edges.top), (bottom, job.edges.bottom)):
+        if st is not None:
+            out.narrow(job.axis, st.out_first, st.out_rows).add_(
+                conv(_strip(rows, st, job.axis), _taps(weight, st, job), None, job.stride, job.strip_padding,
+                     job.dilation, job.groups))
     return out
 
 
@@ -205,24 +218,23 @@ class _BandConv(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and bias is not None
         if torch.is_grad_enabled():  # create_graph: every rank alike (the engine's adjoints assume it too)
-            return _differentiable(grad, x, weight, bias, top, bottom, job, (need_x, need_w, need_b))
+            return _differentiable(grad, x, weight, bias, job, (need_x, need_w, need_b))
         g_x, g_w, g_b = torch.ops.aten.convolution_backward(
             grad, x, weight, None if bias is None else list(bias.shape), list(job.stride), list(job.padding),
             list(job.dilation), False, [0] * len(job.stride), job.groups, [need_x, need_w, need_b])
-        e, axis = job.edges, job.axis
-        strip_top, strip_bottom = _strips(top, bottom, job)
+        axis = job.axis
         home = []
-        for strip, first, rows, at in ((strip_top, 0, e.top and e.top[0], 0),
-                                       (strip_bottom, e.bottom and e.bottom[0], e.bottom and e.bottom[1], 1)):
-            if strip is None:
+        for rows, st in ((top, job.edges.top), (bottom, job.edges.bottom)):
+            if st is None:
                 continue
             g_s, g_ws, _ = torch.ops.aten.convolution_backward(
-                grad.narrow(axis, first, rows), strip, weight, None, list(job.stride), list(job.strip_padding),
-                list(job.dilation), False, [0] * len(job.stride), job.groups, [need_x, need_w, False])
+                grad.narrow(axis, st.out_first, st.out_rows), _strip(rows, st, axis), _taps(weight, st, job), None,
+                list(job.stride), list(job.strip_padding), list(job.dilation), False, [0] * len(job.stride),
+                job.groups, [need_x, need_w, False])
             if need_w:
-                g_w.add_(g_ws)
+                g_w.narrow(job.waxis, st.tap, st.taps).add_(g_ws)
             if need_x:
-                home.append((at, g_s))
+                home.append((st, g_s.narrow(axis, 0 if st.above else st.zeros, st.halo)))
         if need_x and job.plan is not None:  # the halo rows' gradients home (every rank: the adjoint is collective)
             g_x = _rows_home(g_x, home, job)
         return g_x, g_w, g_b, None, None, None
@@ -230,15 +242,12 @@ class _BandConv(torch.autograd.Function):
 
 def _rows_home(g_x: torch.Tensor, home: list, job: _Job) -> torch.Tensor:
     """Send the strips' halo-row gradients to the ranks that own those rows; add what comes back into ``g_x``'s edge rows."""
-    e, axis, w = job.edges, job.axis, job.width
+    axis, w = job.axis, job.width
     shape = list(g_x.shape)
     shape[axis] = 4 * w
     g = g_x.new_zeros(shape)  # the exchanged rows' gradient: only the halo rows' are not zero
-    for at, g_s in home:
-        if at == 0:
-            g.narrow(axis, e.top[1], e.top[2]).copy_(g_s.narrow(axis, 0, e.top[2]))
-        else:
-            g.narrow(axis, 3 * w, e.bottom[3]).copy_(g_s.narrow(axis, e.bottom[2], e.bottom[3]))
+    for st, g_halo in home:
+        g.narrow(axis, st.recv, st.halo).copy_(g_halo)
     if halo_op.BANDS.backward_calls_mpi(job.plan):
         check_backward_thread()
     back = _overlap_add_with(g, halo_op.BANDS, job.plan)  # the exchange's adjoint: 2 * width rows of this band
@@ -248,7 +257,7 @@ def _rows_home(g_x: torch.Tensor, home: list, job: _Job) -> torch.Tensor:
     return g_x
 
 
-def _differentiable(grad, x, weight, bias, top, bottom, job: _Job, need: tuple[bool, bool, bool]) -> tuple:
+def _differentiable(grad, x, weight, bias, job: _Job, need: tuple[bool, bool, bool]) -> tuple:
     """The backward as a recorded graph (a second derivative): the forward recomputed as the fetched rows' path
     computes it (the band's halo fetched with the recorded exchange, the convolution of the padded rows: every rank
     reads every fetched row, so every rank's graph holds the exchange and its adjoint alike), differentiated."""
