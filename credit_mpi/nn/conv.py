@@ -36,6 +36,7 @@ from ..partition import check_halo_width
 from . import geometry
 from ._comm import agree, agree_blocks, check_halo, fetch_block, fetch_rows, overlap_add, overlap_add_2d
 from ._overlap import overlapped_conv, split
+from .band_conv import BandEdges, band_conv, band_edges
 from .base import DomainParallelModule
 from .base import layout_refusal as layout_error
 from .rules import layer_rule
@@ -58,6 +59,7 @@ __all__ = [
 #: Overlap a band convolution's halo exchange with its interior rows (:mod:`credit_mpi.nn._overlap`).
 #: Set it alike on every rank (it is part of each layer's agreement: a rank that differs raises on every rank).
 OVERLAP = False
+_local_halos = False  # within local_halos(): the band convs take the fetched rows' path (its exchange stood in)
 
 _BOUNDARY = {"zeros": "zero", "circular": "periodic", "reflect": "reflect", "replicate": "replicate"}
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -153,6 +155,9 @@ class BandPlan(NamedTuple):
     halo_fits: bool  # the halo fits the bands (else the layer raises check_halo's error, on every rank)
     pad: tuple[list[int], str] | None  # ``F.pad`` of the other spatial dims (argument, mode), or None
     spec: ConvSpec  # the kernel call's settings (the sharded dim unpadded)
+    edges: tuple[BandEdges, ...] | None  # every rank's edge strips: the band conv that copies no band
+    # (credit_mpi.nn.band_conv), or None (that split is not exact and simple here: the fetched rows' path)
+    padding: tuple[int, ...]  # the band conv's kernel call: the module's padding, the sharded dim's too
 
 
 @functools.lru_cache(maxsize=1024)
@@ -180,7 +185,12 @@ def band_plan(kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[
             conv_padding = [0 if i == sd or pads[i][0] != pads[i][1] else pads[i][0] for i in range(nd)]
     elif any(p != (0, 0) for i, p in enumerate(pads) if i != sd):
         pad = (_pad_arg(list(pads), sd, nd), padding_mode)
-    return BandPlan(lay, boundary, fits, pad, ConvSpec(tuple(stride), tuple(conv_padding), tuple(dilation), groups))
+    edges = None
+    if not lay.problem and fits and pad is None and edge is None and before == after and boundary in ("zero", "periodic"):
+        edges = band_edges(sizes, kernel[sd], stride[sd], dilation[sd], before, lay.width, boundary == "periodic",
+                           lay.bands)
+    return BandPlan(lay, boundary, fits, pad, ConvSpec(tuple(stride), tuple(conv_padding), tuple(dilation), groups),
+                    edges, tuple(before if i == sd else p for i, p in enumerate(conv_padding)))
 
 
 class _EdgeRows(torch.autograd.Function):
@@ -311,6 +321,11 @@ class _ConvMixin(DomainParallelModule):
                 return overlapped_conv(x, functools.partial(self._conv_rows, plan), axis, lay.width,
                                        band.in_lo - (bands.start - lay.width), band.out_stop - band.out_start,
                                        self.stride[sd], span, manager.domain_group, neighbours, every[bands.rank])
+        if (plan.edges is not None and not overlap and not _local_halos and x.ndim == self.weight.ndim
+                and not torch.is_autocast_enabled(x.device.type)):  # agreed plan, input and flags: every rank alike
+            spec = plan.spec
+            return band_conv(x, self.weight, self.bias, plan.edges, bands.rank, tuple(bands.sizes), axis, lay.width,
+                             boundary, manager, spec.stride, plan.padding, spec.padding, spec.dilation, spec.groups)
         rows = fetch_rows(x, bands, band.in_lo, band.in_hi, lay.width, manager, boundary)
         if not lay.width or plan.pad is not None:  # the rows are x's own (a view), or padded again in another dim
             return self._conv_rows(plan, rows)
@@ -507,7 +522,7 @@ def local_halos() -> Iterator[None]:
     overlapping them can hide). Transposed convolutions drop their overlap
     instead of adding it to the neighbours. Every rank alike (no result is exact).
     """
-    global overlap_add
+    global overlap_add, _local_halos
     from . import _comm
 
     def pad(x, width, axis, manager, boundary, sizes):
@@ -516,9 +531,9 @@ def local_halos() -> Iterator[None]:
     def drop(y, rows, width, axis, manager, sizes):
         return y.narrow(axis, width, rows)
 
-    saved = _comm.exchange_agreed, overlap_add
-    _comm.exchange_agreed, overlap_add = pad, drop
+    saved = _comm.exchange_agreed, overlap_add, _local_halos
+    _comm.exchange_agreed, overlap_add, _local_halos = pad, drop, True
     try:
         yield
     finally:
-        _comm.exchange_agreed, overlap_add = saved
+        _comm.exchange_agreed, overlap_add, _local_halos = saved
