@@ -265,13 +265,20 @@ def fetch_rows(
 _EXCHANGE_AGREED = exchange_agreed
 
 
-def _exchange_on(path: paths.DataPath, x: torch.Tensor, width: int, axis: int, manager: Any, boundary: str,
-                 sizes: tuple[int, ...]) -> torch.Tensor:
-    """:func:`credit_mpi.halo.exchange_agreed` on ``path`` (not MPI): the same agreed plan, its moves the path's."""
+def bands_halo_plan(x: torch.Tensor, width: int, axis: int, manager: Any, boundary: str, sizes: tuple[int, ...],
+                    path: paths.DataPath | None = None) -> Any:
+    """The halo exchange's plan for bands ``sizes`` of ``x`` (agreed by the calling layer: no agreement of its own,
+    remembered per call shape), its moves on ``path`` (None: the converted forward's)."""
     comm = live_domain_comm(manager) or domain_of(manager).comm
     plan = agreed_plan(halo_op.BANDS, x, comm, sizes, halo_width=width, dim=axis, boundary=boundary, transport="mpi",
                        manager=manager)
-    return apply_agreed(halo_op.BANDS, x, path.rebind(plan, comm))
+    return (path or paths.current()).rebind(plan, comm)
+
+
+def _exchange_on(path: paths.DataPath, x: torch.Tensor, width: int, axis: int, manager: Any, boundary: str,
+                 sizes: tuple[int, ...]) -> torch.Tensor:
+    """:func:`credit_mpi.halo.exchange_agreed` on ``path`` (not MPI): the same agreed plan, its moves the path's."""
+    return apply_agreed(halo_op.BANDS, x, bands_halo_plan(x, width, axis, manager, boundary, sizes, path))
 
 
 @_eager
@@ -332,11 +339,8 @@ def overlap_add(y: torch.Tensor, rows: int, width: int, axis: int, manager: Any,
     """
     if not width:
         return y
-    comm = live_domain_comm(manager) or domain_of(manager).comm
     own = y.detach().narrow(axis, width, rows)
-    plan = agreed_plan(halo_op.BANDS, own, comm, tuple(sizes), halo_width=width, dim=axis, boundary="zero",
-                       transport="mpi", manager=manager)
-    return _overlap_add_with(y, halo_op.BANDS, paths.current().rebind(plan, comm))
+    return _overlap_add_with(y, halo_op.BANDS, bands_halo_plan(own, width, axis, manager, "zero", tuple(sizes)))
 
 
 # --------------------------------------------------------------------------- the 2-D domain grid

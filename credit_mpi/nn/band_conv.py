@@ -34,11 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from ..autograd import check_backward_thread
-from ..engine import agreed_plan, apply_agreed
-from ..manager import domain_of, live_domain_comm
+from ..engine import apply_agreed
 from ..ops import halo as halo_op
 from ..transport import paths
-from ._comm import _eager, _overlap_add_with
+from ._comm import _eager, _overlap_add_with, bands_halo_plan
 
 __all__ = ["Strip", "BandEdges", "band_edges", "band_conv"]
 
@@ -129,8 +128,8 @@ class _Job(NamedTuple):
     dilation: tuple[int, ...]
     groups: int
     plan: Any  # the edge rows' exchange (None: no rank has a strip)
-    again: tuple  # what a recorded backward needs to fetch the band's halo again: (comm, sizes, boundary, manager,
-    # the data path, the first fetched row the band's windows read, how many they read)
+    again: tuple  # what a recorded backward needs to fetch the band's halo again: (sizes, boundary, manager, the
+    # data path, the first fetched row the band's windows read, how many they read)
 
 
 @_eager
@@ -141,16 +140,13 @@ def band_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     (``boundary``: ``"zero"`` or ``"periodic"``); ``edges`` from :func:`band_edges`. Collective over the domain group
     (every rank or none calls it, as the layer's agreement decides); differentiable, twice."""
     plan = edge = None
-    comm = live_domain_comm(manager) or domain_of(manager).comm
     path = paths.current()  # the converted forward's data path
     if any(e.top or e.bottom for e in edges):  # agreed: every rank exchanges, or none
         edge = _edge_rows(x.detach(), axis, width)
-        plan = agreed_plan(halo_op.BANDS, edge, comm, (2 * width,) * len(sizes), halo_width=width, dim=axis,
-                           boundary=boundary, transport="mpi", manager=manager)
-        plan = path.rebind(plan, comm)
+        plan = bands_halo_plan(edge, width, axis, manager, boundary, (2 * width,) * len(sizes), path)
     pad = padding[axis - (x.ndim - len(stride))]
     job = _Job(edges[rank], axis, axis - (x.ndim - weight.ndim), width, tuple(stride), tuple(padding), tuple(strip_padding), tuple(dilation), groups,
-               plan, (comm, sizes, boundary, manager, path, width - pad, x.shape[axis] + 2 * pad))
+               plan, (sizes, boundary, manager, path, width - pad, x.shape[axis] + 2 * pad))
     received = None if plan is None else _fetch(edge, plan)
     top, bottom = _halo_rows(received, job)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
@@ -261,14 +257,13 @@ def _differentiable(grad, x, weight, bias, job: _Job, need: tuple[bool, bool, bo
     """The backward as a recorded graph (a second derivative): the forward recomputed as the fetched rows' path
     computes it (the band's halo fetched with the recorded exchange, the convolution of the padded rows: every rank
     reads every fetched row, so every rank's graph holds the exchange and its adjoint alike), differentiated."""
-    comm, sizes, boundary, manager, path, first, count = job.again
+    sizes, boundary, manager, path, first, count = job.again
     with torch.enable_grad():
         if job.plan is None:  # no rank reads another's rows: the band's call alone
             out = _compute(x, weight, bias, None, None, job)
         else:
-            plan = agreed_plan(halo_op.BANDS, x, comm, sizes, halo_width=job.width, dim=job.axis, boundary=boundary,
-                               transport="mpi", manager=manager)
-            rows = _refetch(x, path.rebind(plan, comm)).narrow(job.axis, first, count)
+            plan = bands_halo_plan(x, job.width, job.axis, manager, boundary, sizes, path)
+            rows = _refetch(x, plan).narrow(job.axis, first, count)
             out = _CONV[weight.ndim - 2](rows, weight, bias, job.stride, job.strip_padding, job.dilation, job.groups)
         inputs = [t for t, n in zip((x, weight, bias), need, strict=True) if n]
         grads = iter(torch.autograd.grad(out, inputs, grad, create_graph=True, allow_unused=True))
