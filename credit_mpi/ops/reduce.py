@@ -79,10 +79,11 @@ class ReduceGradients(Op):
         if not groups:
             return
         import torch  # the gradients are torch tensors, so torch is loaded already
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # DDP's C++ pack and unpack
 
         for dtype in sorted(groups):
             tensors = groups[dtype]
-            flat = _flatten([t.detach() for t in tensors])  # torch's C++ pack and unpack (DDP's): no per-tensor Python
+            flat = _flatten_dense_tensors([t.detach() for t in tensors])  # no Python per tensor
             if dtype in _WIDEN:
                 flat = flat.float()
             datatype = arrays.mpi_datatype(flat)
@@ -92,19 +93,7 @@ class ReduceGradients(Op):
                         comm.Allreduce(MPI.IN_PLACE, [buf, datatype], op=MPI.SUM)
             if dp > 1:
                 flat.div_(dp)
-            torch._foreach_copy_(tensors, _unflatten(flat, tensors))  # (a widened flat copies back to the narrow dtype)
-
-
-def _flatten(tensors: list) -> Any:
-    from torch._utils import _flatten_dense_tensors
-
-    return _flatten_dense_tensors(tensors)
-
-
-def _unflatten(flat: Any, tensors: list) -> list:
-    from torch._utils import _unflatten_dense_tensors
-
-    return _unflatten_dense_tensors(flat, tensors)
+            torch._foreach_copy_(tensors, _unflatten_dense_tensors(flat, tensors))  # (widened: back to the narrow dtype)
 
 
 REDUCE = ReduceGradients()
