@@ -234,6 +234,8 @@ class Tracker(TorchFunctionMode):
         self.own_layouts = 0  # the dry run: how many tensors have a layout of their own (none: nothing to inherit)
         self._layouts_in_rule: dict[int, list[int]] = {}  # while a rule runs: the layouts of its held tensors, by their rows
         self._locals: list = []
+        self._unhooked: list[bool] = []  # per open module call: this mode stepped aside for a trusted layer's own code
+        self.judging = bool(judge)
         self._folded: list[torch.nn.Module | None] = []  # per open layer call: the conv whose edge rows were folded
         self._leaves: dict[int, list[Callable[[Any], Any]]] = {}  # per module: how its module rule ends (a stack)
         self._hooks: list = []
@@ -392,13 +394,28 @@ class Tracker(TorchFunctionMode):
                     self._leaves.setdefault(id(module), []).append(leave)
                     break
         self.stack.append((self._path(module), trusted, (placement,) if local else None))
+        self._unhooked.append(trusted and not self.trusted and self._step_aside())
         self.trusted += trusted
         return new
+
+    def _step_aside(self) -> bool:
+        """At run time, a trusted layer's own code runs without this mode (True: it was popped, :meth:`_post` puts it
+        back): the judge passes every op of a layer through anyway, and a norm or a band conv makes ~50 small ops a call.
+        Only while this mode is the innermost one (another mode above it stays as it is)."""
+        if self.manager is None or not self.judging:
+            return False
+        depth = torch._C._len_torch_function_stack()
+        if not depth or torch._C._get_function_stack_at(depth - 1) is not self:
+            return False
+        torch._C._pop_torch_function_stack()
+        return True
 
     def _post(self, module: torch.nn.Module, args: tuple, out: Any) -> Any:
         if active_tracker() is not self:
             return None
         _, trusted, local = self.stack.pop() if len(self.stack) > 1 else (None, False, None)
+        if self._unhooked and self._unhooked.pop():
+            torch._C._push_on_torch_function_stack(self)
         self.trusted -= trusted
         if local is not None:
             self._locals.pop().__exit__(None, None, None)
