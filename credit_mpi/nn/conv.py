@@ -97,17 +97,23 @@ def _paddings(kernel: tuple[int, ...], dilation: tuple[int, ...], padding, edge)
     else:
         out = [(p, p) for p in padding]
     if edge is not None:
-        sd, before, after = edge
+        sd, before, after, others = edge[0], edge[1], edge[2], edge[3:]
         out[sd] = (out[sd][0] + before, out[sd][1] + after)
+        for i in range(nd):  # the other dims' folded zeros (an F.pad list: the last dim first)
+            k = 2 * (nd - 1 - i)
+            if i != sd and k + 1 < len(others):
+                out[i] = (out[i][0] + others[k], out[i][1] + others[k + 1])
     return tuple(out)
 
 
-def fold_edge_rows(module: nn.Module, edge: tuple[int, int, int] | None) -> None:
+def fold_edge_rows(module: nn.Module, edge: tuple[int, ...] | None) -> None:
     """Set (``(sd, before, after)``) or clear (None) the zero rows a convolution adds at the field's edges of spatial dim ``sd``.
 
     The function-level tracker folds ``F.pad(x, zeros)`` of the sharded dim into the next
     convolution (padding only the first and last band would shift every band's start, and with
-    it the output rows each band owns): for the length of one call, then cleared.
+    it the output rows each band owns): for the length of one call, then cleared. ``(sd, before,
+    after, *others)``: the same pad's zeros of the other spatial dims too (``others`` an ``F.pad``
+    list, the last dim first, its ``sd`` entries zero), so the band is not copied to pad them.
     """
     if edge is None:
         module.__dict__.pop("dp_edge_rows", None)
@@ -120,9 +126,11 @@ def _edge_padded(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     edge = module.__dict__.get("dp_edge_rows")
     if edge is None:
         return x
-    sd, before, after = edge
+    sd, before, after, others = edge[0], edge[1], edge[2], list(edge[3:])
     nd = len(module.kernel_size)
-    return F.pad(x, [0, 0] * (nd - 1 - sd) + [before, after])
+    pad = others + [0] * max(0, 2 * nd - len(others))
+    pad[2 * (nd - 1 - sd)], pad[2 * (nd - 1 - sd) + 1] = before, after
+    return F.pad(x, pad)
 
 
 def conv_layout(module: nn.Module, sizes: list[int], sd: int) -> geometry.LayerBands:
@@ -186,7 +194,7 @@ def band_plan(kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[
     elif any(p != (0, 0) for i, p in enumerate(pads) if i != sd):
         pad = (_pad_arg(list(pads), sd, nd), padding_mode)
     edges = None
-    if not lay.problem and fits and pad is None and edge is None and before == after and boundary in ("zero", "periodic"):
+    if not lay.problem and fits and pad is None and before == after and boundary in ("zero", "periodic"):
         edges = band_edges(sizes, kernel[sd], stride[sd], dilation[sd], before, lay.width, boundary == "periodic",
                            lay.bands)
     return BandPlan(lay, boundary, fits, pad, ConvSpec(tuple(stride), tuple(conv_padding), tuple(dilation), groups),

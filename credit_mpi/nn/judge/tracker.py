@@ -468,9 +468,12 @@ class Tracker(TorchFunctionMode):
         sd = None if p is None else p.dim - (x.ndim - len(module.kernel_size))
         if sd is None or sd < 0 or (self.manager is not None and self.manager.domain_parallel_size <= 1):
             return None
-        source = torch.nn.functional.pad(x, others) if any(others) else x  # the other dims padded as the forward did
-        fold_edge_rows(module, (sd, before, after))
-        return (source,)
+        if any(others) and len(others) > 2 * len(module.kernel_size):  # a pad of a non-spatial dim: done as the forward did
+            fold_edge_rows(module, (sd, before, after))
+            return (torch.nn.functional.pad(x, others),)
+        # the other spatial dims' zeros folded too (the conv pads them itself: no padded copy of the band)
+        fold_edge_rows(module, (sd, before, after, *others) if any(others) else (sd, before, after))
+        return (x,)
 
     def _check_layer_input(self, module: torch.nn.Module, args: tuple) -> tuple[bool, Sharded | None]:
         """A layer (or a user's trusted module) takes bands along ``shard_dim``: not tokens, not a permuted band.
