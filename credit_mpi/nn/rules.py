@@ -68,6 +68,7 @@ def layer_rule(*originals: type, grid: bool = True, refuses: Callable[[nn.Module
     """
     def register(cls: type) -> type:
         _TRAITS[cls] = LayerTraits(folds_edge_rows, batch_statistics, identity, local_on)
+        _TRAITS_OF.clear()
         for original in originals:
             if original in RULES:
                 raise ValueError(f"{original.__name__} already has a layer rule ({RULES[original].__name__})")
@@ -82,12 +83,16 @@ def layer_rule(*originals: type, grid: bool = True, refuses: Callable[[nn.Module
 
 
 def traits_of(layer: nn.Module) -> LayerTraits:
-    """The traits declared for ``layer``'s class (or the nearest base class with a layer rule); plain otherwise."""
-    for klass in type(layer).__mro__:
-        traits = _TRAITS.get(klass)
-        if traits is not None:
-            return traits
-    return _PLAIN
+    """The traits declared for ``layer``'s class (or the nearest base class with a layer rule); plain otherwise.
+    Asked at every layer call of a converted forward: found once per class."""
+    klass = type(layer)
+    found = _TRAITS_OF.get(klass)
+    if found is None:
+        found = _TRAITS_OF[klass] = next((t for k in klass.__mro__ if (t := _TRAITS.get(k)) is not None), _PLAIN)
+    return found
+
+
+_TRAITS_OF: dict[type, LayerTraits] = {}  # per class, the traits_of answer (cleared when a rule is registered)
 
 
 def refusal_of(module: nn.Module) -> str:

@@ -54,13 +54,13 @@ def rejudged(fn: Any, tracker: Tracker, args: Any) -> Any:
     placements ``args`` have in ``tracker`` now (and ``tracker``'s module path and trust)."""
     placements = [tracker.get(t) for t in _tensors(args)]
     stack, trusted, fields = list(tracker.stack), tracker.trusted, dict(tracker.fields)
-    root_paths, shard_dim, manager = tracker.paths, tracker.shard_dim, tracker.manager
+    root_paths, root, shard_dim, manager = tracker.paths, tracker._root, tracker.shard_dim, tracker.manager
 
     def recompute(*a: Any, **k: Any) -> Any:
         if active_tracker() is not None:  # the forward itself (or a nested one): judged by the tracker in force
             return fn(*a, **k)
         tr = Tracker(torch.nn.Module(), shard_dim, manager)
-        tr.paths = root_paths
+        tr.paths, tr._root = root_paths, root
         with tr:
             tr.stack, tr.trusted, tr.fields = list(stack), trusted, dict(fields)
             for t, p in zip(_tensors((a, k)), placements, strict=False):

@@ -223,7 +223,9 @@ class Tracker(TorchFunctionMode):
             lambda rows: self._layouts_in_rule.get(int(rows)) or band_sizes(int(rows)))
         self.adopt_layout = None if adopt_layout is None else (
             lambda rows, sizes: adopt_layout(int(rows), [int(v) for v in sizes]))
-        self.paths = {id(m): (name or "<root>") for name, m in root.named_modules()}
+        self._root, self._fresh_paths = root, False
+        self.paths = _paths_of(root)  # id -> (a weak reference to the module, its path)
+        self._named: dict[int, tuple] = {}  # id -> (module, its path and type): the stack's label, once per module
         # the root's forward is called directly (no module hooks): a layer as the root is trusted here
         self.trusted = int(self._trusts(root) or not judge)
         self.stack: list[tuple[str, bool, tuple | None]] = [(self._path(root), bool(self.trusted), None)]
@@ -373,8 +375,16 @@ class Tracker(TorchFunctionMode):
         return isinstance(module, DomainParallelModule) or getattr(module, "_dp_trusted", False)
 
     def _path(self, module: torch.nn.Module) -> str:
-        path = self.paths.get(id(module)) or getattr(module, "dp_path", None) or "?"
-        return f"{path} ({type(module).__name__})"
+        key = id(module)
+        named = self._named.get(key)
+        if named is None or named[0] is not module:
+            entry = self.paths.get(key)
+            if (entry is None or entry[0]() is not module) and not self._fresh_paths:  # the tree changed: walk it again
+                self.paths, self._fresh_paths = _paths_of(self._root, fresh=True), True
+                entry = self.paths.get(key)
+            path = entry[1] if entry is not None and entry[0]() is module else getattr(module, "dp_path", None) or "?"
+            named = self._named[key] = (module, f"{path} ({type(module).__name__})")
+        return named[1]
 
     def _pre(self, module: torch.nn.Module, args: tuple) -> tuple | None:
         if active_tracker() is not self:  # the hooks are global: another thread's modules, or a nested tracker's
@@ -590,6 +600,23 @@ class Tracker(TorchFunctionMode):
         if self.own_layouts:  # the dry run: an output of the rows of an input with its own layout has that layout
             self._inherit(out, [(t, p) for t in tensors_in(args) if (p := self.get(t)) is not None])
         return out
+
+
+_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root -> its modules' paths (see _paths_of)
+
+
+def _paths_of(root: torch.nn.Module, fresh: bool = False) -> dict[int, tuple]:
+    """``id(module) -> (weak reference, path)`` of ``root``'s modules (``"<root>"`` the root), remembered per root:
+    a forward's tracker asks for it every call (walking ``named_modules`` cost ~1 ms a WXFormer step); ``fresh``:
+    walked again (a module the tracker meets is not the one remembered under its id)."""
+    got = None if fresh else _PATHS.get(root)
+    if got is None:
+        got = {id(m): (weakref.ref(m), name or "<root>") for name, m in root.named_modules()}
+        try:
+            _PATHS[root] = got
+        except TypeError:  # a root that cannot be weakly referenced: not remembered
+            pass
+    return got
 
 
 def _replicated_input(args: tuple) -> bool:
