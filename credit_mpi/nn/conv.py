@@ -423,11 +423,13 @@ class _ConvTransposeMixin(DomainParallelModule):
         band = lay.bands[bands.rank]
         padding = [0 if i == sd else self.padding[i] for i in range(nd)]
         output_padding = [0 if i == sd else self.output_padding[i] for i in range(nd)]
-        y = _CONV_T[nd](x, self.weight, None, self.stride, padding, output_padding, self.groups, self.dilation)
         # y holds output rows [in_lo, in_hi); overlap_add wants [out_start - width, out_stop + width)
         w = lay.width
         before = band.in_lo - (band.out_start - w)
         after = (band.out_stop + w) - band.in_hi
+        if not w and not before and not after:  # agreed layout: no row overlaps a neighbour's (kernel == stride)
+            return _CONV_T[nd](x, self.weight, self.bias, self.stride, padding, output_padding, self.groups, self.dilation)
+        y = _CONV_T[nd](x, self.weight, None, self.stride, padding, output_padding, self.groups, self.dilation)
         pad = [0, 0] * (x.ndim - 1 - axis) + [before, after]
         y = F.pad(y, pad)
         out = overlap_add(y, band.out_rows, w, axis, manager, lay.out_sizes)
