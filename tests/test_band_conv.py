@@ -189,4 +189,5 @@ def test_band_conv_copies_no_band(make_manager):
                 kernels = {"convolution.default", "convolution_backward.default"}
                 big = [(name, sizes) for name, sizes in ops.seen
                        if name not in kernels and any(n >= x.numel() // 4 for n in sizes)]
-                assert all(name == "detach.default" for name, _ in big), big  # views only
+                # views only (the halo gradients travel as a byte view; what arrives is wrapped, not copied)
+                assert all(name in ("detach.default", "view.dtype", "lift_fresh.default") for name, _ in big), big

@@ -30,13 +30,15 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import watchdog
 from ..autograd import check_backward_thread
 from ..engine import apply_agreed
 from ..ops import halo as halo_op
-from ..transport import paths
+from ..transport import moves, paths
 from ._comm import _eager, _overlap_add_with, bands_halo_plan
 
 __all__ = ["Strip", "BandEdges", "band_edges", "band_conv"]
@@ -215,11 +217,8 @@ class _BandConv(torch.autograd.Function):
         need_b = need_b and bias is not None
         if torch.is_grad_enabled():  # create_graph: every rank alike (the engine's adjoints assume it too)
             return _differentiable(grad, x, weight, bias, job, (need_x, need_w, need_b))
-        g_x, g_w, g_b = torch.ops.aten.convolution_backward(
-            grad, x, weight, None if bias is None else list(bias.shape), list(job.stride), list(job.padding),
-            list(job.dilation), False, [0] * len(job.stride), job.groups, [need_x, need_w, need_b])
         axis = job.axis
-        home = []
+        home, taps = [], []  # the strips first: their halo rows' gradients travel while the band's kernel runs
         for rows, st in ((top, job.edges.top), (bottom, job.edges.bottom)):
             if st is None:
                 continue
@@ -228,22 +227,86 @@ class _BandConv(torch.autograd.Function):
                 list(job.stride), list(job.strip_padding), list(job.dilation), False, [0] * len(job.stride),
                 job.groups, [need_x, need_w, False])
             if need_w:
-                g_w.narrow(job.waxis, st.tap, st.taps).add_(g_ws)
+                taps.append((st, g_ws))
             if need_x:
                 home.append((st, g_s.narrow(axis, 0 if st.above else st.zeros, st.halo)))
-        if need_x and job.plan is not None:  # the halo rows' gradients home (every rank: the adjoint is collective)
+        going = _post_home(home, job, x) if need_x and job.plan is not None else None
+        try:
+            g_x, g_w, g_b = torch.ops.aten.convolution_backward(
+                grad, x, weight, None if bias is None else list(bias.shape), list(job.stride), list(job.padding),
+                list(job.dilation), False, [0] * len(job.stride), job.groups, [need_x, need_w, need_b])
+        finally:
+            if going is not None:  # (also when the kernel raised: the neighbours' messages are taken)
+                _arrived(going)
+        for st, g_ws in taps:
+            g_w.narrow(job.waxis, st.tap, st.taps).add_(g_ws)
+        if going is not None:
+            _add_home(g_x, going, job)
+        elif need_x and job.plan is not None:  # the halo rows' gradients home (every rank: the adjoint is collective)
             g_x = _rows_home(g_x, home, job)
         return g_x, g_w, g_b, None, None, None
+
+
+def _exchanged_rows(home: list, job: _Job, like: torch.Tensor) -> torch.Tensor:
+    """The ``4 * width`` exchanged rows' gradient: the strips' halo rows' (``home``), zeros elsewhere."""
+    shape = list(like.shape)
+    shape[job.axis] = 4 * job.width
+    g = like.new_zeros(shape)
+    for st, g_halo in home:
+        g.narrow(job.axis, st.recv, st.halo).copy_(g_halo)
+    return g
+
+
+def _post_home(home: list, job: _Job, x: torch.Tensor) -> tuple | None:
+    """The halo rows' gradients on their way home (MPI, host memory, one phase of zeros or periodic bands): ``(posted,
+    from next, from prev, the edges' shape)``; None where :func:`_rows_home` does it (another data path, device
+    memory). Every rank alike: the path and the device are agreed by the layer."""
+    plan = job.plan
+    if getattr(plan, "torch_group", True) is not None or len(plan.phases) != 1 or x.device.type != "cpu":
+        return None
+    ph = plan.phases[0]
+    if ph.rule.mirror is not None or ph.fold is not None:
+        return None
+    if halo_op.BANDS.backward_calls_mpi(plan):
+        check_backward_thread()
+    w = job.width
+    g = _exchanged_rows(home, job, x).detach().contiguous()
+    outer, row = ph.outer, ph.inner * g.element_size()  # as bytes (bfloat16 too)
+    rows = g.view(torch.uint8).numpy().reshape(outer, 4 * w, row)
+    edge = (outer, w, row)
+    into = (np.empty(edge, np.uint8) if ph.next is not None else None,
+            np.empty(edge, np.uint8) if ph.prev is not None else None)
+    posted, from_next, from_prev = moves.post_edges(plan.moves, rows[:, :w], rows[:, 3 * w:], ph.prev, ph.next,
+                                                    ph.tags, into)
+    return posted, from_next, from_prev, g, plan.comm  # g: the sent rows stay alive until the wait
+
+
+def _arrived(going: tuple) -> None:
+    """Wait for :func:`_post_home`'s messages, under the watchdog's deadline."""
+    state = watchdog.STATE
+    state.op, state.comm, state.since = "band conv: halo gradients home", going[4], watchdog.monotonic()
+    try:
+        going[0].wait()
+    finally:
+        state.since = 0.0
+
+
+def _add_home(g_x: torch.Tensor, going: tuple, job: _Job) -> None:
+    """Add the gradients of this band's edge rows that the neighbours read into ``g_x`` (after :func:`_arrived`)."""
+    _, from_next, from_prev, _, _ = going
+    axis, w, m = job.axis, job.width, g_x.shape[job.axis]
+    shape = list(g_x.shape)
+    shape[axis] = w
+    if from_prev is not None:
+        g_x.narrow(axis, 0, w).add_(torch.from_numpy(from_prev).view(g_x.dtype).view(shape))
+    if from_next is not None:
+        g_x.narrow(axis, m - w, w).add_(torch.from_numpy(from_next).view(g_x.dtype).view(shape))
 
 
 def _rows_home(g_x: torch.Tensor, home: list, job: _Job) -> torch.Tensor:
     """Send the strips' halo-row gradients to the ranks that own those rows; add what comes back into ``g_x``'s edge rows."""
     axis, w = job.axis, job.width
-    shape = list(g_x.shape)
-    shape[axis] = 4 * w
-    g = g_x.new_zeros(shape)  # the exchanged rows' gradient: only the halo rows' are not zero
-    for st, g_halo in home:
-        g.narrow(axis, st.recv, st.halo).copy_(g_halo)
+    g = _exchanged_rows(home, job, g_x)  # only the halo rows' gradients are not zero
     if halo_op.BANDS.backward_calls_mpi(job.plan):
         check_backward_thread()
     back = _overlap_add_with(g, halo_op.BANDS, job.plan)  # the exchange's adjoint: 2 * width rows of this band

@@ -47,7 +47,7 @@ from mpi4py import MPI
 from . import arrays, rowops, staging
 from .limits import SLICE_BYTES, TAG_DOWN, TAG_UP
 
-__all__ = ["SEND", "RECV", "MpiMoves", "Posted", "transport_name", "transport_of", "swap_edges", "gather_blocks"]
+__all__ = ["SEND", "RECV", "MpiMoves", "Posted", "transport_name", "transport_of", "swap_edges", "post_edges", "gather_blocks"]
 
 SEND, RECV = "send", "recv"
 
@@ -246,6 +246,21 @@ def swap_edges(moves: Any, up: Any, down: Any, prev: int | None, nxt: int | None
     tags tell the two directions apart when ``prev`` and ``nxt`` are the
     same rank (two ranks with a periodic boundary).
     """
+    ops, from_next, from_prev = _edge_ops(up, down, prev, nxt, tags, into)
+    moves.exchange(ops)
+    return from_next, from_prev
+
+
+def post_edges(moves: Any, up: Any, down: Any, prev: int | None, nxt: int | None,
+               tags: tuple[int, int] = (TAG_UP, TAG_DOWN), into: tuple[Any, Any] = (None, None)) -> tuple[Posted, Any, Any]:
+    """:func:`swap_edges` in flight: ``(posted, from_next, from_prev)``; the received edges hold their data once
+    ``posted.wait()`` returns (compute in between, neither writing ``up`` / ``down`` nor reading the others)."""
+    ops, from_next, from_prev = _edge_ops(up, down, prev, nxt, tags, into)
+    return moves.post(ops), from_next, from_prev
+
+
+def _edge_ops(up: Any, down: Any, prev: int | None, nxt: int | None, tags: tuple[int, int], into: tuple[Any, Any]):
+    """The messages of one edge swap (in the same order on every rank) and the arrays the edges land in."""
     like = up if up is not None else down
     from_next = from_prev = None
     ops = []
@@ -257,8 +272,7 @@ def swap_edges(moves: Any, up: Any, down: Any, prev: int | None, nxt: int | None
     if prev is not None:
         from_prev = into[1] if into[1] is not None else arrays.empty(like, like.shape)
         ops.append((RECV, from_prev, prev, tags[1]))
-    moves.exchange(ops)
-    return from_next, from_prev
+    return ops, from_next, from_prev
 
 
 def gather_blocks(moves: Any, x: Any, out: Any, layout: Any, axes: tuple[int, ...]) -> Any:
