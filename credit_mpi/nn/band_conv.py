@@ -149,11 +149,12 @@ def band_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     pad = padding[axis - (x.ndim - len(stride))]
     job = _Job(edges[rank], axis, axis - (x.ndim - weight.ndim), width, tuple(stride), tuple(padding), tuple(strip_padding), tuple(dilation), groups,
                plan, (sizes, boundary, manager, path, width - pad, x.shape[axis] + 2 * pad))
-    received = None if plan is None else _fetch(edge, plan)
+    coming = None if plan is None else _post_edges(edge, plan, x)  # in flight while the band's kernel runs
+    received = None if plan is None or coming is not None else _fetch(edge, plan)
     top, bottom = _halo_rows(received, job)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
-        return _BandConv.apply(x, weight, bias, top, bottom, job)
-    return _compute(x, weight, bias, top, bottom, job)
+        return _BandConv.apply(x, weight, bias, top, bottom, job, coming)
+    return _compute(x, weight, bias, top, bottom, job, coming)
 
 
 def _fetch(edge: torch.Tensor, plan: Any) -> torch.Tensor:
@@ -168,7 +169,7 @@ def _edge_rows(x: torch.Tensor, axis: int, width: int) -> torch.Tensor:
 
 def _halo_rows(received: torch.Tensor | None, job: _Job) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The received rows the strips read (above, below), or None."""
-    return tuple(None if st is None else received.narrow(job.axis, st.recv, st.halo)
+    return tuple(None if st is None or received is None else received.narrow(job.axis, st.recv, st.halo)
                  for st in (job.edges.top, job.edges.bottom))
 
 
@@ -187,27 +188,84 @@ def _taps(weight: torch.Tensor, st: Strip, job: _Job) -> torch.Tensor:
     return weight.narrow(job.waxis, st.tap, st.taps)
 
 
-def _compute(x, weight, bias, top, bottom, job: _Job) -> torch.Tensor:
-    """The band's call with the module's padding, the strips' contributions added into its edge rows."""
+def _compute(x, weight, bias, top, bottom, job: _Job, coming: tuple | None = None) -> torch.Tensor:
+    """The band's call with the module's padding, the strips' contributions added into its edge rows (``coming``:
+    the halo rows in flight, :func:`_post_edges`: taken after the band's call)."""
+    return _with_strips(_CONV[weight.ndim - 2](x, weight, bias, job.stride, job.padding, job.dilation, job.groups),
+                        weight, *_landed(coming, job, top, bottom), job)[0]
+
+
+def _with_strips(out, weight, top, bottom, job: _Job) -> tuple:
+    """``out`` (the band's call) with the strips' contributions added into its edge rows; ``(out, top, bottom)``."""
     conv = _CONV[weight.ndim - 2]
-    out = conv(x, weight, bias, job.stride, job.padding, job.dilation, job.groups)
     for rows, st in ((top, job.edges.top), (bottom, job.edges.bottom)):
         if st is not None:
             out.narrow(job.axis, st.out_first, st.out_rows).add_(
                 conv(_strip(rows, st, job.axis), _taps(weight, st, job), None, job.stride, job.strip_padding,
                      job.dilation, job.groups))
-    return out
+    return out, top, bottom
+
+
+def _landed(coming: tuple | None, job: _Job, top, bottom) -> tuple:
+    """The strips' halo rows ``(top, bottom)``: ``top`` and ``bottom`` themselves, or those of ``coming`` once arrived."""
+    if coming is None:
+        return top, bottom
+    _arrived(coming, "band conv: halo rows")
+    _, from_next, from_prev, edge, _ = coming
+    rows = []
+    for st, got, first in ((job.edges.top, from_prev, 0), (job.edges.bottom, from_next, 3 * job.width)):
+        if st is None:
+            rows.append(None)
+            continue
+        shape = list(edge.shape)
+        shape[job.axis] = job.width
+        rows.append(torch.from_numpy(got).view(edge.dtype).view(shape).narrow(job.axis, st.recv - first, st.halo))
+    return tuple(rows)
+
+
+def _post_edges(edge: torch.Tensor, plan: Any, x: torch.Tensor) -> tuple | None:
+    """The band's edge rows (:func:`_edge_rows`) on their way to the neighbours (:func:`_in_flight`), or None where
+    :func:`_fetch` exchanges them (another data path, device memory)."""
+    if not _simple(plan, x):
+        return None
+    w = edge.shape[plan.phases[0].axis] // 2
+    return _in_flight(edge.detach().contiguous(), plan, 0, w, w)
+
+
+def _simple(plan: Any, x: torch.Tensor) -> bool:
+    """True when the exchange of ``plan`` is one phase of zeros or periodic bands over MPI in host memory (the same on
+    every rank: the path, the device and the boundary are agreed by the layer)."""
+    if getattr(plan, "torch_group", True) is not None or len(plan.phases) != 1 or x.device.type != "cpu":
+        return False
+    ph = plan.phases[0]
+    return ph.rule.mirror is None and ph.fold is None
+
+
+def _in_flight(rows_t: torch.Tensor, plan: Any, up: int, down: int, w: int) -> tuple:
+    """Post the swap of ``rows_t``'s ``w`` rows from ``up`` (to the previous rank) and from ``down`` (to the next one),
+    as bytes: ``(posted, from next, from prev, rows_t, comm)`` (``rows_t`` stays alive until the wait)."""
+    ph = plan.phases[0]
+    outer, row = ph.outer, ph.inner * rows_t.element_size()  # bytes: bfloat16 too
+    rows = rows_t.view(torch.uint8).numpy().reshape(outer, rows_t.shape[ph.axis], row)
+    edge = (outer, w, row)
+    into = (np.empty(edge, np.uint8) if ph.next is not None else None,
+            np.empty(edge, np.uint8) if ph.prev is not None else None)
+    posted, from_next, from_prev = moves.post_edges(plan.moves, rows[:, up:up + w], rows[:, down:down + w], ph.prev,
+                                                    ph.next, ph.tags, into)
+    return posted, from_next, from_prev, rows_t, plan.comm
 
 
 class _BandConv(torch.autograd.Function):
     """:func:`_compute` keeping the band, the weight and the halo rows (the strips rebuilt in backward)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, top, bottom, job):
+    def forward(ctx, x, weight, bias, top, bottom, job, coming=None):
         ctx.job = job
+        out = _CONV[weight.ndim - 2](x, weight, bias, job.stride, job.padding, job.dilation, job.groups)
+        out, top, bottom = _with_strips(out, weight, *_landed(coming, job, top, bottom), job)
         ctx.save_for_backward(x, weight, bias, None if top is None else top.clone(),
                               None if bottom is None else bottom.clone())
-        return _compute(x, weight, bias, top, bottom, job)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -244,7 +302,7 @@ class _BandConv(torch.autograd.Function):
             _add_home(g_x, going, job)
         elif need_x and job.plan is not None:  # the halo rows' gradients home (every rank: the adjoint is collective)
             g_x = _rows_home(g_x, home, job)
-        return g_x, g_w, g_b, None, None, None
+        return g_x, g_w, g_b, None, None, None, None
 
 
 def _exchanged_rows(home: list, job: _Job, like: torch.Tensor) -> torch.Tensor:
@@ -258,33 +316,21 @@ def _exchanged_rows(home: list, job: _Job, like: torch.Tensor) -> torch.Tensor:
 
 
 def _post_home(home: list, job: _Job, x: torch.Tensor) -> tuple | None:
-    """The halo rows' gradients on their way home (MPI, host memory, one phase of zeros or periodic bands): ``(posted,
-    from next, from prev, the edges' shape)``; None where :func:`_rows_home` does it (another data path, device
-    memory). Every rank alike: the path and the device are agreed by the layer."""
+    """The halo rows' gradients on their way home (:func:`_in_flight`), or None where :func:`_rows_home` does it
+    (another data path, device memory)."""
     plan = job.plan
-    if getattr(plan, "torch_group", True) is not None or len(plan.phases) != 1 or x.device.type != "cpu":
-        return None
-    ph = plan.phases[0]
-    if ph.rule.mirror is not None or ph.fold is not None:
+    if not _simple(plan, x):
         return None
     if halo_op.BANDS.backward_calls_mpi(plan):
         check_backward_thread()
     w = job.width
-    g = _exchanged_rows(home, job, x).detach().contiguous()
-    outer, row = ph.outer, ph.inner * g.element_size()  # as bytes (bfloat16 too)
-    rows = g.view(torch.uint8).numpy().reshape(outer, 4 * w, row)
-    edge = (outer, w, row)
-    into = (np.empty(edge, np.uint8) if ph.next is not None else None,
-            np.empty(edge, np.uint8) if ph.prev is not None else None)
-    posted, from_next, from_prev = moves.post_edges(plan.moves, rows[:, :w], rows[:, 3 * w:], ph.prev, ph.next,
-                                                    ph.tags, into)
-    return posted, from_next, from_prev, g, plan.comm  # g: the sent rows stay alive until the wait
+    return _in_flight(_exchanged_rows(home, job, x).detach().contiguous(), plan, 0, 3 * w, w)
 
 
-def _arrived(going: tuple) -> None:
-    """Wait for :func:`_post_home`'s messages, under the watchdog's deadline."""
+def _arrived(going: tuple, what: str = "band conv: halo gradients home") -> None:
+    """Wait for :func:`_in_flight`'s messages, under the watchdog's deadline."""
     state = watchdog.STATE
-    state.op, state.comm, state.since = "band conv: halo gradients home", going[4], watchdog.monotonic()
+    state.op, state.comm, state.since = what, going[4], watchdog.monotonic()
     try:
         going[0].wait()
     finally:
@@ -330,7 +376,7 @@ def _differentiable(grad, x, weight, bias, job: _Job, need: tuple[bool, bool, bo
             out = _CONV[weight.ndim - 2](rows, weight, bias, job.stride, job.strip_padding, job.dilation, job.groups)
         inputs = [t for t, n in zip((x, weight, bias), need, strict=True) if n]
         grads = iter(torch.autograd.grad(out, inputs, grad, create_graph=True, allow_unused=True))
-    return tuple(next(grads) if n else None for n in need) + (None, None, None)
+    return tuple(next(grads) if n else None for n in need) + (None, None, None, None)
 
 
 @_eager
