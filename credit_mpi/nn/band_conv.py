@@ -38,7 +38,7 @@ from .. import watchdog
 from ..autograd import check_backward_thread
 from ..engine import apply_agreed
 from ..ops import halo as halo_op
-from ..transport import moves, paths
+from ..transport import arrays, moves, paths
 from ._comm import _eager, _overlap_add_with, bands_halo_plan
 
 __all__ = ["Strip", "BandEdges", "band_edges", "band_conv"]
@@ -234,8 +234,10 @@ def _post_edges(edge: torch.Tensor, plan: Any, x: torch.Tensor) -> tuple | None:
 
 def _simple(plan: Any, x: torch.Tensor) -> bool:
     """True when the exchange of ``plan`` is one phase of zeros or periodic bands over MPI in host memory (the same on
-    every rank: the path, the device and the boundary are agreed by the layer)."""
-    if getattr(plan, "torch_group", True) is not None or len(plan.phases) != 1 or x.device.type != "cpu":
+    every rank: the path, the device and the boundary are agreed by the layer). Host memory is what the transport
+    takes as such (:func:`credit_mpi.transport.arrays.in_host_memory`): device memory, real or simulated, goes
+    through the engine's exchange, which stages it or waits for its stream."""
+    if getattr(plan, "torch_group", True) is not None or len(plan.phases) != 1 or not arrays.in_host_memory(x):
         return False
     ph = plan.phases[0]
     return ph.rule.mirror is None and ph.fold is None
@@ -246,7 +248,7 @@ def _in_flight(rows_t: torch.Tensor, plan: Any, up: int, down: int, w: int) -> t
     as bytes: ``(posted, from next, from prev, rows_t, comm)`` (``rows_t`` stays alive until the wait)."""
     ph = plan.phases[0]
     outer, row = ph.outer, ph.inner * rows_t.element_size()  # bytes: bfloat16 too
-    rows = rows_t.view(torch.uint8).numpy().reshape(outer, rows_t.shape[ph.axis], row)
+    rows = arrays.host_bytes(rows_t).reshape(outer, rows_t.shape[ph.axis], row)
     edge = (outer, w, row)
     into = (np.empty(edge, np.uint8) if ph.next is not None else None,
             np.empty(edge, np.uint8) if ph.prev is not None else None)

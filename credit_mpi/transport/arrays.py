@@ -58,6 +58,7 @@ __all__ = [
     "describe",
     "is_array",
     "is_contiguous",
+    "in_host_memory",
     "contiguous",
     "empty",
     "empty_described",
@@ -229,6 +230,12 @@ def in_device_memory(buf: Any, adapter: Any = None) -> bool:
     reusing scratch) asks here.
     """
     return (adapter or _BY_TYPE.get(type(buf)) or _ops(buf)).on_device(buf)
+
+
+def in_host_memory(x: Any, adapter: Any = None) -> bool:
+    """True when ``x`` is host memory that MPI reads and writes in place (numpy, torch CPU): False on a device,
+    and for every array under ``_SIMULATE_DEVICE`` (the tests' stand-in for device memory)."""
+    return not _SIMULATE_DEVICE and not in_device_memory(x, adapter)
 
 
 def sync_stream(x: Any, adapter: Any = None) -> None:
