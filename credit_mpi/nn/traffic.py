@@ -148,10 +148,11 @@ def move_traffic(moves_of, n: int, row_bytes: int, grad: bool, moves: bool = Tru
     ``moves_of(rank)`` is that rank's :class:`~credit_mpi.ops.reband.RowMoves`; forward one
     ``Alltoallv`` of the rows it sends to other ranks (what stays is copied) and the op's
     agreement; backward (``grad``) the move back: the rows it received. ``moves=False``: a
-    re-band whose target is the layout it has (nothing moves: the agreement only).
+    re-band whose target is the layout it has: nothing moves, and a repeated step skips its agreement
+    (:func:`credit_mpi.agreement.quiet_forward`).
     """
     if not moves:
-        return [Traffic(agreements=1)] * n
+        return [Traffic()] * n
     out = []
     for rank in range(n):
         m = moves_of(rank)

@@ -323,15 +323,25 @@ def _enter(tr: Tracker, module: torch.nn.Module, args: tuple) -> tuple[tuple, Ca
 
 def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
     from ... import watchdog
+    from ...agreement import quiet_known, remember_quiet
+    from ...engine import records_grad
     from ...ops.reband import rebanded
 
-    comm, new_args, layout = tr.manager.domain_group, list(args), None
+    comm, new_args, layout, empty = tr.manager.domain_group, list(args), None, []
     with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
         for i, a, p in bands:
-            new_args[i], sizes_in, sizes_out = rebanded(a, p.dim, comm, window * p.inner, f"{path}: whole windows",
-                                                        transport=paths.current().transport(comm))
+            # whole windows already in the last forwards (an agreed plan, on every rank): nothing moves, no agreement
+            key = (path, "whole windows", window, i, p, tuple(a.shape), str(a.dtype), a.device.type, records_grad(a))
+            known = quiet_known(comm, key)
+            if known is not None:
+                new_args[i], (sizes_out, sizes_in), empty = a, known[0], []
+            else:
+                new_args[i], sizes_in, sizes_out = rebanded(a, p.dim, comm, window * p.inner, f"{path}: whole windows",
+                                                            transport=paths.current().transport(comm))
+                empty = _empty_bands(sizes_out)  # the same on every rank: the layouts are agreed
+                if tuple(sizes_in) == tuple(sizes_out) and not empty:
+                    remember_quiet(comm, key, (sizes_out, sizes_in))
             layout = layout or (sizes_out, sizes_in)  # back= (moved, original)
-            empty = _empty_bands(sizes_out)  # the same on every rank: the layouts are agreed
             if empty and sizes_out[comm.Get_rank()] == 0:
                 new_args[i] = _with_phantom_window(new_args[i], p, window)
             tr.set(new_args[i], p)
