@@ -83,9 +83,10 @@ def _checkpoint_forward(ctx: Any, run_function: Any, preserve_rng_state: bool, *
     return _reentrant_forward(ctx, run_function, preserve_rng_state, *args)
 
 
-# the generator's settings before the function's own ``*args`` (preserve_rng_state, context_fn, ...)
+# the generator's settings before the function's own ``*args`` (preserve_rng_state, context_fn, ...); 0 where torch
+# is the docs build's mock (no function to inspect, and nothing is checkpointed there)
 _SETTINGS = sum(1 for p in inspect.signature(_non_reentrant).parameters.values()
-                if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD) - 1
+                if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD) - 1 if inspect.isfunction(_non_reentrant) else 0
 
 
 def _checkpoint_generator(fn: Any, *rest: Any, **kwargs: Any) -> Any:
