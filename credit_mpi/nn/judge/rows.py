@@ -323,24 +323,15 @@ def _enter(tr: Tracker, module: torch.nn.Module, args: tuple) -> tuple[tuple, Ca
 
 def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
     from ... import watchdog
-    from ...agreement import quiet_known, remember_quiet
-    from ...engine import records_grad
     from ...ops.reband import rebanded
 
-    comm, new_args, layout, empty = tr.manager.domain_group, list(args), None, []
+    comm, new_args, layout = tr.manager.domain_group, list(args), None
     with torch._C.DisableTorchFunction():  # the move's own tensor calls are not the model's
         for i, a, p in bands:
-            # whole windows already in the last forwards (an agreed plan, on every rank): nothing moves, no agreement
-            key = (path, "whole windows", window, i, p, tuple(a.shape), str(a.dtype), a.device.type, records_grad(a))
-            known = quiet_known(comm, key)
-            if known is not None:
-                new_args[i], (sizes_out, sizes_in), empty = a, known[0], []
-            else:
-                new_args[i], sizes_in, sizes_out = rebanded(a, p.dim, comm, window * p.inner, f"{path}: whole windows",
-                                                            transport=paths.current().transport(comm))
-                empty = _empty_bands(sizes_out)  # the same on every rank: the layouts are agreed
-                if tuple(sizes_in) == tuple(sizes_out) and not empty:
-                    remember_quiet(comm, key, (sizes_out, sizes_in))
+            # whole windows already, with no empty band: a repeat in a converted forward skips the agreement
+            new_args[i], sizes_in, sizes_out = rebanded(a, p.dim, comm, window * p.inner, f"{path}: whole windows",
+                                                        transport=paths.current().transport(comm), quiet=_moves_nothing)
+            empty = _empty_bands(sizes_out)  # the same on every rank: the layouts are agreed
             layout = layout or (sizes_out, sizes_in)  # back= (moved, original)
             if empty and sizes_out[comm.Get_rank()] == 0:
                 new_args[i] = _with_phantom_window(new_args[i], p, window)
@@ -359,6 +350,12 @@ def _run_enter(tr: Tracker, args: tuple, bands: list, window: int, path: str):
         return _map_bands(tr, out, lambda t, q: _move_back(tr, t, q, layout, path))
 
     return tuple(new_args), leave
+
+
+def _moves_nothing(sizes_in, sizes_out) -> bool:
+    """A re-band to whole windows that keeps the layout and leaves no band empty: the module's call makes no MPI call
+    of the rule's (no rows move there or back, no phantom window)."""
+    return tuple(sizes_in) == tuple(sizes_out) and not _empty_bands(sizes_out)
 
 
 def _empty_bands(sizes_out) -> list[int]:
