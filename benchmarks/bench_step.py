@@ -1,12 +1,15 @@
 """A converted step against its floor: credit_mpi, the band alone, one process and CREDIT's converter, interleaved.
 
     mpiexec -n 2 python benchmarks/bench_step.py [--size 1x6x2x256x512] [--models smp_unet,example_unet,wxformer]
-                                                 [--repeats 4] [--profile-repeats 2] [--json step.json]
+                                                 [--repeats 12] [--sample-seconds 0.25] [--profile-repeats 2]
+                                                 [--json step.json]
 
 Per model (float32, ``OMP_NUM_THREADS`` as set), every variant's training step
 (forward, a loss that is this band's share of a global mean square,
 backward, the gradient reduction) timed in one interleaved run, the order
-rotated each round, ``--repeats`` rounds:
+rotated each round, ``--repeats`` rounds; a timed sample is as many steps in
+a row as make the floor's last about ``--sample-seconds`` (a step of tens of
+ms timed alone is mostly noise), its time per step:
 
 * ``credit_mpi``: the model converted by :func:`credit_mpi.nn.convert_to_domain_parallel`
   on its band, then :func:`credit_mpi.reduce_gradients`;
@@ -203,17 +206,27 @@ def variants(build, shape, manager, with_credit):
 
 # -- timing -------------------------------------------------------------------------------------
 
-def _run_timed(v, world):
-    """The step's seconds on the slowest rank (one process: rank 0's, the others sleep)."""
+def _run_timed(v, world, steps=1):
+    """Seconds a step on the slowest rank: ``steps`` steps in a row, timed together (one process: rank 0's, the
+    others sleep)."""
     world.Barrier()
     t = 0.0
     if not v.alone or world.Get_rank() == 0:
         t0 = time.perf_counter()
-        v.step()
-        t = time.perf_counter() - t0
+        for _ in range(steps):
+            v.step()
+        t = (time.perf_counter() - t0) / steps
     if v.alone:
         _wait_idle(world)
     return world.allreduce(t, op=MPI.MAX)
+
+
+def steps_per_sample(vs, world, seconds):
+    """Steps in a row per timed sample, so that the floor's sample lasts about ``seconds`` (the same on every rank):
+    a step of tens of ms timed alone is mostly the machine's noise and the barrier's."""
+    floor = next(v for v in vs if v.name == "floor")
+    once = _run_timed(floor, world)
+    return max(1, round(seconds / max(once, 1e-6)))
 
 
 def _saved_mib(v, world):
@@ -240,15 +253,16 @@ def _relative_error(v, ref_out, world, shard_dim=-2):
     return float((whole - ref_out).norm() / ref_out.norm())
 
 
-def time_variants(vs, world, repeats):
-    """Interleaved rounds, the order rotated each round: every variant's times and its ratio to the floor's."""
+def time_variants(vs, world, repeats, steps=1):
+    """Interleaved rounds, the order rotated each round: every variant's times (a sample: ``steps`` steps in a row)
+    and its ratio to the floor's."""
     for v in vs:  # warm-up: the plans, the caches, the allocator
         _run_timed(v, world)
     times = {v.name: [] for v in vs}
     for r in range(repeats):
         order = vs[r % len(vs):] + vs[: r % len(vs)]
         for v in order:
-            times[v.name].append(_run_timed(v, world))
+            times[v.name].append(_run_timed(v, world, steps))
     ratios = {k: [t / f for t, f in zip(ts, times["floor"], strict=True)] for k, ts in times.items()}
     return times, ratios
 
@@ -413,7 +427,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1x6x2x256x512", help="batch x channels x time x lat x lon (the UNets read what they need)")
     parser.add_argument("--models", default="smp_unet,example_unet,wxformer")
-    parser.add_argument("--repeats", type=int, default=4, help="interleaved timed rounds")
+    parser.add_argument("--repeats", type=int, default=12, help="interleaved timed rounds")
+    parser.add_argument("--sample-seconds", type=float, default=0.25,
+                        help="each timed sample runs as many steps in a row as make the floor's about this long")
     parser.add_argument("--profile-repeats", type=int, default=2, help="profiled steps per variant for the per-layer breakdown")
     parser.add_argument("--no-credit", action="store_true", help="leave CREDIT's converter out")
     parser.add_argument("--json", help="write every figure here")
@@ -436,15 +452,17 @@ def main(argv=None) -> int:
                 ref_out = ref(xg).float()
         errors = {v.name: _relative_error(v, ref_out, world) for v in vs}
         saved = {v.name: _saved_mib(v, world) for v in vs}
-        times, ratios = time_variants(vs, world, args.repeats)
+        steps = steps_per_sample(vs, world, args.sample_seconds)
+        times, ratios = time_variants(vs, world, args.repeats, steps)
         layers = breakdown([v for v in vs if v.name in ("credit_mpi", "floor")], world, args.profile_repeats)
         load_after = os.getloadavg()
         say(f"\n## {name}, input {shape}; load average {load_before[0]:.1f} / {load_before[1]:.1f} before, "
-            f"{load_after[0]:.1f} / {load_after[1]:.1f} after (1 / 5 min)\n")
+            f"{load_after[0]:.1f} / {load_after[1]:.1f} after (1 / 5 min); {steps} step(s) in a row per sample\n")
         say(step_table(times, ratios, saved, errors))
         say(f"\nper layer type, the slower rank, median of {args.profile_repeats} profiled steps:\n")
         say(layer_table(layers))
-        report["models"][name] = {"shape": shape, "load": [load_before, load_after], "times": times, "ratios": ratios,
+        report["models"][name] = {"shape": shape, "load": [load_before, load_after], "steps_per_sample": steps,
+                                  "times": times, "ratios": ratios,
                                   "saved_mib": saved, "errors": errors, "layers": layers}
     if args.json and world.Get_rank() == 0:
         Path(args.json).write_text(json.dumps(report, indent=1))
