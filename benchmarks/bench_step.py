@@ -55,6 +55,7 @@ import copy
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -206,26 +207,31 @@ def variants(build, shape, manager, with_credit):
 
 # -- timing -------------------------------------------------------------------------------------
 
+def _minor_faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _run_timed(v, world, steps=1):
-    """Seconds a step on the slowest rank: ``steps`` steps in a row, timed together (one process: rank 0's, the
-    others sleep)."""
+    """Seconds a step and minor page faults a step, each the most of any rank: ``steps`` steps in a row, timed
+    together (one process: rank 0's, the others sleep)."""
     world.Barrier()
-    t = 0.0
+    t = faults = 0.0
     if not v.alone or world.Get_rank() == 0:
-        t0 = time.perf_counter()
+        f0, t0 = _minor_faults(), time.perf_counter()
         for _ in range(steps):
             v.step()
-        t = (time.perf_counter() - t0) / steps
+        t, faults = (time.perf_counter() - t0) / steps, (_minor_faults() - f0) / steps
     if v.alone:
         _wait_idle(world)
-    return world.allreduce(t, op=MPI.MAX)
+    every = world.allgather((t, faults))
+    return max(e[0] for e in every), max(e[1] for e in every)
 
 
 def steps_per_sample(vs, world, seconds):
     """Steps in a row per timed sample, so that the floor's sample lasts about ``seconds`` (the same on every rank):
     a step of tens of ms timed alone is mostly the machine's noise and the barrier's."""
     floor = next(v for v in vs if v.name == "floor")
-    once = _run_timed(floor, world)
+    once, _ = _run_timed(floor, world)
     return max(1, round(seconds / max(once, 1e-6)))
 
 
@@ -254,17 +260,19 @@ def _relative_error(v, ref_out, world, shard_dim=-2):
 
 
 def time_variants(vs, world, repeats, steps=1):
-    """Interleaved rounds, the order rotated each round: every variant's times (a sample: ``steps`` steps in a row)
-    and its ratio to the floor's."""
+    """Interleaved rounds, the order rotated each round: every variant's times (a sample: ``steps`` steps in a row),
+    its ratio to the floor's and its minor page faults a step."""
     for v in vs:  # warm-up: the plans, the caches, the allocator
         _run_timed(v, world)
-    times = {v.name: [] for v in vs}
+    times, faults = {v.name: [] for v in vs}, {v.name: [] for v in vs}
     for r in range(repeats):
         order = vs[r % len(vs):] + vs[: r % len(vs)]
         for v in order:
-            times[v.name].append(_run_timed(v, world, steps))
+            t, f = _run_timed(v, world, steps)
+            times[v.name].append(t)
+            faults[v.name].append(f)
     ratios = {k: [t / f for t, f in zip(ts, times["floor"], strict=True)] for k, ts in times.items()}
-    return times, ratios
+    return times, ratios, faults
 
 
 # -- the per-layer-type breakdown ---------------------------------------------------------------
@@ -400,13 +408,15 @@ def _spread(ts):
     return f"{statistics.median(ts):.3f} ({min(ts):.3f}-{max(ts):.3f})"
 
 
-def step_table(times, ratios, saved, errors):
-    lines = ["| | step s, median (min-max) | / floor, median (min-max) | saved activations per rank MiB | output rel. error |",
-             "| --- | --- | --- | --- | --- |"]
+def step_table(times, ratios, saved, errors, faults):
+    lines = ["| | step s, median (min-max) | / floor, median (min-max) | saved activations per rank MiB | output rel. error "
+             "| page faults a step |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for k, ts in times.items():
         r = ratios[k]
         err = "-" if errors.get(k) is None else f"{errors[k]:.1e}"
-        lines.append(f"| {k} | {_spread(ts)} | {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f}) | {saved[k]:.1f} | {err} |")
+        lines.append(f"| {k} | {_spread(ts)} | {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f}) | {saved[k]:.1f} | {err} "
+                     f"| {statistics.median(faults[k]):.0f} |")
     return "\n".join(lines)
 
 
@@ -453,16 +463,16 @@ def main(argv=None) -> int:
         errors = {v.name: _relative_error(v, ref_out, world) for v in vs}
         saved = {v.name: _saved_mib(v, world) for v in vs}
         steps = steps_per_sample(vs, world, args.sample_seconds)
-        times, ratios = time_variants(vs, world, args.repeats, steps)
+        times, ratios, faults = time_variants(vs, world, args.repeats, steps)
         layers = breakdown([v for v in vs if v.name in ("credit_mpi", "floor")], world, args.profile_repeats)
         load_after = os.getloadavg()
         say(f"\n## {name}, input {shape}; load average {load_before[0]:.1f} / {load_before[1]:.1f} before, "
             f"{load_after[0]:.1f} / {load_after[1]:.1f} after (1 / 5 min); {steps} step(s) in a row per sample\n")
-        say(step_table(times, ratios, saved, errors))
+        say(step_table(times, ratios, saved, errors, faults))
         say(f"\nper layer type, the slower rank, median of {args.profile_repeats} profiled steps:\n")
         say(layer_table(layers))
         report["models"][name] = {"shape": shape, "load": [load_before, load_after], "steps_per_sample": steps,
-                                  "times": times, "ratios": ratios,
+                                  "times": times, "ratios": ratios, "page_faults": faults,
                                   "saved_mib": saved, "errors": errors, "layers": layers}
     if args.json and world.Get_rank() == 0:
         Path(args.json).write_text(json.dumps(report, indent=1))
