@@ -259,11 +259,13 @@ def _relative_error(v, ref_out, world, shard_dim=-2):
     return float((whole - ref_out).norm() / ref_out.norm())
 
 
-def time_variants(vs, world, repeats, steps=1):
-    """Interleaved rounds, the order rotated each round: every variant's times (a sample: ``steps`` steps in a row),
-    its ratio to the floor's and its minor page faults a step."""
+def time_variants(vs, world, repeats, sample_seconds):
+    """Interleaved rounds, the order rotated each round: every variant's times (a sample: as many steps in a row as
+    make the warm floor's last about ``sample_seconds``), its ratio to the floor's, its minor page faults a step,
+    and those steps per sample."""
     for v in vs:  # warm-up: the plans, the caches, the allocator
         _run_timed(v, world)
+    steps = steps_per_sample(vs, world, sample_seconds)
     times, faults = {v.name: [] for v in vs}, {v.name: [] for v in vs}
     for r in range(repeats):
         order = vs[r % len(vs):] + vs[: r % len(vs)]
@@ -272,7 +274,7 @@ def time_variants(vs, world, repeats, steps=1):
             times[v.name].append(t)
             faults[v.name].append(f)
     ratios = {k: [t / f for t, f in zip(ts, times["floor"], strict=True)] for k, ts in times.items()}
-    return times, ratios, faults
+    return times, ratios, faults, steps
 
 
 # -- the per-layer-type breakdown ---------------------------------------------------------------
@@ -462,8 +464,7 @@ def main(argv=None) -> int:
                 ref_out = ref(xg).float()
         errors = {v.name: _relative_error(v, ref_out, world) for v in vs}
         saved = {v.name: _saved_mib(v, world) for v in vs}
-        steps = steps_per_sample(vs, world, args.sample_seconds)
-        times, ratios, faults = time_variants(vs, world, args.repeats, steps)
+        times, ratios, faults, steps = time_variants(vs, world, args.repeats, args.sample_seconds)
         layers = breakdown([v for v in vs if v.name in ("credit_mpi", "floor")], world, args.profile_repeats)
         load_after = os.getloadavg()
         say(f"\n## {name}, input {shape}; load average {load_before[0]:.1f} / {load_before[1]:.1f} before, "
