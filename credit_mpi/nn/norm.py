@@ -32,7 +32,9 @@ one rank in all it is the original module.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
@@ -67,8 +69,11 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _combine(every: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Global mean, biased variance and count from every rank's ``(count, mean, M2)`` rows (Chan et al., in rank order)."""
+def _combine(every):
+    """Global mean, biased variance and count from every rank's ``(count, mean, M2)`` rows (Chan et al., in rank order).
+
+    ``every`` is a torch tensor (differentiable) or a numpy array (the norms' statistics, on host): the same arithmetic.
+    """
     counts, means, m2 = every[:, 0], every[:, 1], every[:, 2]
     total = counts.sum(0)
     g_mean = (counts * means).sum(0) / total
@@ -89,85 +94,99 @@ def global_mean_var(x: torch.Tensor, dims: list[int], comm) -> tuple[torch.Tenso
     return _combine(allgather_stats(torch.stack([torch.full_like(mean, float(count)), mean, var * count]), comm))
 
 
-def _band_moments(xa: torch.Tensor, n: int, c: int, groups: int | None, eps: float):
-    """This band's statistics, one stable pass (torch's group-norm kernel), and the kernel's output buffer.
-
-    ``xa`` is contiguous, read as ``(N, C, S)`` (any shape of that many
-    elements: the buffer has ``xa``'s); the statistics are per sample and
-    group of channels (``groups`` None: per sample and channel), shape
-    ``(N, G)``: ``(buffer, mean, var, count)``. ``buffer`` (the band
-    normalised with its own statistics) is only memory, already touched,
-    for the output pass to write into. The variance comes back from the
-    kernel's ``1/sqrt(var + eps)``, exact to round-off relative to
-    ``var + eps`` (all the normalisation uses).
-    """
-    s = xa.numel() // (n * c) if n * c else 0
-    g = c if groups is None else groups
-    buffer, mean, rstd = torch.native_group_norm(xa, None, None, n, c, s, g, eps)
-    var = (rstd.reshape(n, g).pow(-2) - eps).clamp_min_(0.0)
-    return buffer, mean.reshape(n, g), var, c // g * s
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A small statistic as a numpy array in host memory (where it is gathered and combined: a few values per group)."""
+    return t.detach().cpu().numpy()
 
 
-def _band_stats(mean: torch.Tensor, var: torch.Tensor, count: int, groups: int | None):
+def _on(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """A host statistic as a flat tensor on ``like``'s device (no copy on the host)."""
+    return torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(like.device)
+
+
+def _gathered(rows: np.ndarray, comm, path=None) -> np.ndarray:
+    """Every rank's ``rows`` stacked along a new first dim: one ``Allgather`` on the data path (the layer agreed it)."""
+    return _host(allgather_stats(torch.from_numpy(rows), comm, path))
+
+
+def _band_stats(mean: np.ndarray, var: np.ndarray, count: int, groups: int | None):
     """The statistics this band contributes: per group, or (BatchNorm) per channel, the samples combined as the ranks are."""
     if groups is not None or mean.shape[0] == 1:
         return mean, var, count
-    counts = torch.full_like(mean, float(count))
-    mean, var, _ = _combine(torch.stack([counts, mean, var * count], 1))
+    counts = np.full_like(mean, count)
+    mean, var, _ = _combine(np.stack([counts, mean, var * count], 1))
     return mean.reshape(1, -1), var.reshape(1, -1), count * counts.shape[0]
 
 
-def _per_channel(t: torch.Tensor, channels: int) -> torch.Tensor:
+def _per_channel(a: np.ndarray, channels: int) -> np.ndarray:
     """A per-group statistic ``(N | 1, G)`` repeated over each group's channels: ``(N | 1, C)``."""
-    return t if t.shape[1] == channels else t.repeat_interleave(channels // t.shape[1], dim=1)
+    return a if a.shape[1] == channels else np.repeat(a, channels // a.shape[1], axis=1)
 
 
-def _per_group(t: torch.Tensor, groups: int | None) -> torch.Tensor:
+def _per_group(a: np.ndarray, groups: int | None) -> np.ndarray:
     """Per ``(sample, channel)`` sums ``(N | 1, C)`` added over each group: the statistics' shape."""
     if groups is None:
-        return t.sum(0, keepdim=True)
-    return t.reshape(t.shape[0], groups, -1).sum(-1)
+        return a.sum(0, keepdims=True)
+    return a.reshape(a.shape[0], groups, -1).sum(-1)
 
 
-def _channel_rows(t: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
-    """``t`` ``(N, C, S)`` as torch's batch-norm kernels see it: one channel per row of the per-channel ``stats``.
+def _channel_rows(t: torch.Tensor, per_sample: bool) -> torch.Tensor:
+    """``t`` ``(N, C, S)`` as torch's batch-norm kernels see it: one channel per row of the per-channel statistics.
 
-    ``stats`` ``(1, C)`` (BatchNorm): ``t`` itself; ``(N, C)`` (per sample): ``(1, N * C, S)``, a view.
+    Statistics per channel (BatchNorm, or one sample): ``t`` itself; per sample and channel: ``(1, N * C, S)``, a view.
     """
     n, c, _ = t.shape
-    return t.reshape(1, n * c, -1) if stats.shape[0] == n and n > 1 else t
+    return t.reshape(1, n * c, -1) if per_sample else t
 
 
-def _per_row(p: torch.Tensor | None, stats: torch.Tensor, acc: torch.dtype) -> torch.Tensor | None:
-    """A per-channel weight or bias (or None) for :func:`_channel_rows`' rows, in ``acc``."""
+def _per_row(p: torch.Tensor | None, rows: int, acc: torch.dtype) -> torch.Tensor | None:
+    """A per-channel weight or bias (or None) for :func:`_channel_rows`' ``rows`` samples of rows, in ``acc``."""
     if p is None:
         return None
     p = p.to(acc)
-    return p.repeat(stats.shape[0]) if stats.shape[0] > 1 else p
+    return p.repeat(rows) if rows > 1 else p
 
 
-def _normalise(xa, out, mean_c, var_c, w, b, eps: float):
+class _Stats(NamedTuple):
+    """The global statistics per channel of :func:`_channel_rows`' rows: on host (``mean``, ``var``, shape
+    ``(N | 1, C)``) and as the kernels take them (``mean_t``, ``var_t``: flat, on the input's device)."""
+
+    mean: np.ndarray
+    var: np.ndarray
+    mean_t: torch.Tensor
+    var_t: torch.Tensor
+    per_sample: bool
+
+
+def _stats(mean: np.ndarray, var: np.ndarray, c: int, like: torch.Tensor) -> _Stats:
+    """:class:`_Stats` of per-group ``mean`` / ``var`` for ``c`` channels (per sample when ``mean`` has a row each)."""
+    mean, var = _per_channel(mean, c), _per_channel(var, c)
+    return _Stats(mean, var, _on(mean, like), _on(var, like), mean.shape[0] > 1)
+
+
+def _normalise(xa, out, st: _Stats, w, b, eps: float):
     """``(xa - mean) / sqrt(var + eps) * w + b`` per channel (``w``, ``b`` per row of :func:`_channel_rows`, or None), into ``out``.
 
     ``out`` is contiguous (its rows a view). One fused pass: torch's batch-norm kernel in eval mode, the statistics
     given as its running ones (the arithmetic of torch's CPU Batch and
     GroupNorm outputs, ``x * scale + shift``).
     """
-    torch.ops.aten.native_batch_norm.out(_channel_rows(xa, mean_c), w, b, mean_c.reshape(-1), var_c.reshape(-1), False, 0.0,
-                                         eps, out=_channel_rows(out, mean_c), save_mean=xa.new_empty(0), save_invstd=xa.new_empty(0))
+    none = xa.new_empty(0)
+    torch.ops.aten.native_batch_norm.out(_channel_rows(xa, st.per_sample), w, b, st.mean_t, st.var_t, False, 0.0,
+                                         eps, out=_channel_rows(out, st.per_sample), save_mean=none, save_invstd=none)
     return out
 
 
-def _channel_sums(gh: torch.Tensor, xa: torch.Tensor, mean_c: torch.Tensor, var_c: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _channel_sums(gh: torch.Tensor, xa: torch.Tensor, st: _Stats, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per ``(sample | 1, channel)``: the sums of ``gh`` and of ``gh * (xa - mean) * rstd`` (one fused pass, torch's kernel).
 
-    ``mean_c`` / ``var_c`` of shape ``(1, C)`` give per-channel sums over
-    the samples too (BatchNorm); of shape ``(N, C)``, per sample and channel.
+    Statistics of one row per channel give per-channel sums over the samples too (BatchNorm); per sample, per sample
+    and channel.
     """
     _, dsx, db = torch.ops.aten.native_batch_norm_backward(
-        _channel_rows(gh, mean_c), _channel_rows(xa, mean_c), None, mean_c.reshape(-1), var_c.reshape(-1), None, None,
+        _channel_rows(gh, st.per_sample), _channel_rows(xa, st.per_sample), None, st.mean_t, st.var_t, None, None,
         False, eps, [False, True, True])
-    return db.reshape(mean_c.shape), dsx.reshape(mean_c.shape)
+    return db.reshape(st.mean.shape), dsx.reshape(st.mean.shape)
 
 
 def _elementwise_view(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -194,7 +213,10 @@ class _BandNorm(torch.autograd.Function):
     al.: exact on uneven bands, the same bits on every rank); the output is
     one fused pass ``x * scale + shift`` per channel (torch's batch-norm
     kernel in eval mode with the global statistics, written into the
-    statistics kernel's buffer: no fresh memory touched). Saved for
+    statistics kernel's buffer: no fresh memory touched). The few values per
+    group (the band's statistics, their combination, the backward's sums)
+    are worked on host as numpy arrays, where they are gathered: a handful of
+    microsecond steps, not a dozen tensor ops. Saved for
     backward: the input, the weight and the per-group mean and variance
     (what torch's own kernels keep on one process). The backward's
     per-channel sums of the gradient and of the gradient times the
@@ -214,15 +236,21 @@ class _BandNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, ew, eb, groups, eps, comm, on_stats, nc):
         acc, (n, c) = _acc(x.dtype), nc
         xa = x.to(acc).contiguous()  # a band view: a copy
-        y, mean, var, count = _band_moments(xa, n, c, groups, eps)  # y: x's shape (the output is no view: an
-        xa, out = xa.view(n, c, -1), y.view(n, c, -1)  # in-place op after the layer costs what it costs on torch's)
-        mean, var, count = _band_stats(mean, var, count, groups)
-        every = allgather_stats(torch.stack([torch.full_like(mean, float(count)), mean, var * count]), comm)
-        mean, var, total = _combine(every)
+        g = c if groups is None else groups
+        # the band's moments in one stable pass (torch's group-norm kernel); its output buffer (the band normalised
+        # with its own statistics: x's shape, memory already touched) is where the output pass writes (no view: an
+        # in-place op after the layer costs what it costs on torch's). The variance from the kernel's
+        # 1/sqrt(var + eps): exact to round-off relative to var + eps, all the normalisation uses.
+        y, mean, rstd = torch.native_group_norm(xa, None, None, n, c, xa.numel() // (n * c) if n * c else 0, g, eps)
+        mean, var = _host(mean).reshape(n, g), np.maximum(_host(rstd).reshape(n, g) ** -2 - eps, 0)
+        mean, var, count = _band_stats(mean, var, c // g * (xa.numel() // (n * c) if n * c else 0), groups)
+        mean, var, total = _combine(_gathered(np.stack([np.full_like(mean, count), mean, var * count]), comm))
         if on_stats is not None:
-            on_stats(mean, var, total)
-        mean_c, var_c = _per_channel(mean, c), _per_channel(var, c)
-        _normalise(xa, out, mean_c, var_c, _per_row(weight, mean_c, acc), _per_row(bias, mean_c, acc), eps)
+            on_stats(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (mean, var, total)))
+        st = _stats(mean, var, c, x)
+        xa, out = xa.view(n, c, -1), y.view(n, c, -1)
+        rows = n if st.per_sample else 1
+        _normalise(xa, out, st, _per_row(weight, rows, acc), _per_row(bias, rows, acc), eps)
         if ew is not None or eb is not None:  # in place, one pass; the (narrowed) parameters broadcast, not copied
             yv = _elementwise_view(out, ew if ew is not None else eb)
             if ew is None:
@@ -231,8 +259,8 @@ class _BandNorm(torch.autograd.Function):
                 yv.mul_(ew.to(acc))
             else:
                 torch.addcmul(eb.to(acc), yv, ew.to(acc), out=yv)
-        ctx.save_for_backward(x, weight, ew, mean, var)
-        ctx.groups, ctx.comm, ctx.eps, ctx.count, ctx.nc = groups, comm, eps, float(total.reshape(-1)[0]), nc
+        ctx.save_for_backward(x, weight, ew)
+        ctx.st, ctx.groups, ctx.comm, ctx.eps, ctx.count, ctx.nc = st, groups, comm, eps, float(total.flat[0]), nc
         ctx.path = paths.current()  # the backward's gather moves on the forward's data path
         ctx.eb = None if eb is None else (eb.shape, eb.dtype)
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -242,13 +270,13 @@ class _BandNorm(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         check_backward_thread()
-        x, weight, ew, mean, var = ctx.saved_tensors
-        (n, c), acc, eps = ctx.nc, mean.dtype, ctx.eps
+        x, weight, ew = ctx.saved_tensors
+        (n, c), st, eps = ctx.nc, ctx.st, ctx.eps
+        acc = st.mean_t.dtype
         xa, g = x.to(acc).reshape(n, c, -1), grad.to(acc).reshape(n, c, -1)
-        mean_c, var_c = _per_channel(mean, c), _per_channel(var, c)
         gx = gw = gb = gew = geb = None
         if ew is not None and ctx.needs_input_grad[3]:  # xhat in one fused pass, times g in place, summed over the rows
-            xg = _normalise(xa, torch.empty(xa.shape, dtype=acc, device=xa.device), mean_c, var_c, None, None, eps).mul_(g)
+            xg = _normalise(xa, torch.empty(xa.shape, dtype=acc, device=xa.device), st, None, None, eps).mul_(g)
             gew = _row_sum(xg, ew.shape).to(ew.dtype)
         if ctx.eb is not None and ctx.needs_input_grad[4]:
             geb = _row_sum(g, ctx.eb[0]).to(ctx.eb[1])
@@ -257,20 +285,22 @@ class _BandNorm(torch.autograd.Function):
         need_b = ctx.needs_input_grad[2]
         if not (need_w or need_b or ctx.needs_input_grad[0]):
             return gx, gw, gb, gew, geb, None, None, None, None, None
-        db, dsx = _channel_sums(gh, xa, mean_c, var_c, eps)
+        db, dsx = _channel_sums(gh, xa, st, eps)
         if need_w:
             gw = dsx.sum(0).to(weight.dtype)
         if need_b:
             gb = db.sum(0).to(ctx.bias_dtype)
         if ctx.needs_input_grad[0]:  # x.requires_grad is agreed by the layer: every rank gathers or none
-            w = 1.0 if weight is None else weight.to(acc)
-            mine = torch.stack([_per_group(db * w, ctx.groups), _per_group(dsx * w, ctx.groups)])
-            sums = allgather_stats(mine, ctx.comm, ctx.path).sum(0) / ctx.count
-            rstd_c = torch.rsqrt(var_c + eps)
+            db, dsx = _host(db), _host(dsx)
+            w = 1 if weight is None else _host(weight.to(acc))
+            mine = np.stack([_per_group(db * w, ctx.groups), _per_group(dsx * w, ctx.groups)])
+            sums = _gathered(mine, ctx.comm, ctx.path).sum(0) / np.asarray(ctx.count, mine.dtype)
+            rstd = 1 / np.sqrt(st.var + np.asarray(eps, mine.dtype))
             s1, s2 = _per_channel(sums[0], c), _per_channel(sums[1], c)
             # gx = rstd * (w g - s1 - xhat s2): xhat * (-rstd s2) - rstd s1 in one fused pass, then + (rstd w) g
-            gx = _normalise(xa, torch.empty(xa.shape, dtype=acc, device=xa.device), mean_c, var_c, (-rstd_c * s2).reshape(-1), (-rstd_c * s1).reshape(-1), eps)
-            gx = gx.addcmul_(gh, (rstd_c * w).unsqueeze(-1)).to(x.dtype).view(x.shape)
+            gx = _normalise(xa, torch.empty(xa.shape, dtype=acc, device=xa.device), st, _on(-rstd * s2, x),
+                            _on(-rstd * s1, x), eps)
+            gx = gx.addcmul_(gh, _on(rstd * w, x).view(*st.mean.shape, 1)).to(x.dtype).view(x.shape)
         return gx, gw, gb, gew, geb, None, None, None, None, None
 
 
