@@ -268,19 +268,27 @@ def mpi_datatype(x: Any) -> MPI.Datatype:
             ``float16`` in MPIs without ``MPIX_C_FLOAT16``): widen to float32 first.
     """
     dtype = x.dtype
+    datatype = _DATATYPES.get(dtype)  # (a torch dtype and a numpy one never compare equal: one table for both)
+    if datatype is not None:
+        return datatype
+    plain = dtype
     if _is_torch(x):
         torch = _torch()
         try:
-            dtype = torch.empty(0, dtype=dtype).numpy().dtype
+            plain = torch.empty(0, dtype=dtype).numpy().dtype
         except TypeError:  # numpy has no such dtype (bfloat16)
             raise TypeError(f"{dtype} has no MPI datatype; convert to torch.float32 to reduce it") from None
     try:
-        datatype = MPI.Datatype.fromcode(np.dtype(dtype).char)
+        datatype = MPI.Datatype.fromcode(np.dtype(plain).char)
     except (KeyError, ValueError):
         datatype = MPI.DATATYPE_NULL
     if datatype == MPI.DATATYPE_NULL:
         raise TypeError(f"{dtype} has no MPI datatype in this MPI; convert to float32 to reduce it")
+    _DATATYPES[dtype] = datatype
     return datatype
+
+
+_DATATYPES: dict = {}  # mpi_datatype's answers per dtype (asked once per reduction call: the gradients' every step)
 
 
 def requires_grad(x: Any) -> bool:
