@@ -7,8 +7,9 @@ sizes and device types (they decide the ``Allreduce`` calls), whatever
 dtype (float16/bfloat16 widened to float32, which MPI can add) and makes
 one ``Allreduce`` per group and dtype, in place on the device when MPI is
 CUDA-aware, else staged (:mod:`credit_mpi.transport.staging`). Not
-differentiable (it writes ``.grad``), not remembered (the gradients are
-described in full each call anyway). The public function is
+differentiable (it writes ``.grad``). Its agreement is remembered per
+description of the gradients: a repeated step's is one ``Allgather`` of
+the remembered header, no checks redone. The public function is
 :func:`credit_mpi.reduce_gradients` (:mod:`credit_mpi.grad_sync`).
 """
 
@@ -47,6 +48,13 @@ class ReduceGradients(Op):
     """``x`` is the list of ``(index, grad)`` of the parameters that have a gradient."""
 
     name = "reduce_gradients"
+
+    def key(self, grads: list, args: dict) -> tuple | None:
+        """What decides :meth:`local` and the plan: a step's repeat (the same gradients) is one ``Allgather``."""
+        over = args["over"]
+        if not isinstance(over, str):
+            return None  # local() raises the ValueError on every rank
+        return over, id(args["manager"]), tuple((i, g.dtype, g.numel(), g.device.type) for i, g in grads)
 
     def local(self, grads: list, args: dict) -> Local:
         over = args["over"]
