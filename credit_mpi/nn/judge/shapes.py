@@ -233,11 +233,22 @@ PERMUTES = "transpose swapaxes swapdims permute movedim moveaxis t adjoint T mT 
 
 @rule(*PERMUTES)
 def _permute(tr, func, args, kwargs, held):
-    """A permutation of dims: found by applying it to a meta tensor of distinct sizes."""
+    """A permutation of dims: found by applying it to a meta tensor of distinct sizes (remembered per call)."""
     x, p = args[0], tr.get(args[0])
-    probe = torch.empty(tuple(range(2, x.ndim + 2)), device="meta")
-    moved = func(probe, *args[1:], **kwargs)
-    return tr.run(func, args, kwargs, p.moved(list(moved.shape).index(p.dim + 2)))
+    try:
+        key = (func, x.ndim, p.dim, args[1:], tuple(kwargs.items()))
+        dim = _PERMUTED.get(key)
+    except TypeError:  # an unhashable argument (a list of dims): probed every call
+        key = dim = None
+    if dim is None:
+        probe = torch.empty(tuple(range(2, x.ndim + 2)), device="meta")
+        dim = list(func(probe, *args[1:], **kwargs).shape).index(p.dim + 2)
+        if key is not None and len(_PERMUTED) < 4096:
+            _PERMUTED[key] = dim
+    return tr.run(func, args, kwargs, p.moved(dim))
+
+
+_PERMUTED: dict = {}  # (func, ndim, the band's dim, args, kwargs) -> where the band's dim goes
 
 
 @rule("expand", "expand_as", "broadcast_to", "repeat", "tile")
