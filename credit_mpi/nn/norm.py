@@ -96,12 +96,14 @@ def global_mean_var(x: torch.Tensor, dims: list[int], comm) -> tuple[torch.Tenso
 
 def _host(t: torch.Tensor) -> np.ndarray:
     """A small statistic as a numpy array in host memory (where it is gathered and combined: a few values per group)."""
-    return t.detach().cpu().numpy()
+    t = t.detach() if t.requires_grad else t
+    return (t if t.is_cpu else t.cpu()).numpy()
 
 
 def _on(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     """A host statistic as a flat tensor on ``like``'s device (no copy on the host)."""
-    return torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(like.device)
+    t = torch.from_numpy(np.ascontiguousarray(a).reshape(-1))
+    return t if like.is_cpu else t.to(like.device)
 
 
 def _gathered(rows: np.ndarray, comm, path=None) -> np.ndarray:
@@ -143,7 +145,7 @@ def _per_row(p: torch.Tensor | None, rows: int, acc: torch.dtype) -> torch.Tenso
     """A per-channel weight or bias (or None) for :func:`_channel_rows`' ``rows`` samples of rows, in ``acc``."""
     if p is None:
         return None
-    p = p.to(acc)
+    p = p if p.dtype == acc else p.to(acc)
     return p.repeat(rows) if rows > 1 else p
 
 
