@@ -95,7 +95,9 @@ def global_mean_var(x: torch.Tensor, dims: list[int], comm) -> tuple[torch.Tenso
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
-    """A small statistic as a numpy array in host memory (where it is gathered and combined: a few values per group)."""
+    """A small statistic as a numpy array in host memory (where it is gathered and combined: a few values per group).
+
+    Only of the layer's own tensors: numpy's view makes a tensor's storage unresizable."""
     t = t.detach() if t.requires_grad else t
     return (t if t.is_cpu else t.cpu()).numpy()
 
@@ -294,7 +296,9 @@ class _BandNorm(torch.autograd.Function):
             gb = db.sum(0).to(ctx.bias_dtype)
         if ctx.needs_input_grad[0]:  # x.requires_grad is agreed by the layer: every rank gathers or none
             db, dsx = _host(db), _host(dsx)
-            w = 1 if weight is None else _host(weight.to(acc))
+            # a copy: numpy's view of a tensor makes its storage unresizable, and a parameter's may be freed and
+            # gathered again (FSDP2's unsharded parameters)
+            w = 1 if weight is None else _host(weight.detach().to(acc, copy=True))
             mine = np.stack([_per_group(db * w, ctx.groups), _per_group(dsx * w, ctx.groups)])
             sums = _gathered(mine, ctx.comm, ctx.path).sum(0) / np.asarray(ctx.count, mine.dtype)
             rstd = 1 / np.sqrt(st.var + np.asarray(eps, mine.dtype))
