@@ -5,7 +5,8 @@ sums of the normalisation layers (count, mean, ``M2`` per group or channel;
 the backward's two per-group sums) and the global mean of an adaptive
 pooling, one ``allgatherv`` of the transport protocol of a fixed-size
 float32/float64 tensor per rank (host tensors in place, device tensors
-straight to a CUDA-aware MPI or staged). Its adjoint is the reduce-scatter
+straight to a CUDA-aware MPI or staged; host memory over MPI: one
+``Allgather`` of numpy views, the per-call fast path). Its adjoint is the reduce-scatter
 of the gradient of the stack (:func:`credit_mpi.ops.allreduce.reduce_scatter`:
 each rank gets its own row of every rank's gradient, added in rank order):
 each rank's loss is its share of the global loss, as
