@@ -250,7 +250,8 @@ class _BandNorm(torch.autograd.Function):
         mean, var, count = _band_stats(mean, var, c // g * (xa.numel() // (n * c) if n * c else 0), groups)
         mean, var, total = _combine(_gathered(np.stack([np.full_like(mean, count), mean, var * count]), comm))
         if on_stats is not None:
-            on_stats(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (mean, var, total)))
+            on_stats(*(torch.from_numpy(np.ascontiguousarray(a)).to(x.device) for a in (mean, var, total)))  # (the
+            # running statistics live where the module does)
         st = _stats(mean, var, c, x)
         xa, out = xa.view(n, c, -1), y.view(n, c, -1)
         rows = n if st.per_sample else 1
