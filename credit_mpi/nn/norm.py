@@ -240,18 +240,17 @@ class _BandNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, ew, eb, groups, eps, comm, on_stats, nc):
         acc, (n, c) = _acc(x.dtype), nc
         xa = x.to(acc).contiguous()  # a band view: a copy
-        g = c if groups is None else groups
+        g, s = c if groups is None else groups, xa.numel() // (n * c) if n * c else 0
         # the band's moments in one stable pass (torch's group-norm kernel); its output buffer (the band normalised
         # with its own statistics: x's shape, memory already touched) is where the output pass writes (no view: an
         # in-place op after the layer costs what it costs on torch's). The variance from the kernel's
         # 1/sqrt(var + eps): exact to round-off relative to var + eps, all the normalisation uses.
-        y, mean, rstd = torch.native_group_norm(xa, None, None, n, c, xa.numel() // (n * c) if n * c else 0, g, eps)
+        y, mean, rstd = torch.native_group_norm(xa, None, None, n, c, s, g, eps)
         mean, var = _host(mean).reshape(n, g), np.maximum(_host(rstd).reshape(n, g) ** -2 - eps, 0)
-        mean, var, count = _band_stats(mean, var, c // g * (xa.numel() // (n * c) if n * c else 0), groups)
+        mean, var, count = _band_stats(mean, var, c // g * s, groups)
         mean, var, total = _combine(_gathered(np.stack([np.full_like(mean, count), mean, var * count]), comm))
         if on_stats is not None:
-            on_stats(*(torch.from_numpy(np.ascontiguousarray(a)).to(x.device) for a in (mean, var, total)))  # (the
-            # running statistics live where the module does)
+            on_stats(*(_on(a, x) for a in (mean, var, total)))  # on the module's device, as its running statistics
         st = _stats(mean, var, c, x)
         xa, out = xa.view(n, c, -1), y.view(n, c, -1)
         rows = n if st.per_sample else 1
