@@ -5,8 +5,8 @@ sums of the normalisation layers (count, mean, ``M2`` per group or channel;
 the backward's two per-group sums) and the global mean of an adaptive
 pooling, one ``allgatherv`` of the transport protocol of a fixed-size
 float32/float64 tensor per rank (host tensors in place, device tensors
-straight to a CUDA-aware MPI or staged; host memory over MPI: one
-``Allgather`` of numpy views, the per-call fast path). Its adjoint is the reduce-scatter
+straight to a CUDA-aware MPI or staged; host memory as numpy views, which
+MPI takes with no staging context). Its adjoint is the reduce-scatter
 of the gradient of the stack (:func:`credit_mpi.ops.allreduce.reduce_scatter`:
 each rank gets its own row of every rank's gradient, added in rank order):
 each rank's loss is its share of the global loss, as
@@ -33,7 +33,7 @@ from mpi4py import MPI
 from ..agreement import Local
 from ..engine import Op, run, run_agreed
 from ..transport.arrays import in_host_memory
-from ..transport.moves import MpiMoves, transport_of
+from ..transport.moves import transport_of
 from .allreduce import reduce_scatter
 
 __all__ = ["Statistics", "STATISTICS", "gather_statistics", "gather_agreed"]
@@ -79,15 +79,15 @@ class Statistics(Op):
 
     def kernel(self, t: Any, p: _Plan) -> Any:
         send = t.detach().contiguous()
-        if type(p.moves) is MpiMoves and in_host_memory(send):  # host memory over MPI: one Allgather of numpy views
-            mine = send.numpy()
-            every = np.empty((p.size,) + mine.shape, mine.dtype)
-            p.comm.Allgather(mine, every)
-            return torch.from_numpy(every)
-        recv = torch.empty((p.size,) + tuple(send.shape), dtype=send.dtype, device=send.device)
-        nbytes = send.numel() * send.element_size()
+        host = in_host_memory(send)
+        if host:  # numpy views, which the transports take as they are (MPI: no staging context, the per-call path)
+            send = send.numpy()
+            recv = np.empty((p.size,) + send.shape, send.dtype)
+        else:
+            recv = torch.empty((p.size,) + tuple(send.shape), dtype=send.dtype, device=send.device)
+        nbytes = send.nbytes
         p.moves.allgatherv(send, recv, [nbytes] * p.size, [r * nbytes for r in range(p.size)])
-        return recv
+        return torch.from_numpy(recv) if host else recv
 
     def adjoint(self, grad: Any, p: _Plan) -> Any:
         g = grad.detach().contiguous()
