@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from ..agreement import quiet_known, remember_quiet
+from ..engine import records_grad, run_agreed
 from ..partition import normalize_dim
 from ..validation import Local
 from .rows import MOVE_ROWS, move_along, moved_along, row_map
@@ -128,8 +130,6 @@ def rebanded(t: torch.Tensor, dim: int, comm: MPI.Comm, window: int, path: str =
     repeat inside a converted forward whose inputs are the last one's skips the agreement and returns ``t`` itself
     (:func:`credit_mpi.agreement.quiet_forward`).
     """
-    from ..agreement import quiet_known, remember_quiet
-    from ..engine import records_grad
 
     key = (path, "whole windows", dim, window, tuple(t.shape), str(t.dtype), t.device.type, records_grad(t))
     known = quiet_known(comm, key) if quiet is not None else None
@@ -170,6 +170,20 @@ def one_layout(counts: list[tuple[int, ...]]) -> bool:
     return all(c == counts[0] for c in counts)
 
 
+def _rows_key(rows: list[int], tensors: list[torch.Tensor], dim: int, path: str) -> tuple:
+    """What decides :func:`agree_rows`' answer on this rank: the key a quiet repeat is remembered by."""
+    described = tuple((tuple(t.shape[:dim]) + tuple(t.shape[dim + 1 :]), str(t.dtype), t.device.type, records_grad(t))
+                      for t in tensors)
+    return path, dim, tuple(rows), described
+
+
+def known_rows(rows: list[int], tensors: list[torch.Tensor], dim: int, comm: MPI.Comm, path: str) -> list | None:
+    """:func:`agree_rows`' answer (with a ``quiet``) where this converted forward may skip its agreements and the
+    call was remembered (:func:`credit_mpi.agreement.quiet_known`), else None: no MPI call, no graph break."""
+    known = quiet_known(comm, _rows_key(rows, tensors, dim, path))
+    return None if known is None else known[0]
+
+
 @torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
 def agree_rows(rows: list[int], tensors: list[torch.Tensor], dim: int, comm: MPI.Comm, path: str,
                quiet: Any = None) -> list[tuple[int, ...]]:
@@ -182,13 +196,11 @@ def agree_rows(rows: list[int], tensors: list[torch.Tensor], dim: int, comm: MPI
     (agreed) counts; then a repeat inside a converted forward whose inputs are the last one's skips the
     agreements (:func:`credit_mpi.agreement.quiet_forward`).
     """
-    from ..agreement import quiet_known, remember_quiet
-    from ..engine import records_grad
-    from ..validation import agree_cached
 
-    described = tuple((tuple(t.shape[:dim]) + tuple(t.shape[dim + 1 :]), str(t.dtype), t.device.type, records_grad(t))
-                      for t in tensors)
-    whole = (path, dim, tuple(rows), described)
+    from ..validation import agree_cached  # looked up per call (tests count the agreements)
+
+    whole = _rows_key(rows, tensors, dim, path)
+    described = whole[3]
     known = quiet_known(comm, whole) if quiet is not None else None
     if known is not None:
         return known[0]
@@ -215,7 +227,6 @@ def join_moved(t: torch.Tensor, dim: int, comm: MPI.Comm, counts: tuple[int, ...
                path: str, transport: Any = "mpi") -> torch.Tensor:
     """This rank's band of ``t`` (every rank's rows: ``counts``, agreed by :func:`join_layouts`) in the layout ``sizes``
     (``transport``: what the rows move on, as :func:`reband`'s; the same on every rank: a converted model's data path)."""
-    from ..engine import run_agreed
 
     return run_agreed(MOVE_ROWS, t, comm, list(counts), dim=dim, map="reband",
                       params=(("target", _target_of(sizes, None, None)),), path=f"{path}: re-band to join", transport=transport)

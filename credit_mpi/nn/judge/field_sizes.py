@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
+from ... import watchdog
+from ...ops.reband import agree_rows, known_rows
 from .registry import Refusal
 from .tracker import Extent, Sharded, Tracker, tracked_columns
 
@@ -128,19 +130,18 @@ def band_layout(tr: Tracker, t: torch.Tensor, p: Sharded) -> tuple[int, ...]:
     band, _, of = band_axis(tr)
     if rec.bands is not None and rec.bands[band] == rows:
         return rec.bands
-    from ...ops.reband import agree_rows
-
     tr.field_reads += 1
     path = f"{tr.stack[-1][0]}: the field's size along the sharded dim (read {tr.field_reads})"
-    from ... import watchdog
-
     seq = watchdog.STATE.seq
     # over the whole domain on a grid too (the longitude's judge: not its grid row), where a rank that failed alone
     # meets it with its failure (the ForwardGuard's agreement); a grid's blocks differ in their other dims
     comm = getattr(tr.manager, "grid_group", None) or tr.manager.domain_group
     whole = of is None
     with torch._C.DisableTorchFunction():  # the agreement's own tensor calls are not the model's
-        (sizes,) = agree_rows([rows], [t] if whole else [], p.dim, comm, path, quiet=_always)
+        # a repeat of the last forward: remembered (no graph break, no agreement), else agreed
+        sizes = known_rows([rows], [t] if whole else [], p.dim, comm, path)
+        (sizes,) = sizes if sizes is not None else agree_rows([rows], [t] if whole else [], p.dim, comm, path,
+                                                              quiet=_always)
     made = watchdog.STATE.seq - seq  # moves no data (a module running a phantom window may make it)
     tr.size_agreements += made
     owner = getattr(tr, "_owner", None)

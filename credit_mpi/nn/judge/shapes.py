@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_map_only
 
 from ...partition import normalize_dim
 from ...transport import paths
+from ..replicated import is_replicated
 from .field_sizes import (
     band_axis,
     band_layout,
@@ -22,7 +23,7 @@ from .field_sizes import (
     reshape_band,
 )
 from .field_values import field_partner, join_replicated
-from .registry import Refusal, argument, op_name, rule
+from .registry import MISS, Refusal, argument, op_name, rule
 from .tracker import Extent, Sharded, Tracker, follows_band, grid_columns, tracked_columns
 
 RESHAPES = "reshape view view_as reshape_as flatten unflatten squeeze unsqueeze ravel".split()
@@ -164,7 +165,36 @@ def _other(of: tuple, r: int) -> int:
     return sum(1 for q in range(r) if of[q] == of[r])
 
 
-@rule("shape", "size")
+# a run-time field shape by what decides it (the band's shape, its placement, every band's rows): a forward reads the
+# shapes of bands of known layout step after step (WXFormer: ~130 a step), each otherwise a dozen small calls
+_FIELD_SHAPES: dict[tuple, torch.Size] = {}
+
+
+def _shape_fast(tr, func, args, kwargs):
+    """``x.shape`` / ``x.size()`` of a band on latitude bands whose layout this forward knows: :func:`_shape`'s answer,
+    remembered; MISS otherwise (a size along one dim, a grid, the dry run, a layout still to agree)."""
+    if kwargs or len(args) != 1 or tr.manager is None or tr.plain_sizes or getattr(tr, "_owner", None) is not None:
+        return MISS
+    x = args[0]
+    rec = tr.records.get(id(x))
+    if rec is None or rec.ref() is not x or rec.where is None or rec.bands is None or is_replicated(x):
+        return MISS
+    p, out = rec.where, func(x)
+    band, _, of = band_axis(tr)
+    if of is not None or not on_bands(tr) or rec.bands[band] != out[p.dim] // (p.outer * p.inner):
+        return MISS
+    key = (out, p, rec.bands)
+    got = _FIELD_SHAPES.get(key)
+    if got is not None:
+        return got
+    got = torch.Size([field_extent(tr, x, p) if i == p.dim else v for i, v in enumerate(out)])
+    if len(_FIELD_SHAPES) >= 1024:
+        _FIELD_SHAPES.clear()
+    _FIELD_SHAPES[key] = got
+    return got
+
+
+@rule("shape", "size", fast=_shape_fast)
 def _shape(tr, func, args, kwargs, held):
     """The size along the band's dim is the field's, an :class:`Extent` (:mod:`credit_mpi.nn.judge.field_sizes`); on a
     latitude x longitude grid along both of its dims (each judge its own), with every rank's value."""
