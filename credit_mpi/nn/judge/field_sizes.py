@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_map_only
 
 from ... import watchdog
 from ...ops.reband import agree_rows, known_rows
-from .registry import Refusal
+from .registry import Refusal, op_name
 from .tracker import Extent, Sharded, Tracker, tracked_columns
 
 __all__ = ["on_bands", "on_grid", "field_indices", "band_axis", "per_rank", "block_sizes", "band_layout", "field_extent", "field_shape", "reshaped_field", "reshape_band", "select_rows",
@@ -258,8 +258,6 @@ def reshaped_field(shape_in: list[int], p: Sharded, shape_out: list[int],
 
 def reshape_band(tr: Tracker, func, args: tuple, kwargs: dict, x: torch.Tensor, p: Sharded) -> torch.Tensor:
     """A reshape of band ``x`` judged and run in the field's coordinates (the sizes it was given are the field's)."""
-    from .registry import op_name
-
     sizes = band_layout(tr, x, p)
     if sum(sizes) <= 1 or (tr.manager is None and p.outer * sum(sizes) * p.inner != x.shape[p.dim]):
         # a field of one row (no band holds more than it), or the dry run inside a module whose bands without a
