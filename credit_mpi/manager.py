@@ -402,11 +402,12 @@ class DomainParallelManager:
         if _MANAGER is self:
             _MANAGER = None
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing=sys.is_finalizing, _mpi_finalized=MPI.Is_finalized) -> None:
         # Freeing a communicator is collective, and garbage collection runs at
         # a different moment on every rank, so a forgotten manager cannot be
         # freed here; say so, before the MPI library runs out of communicators.
-        if getattr(self, "_domain_group", None) is None or sys.is_finalizing() or MPI.Is_finalized():
+        # (The checks bound at definition: at interpreter exit this module's globals may be gone already.)
+        if getattr(self, "_domain_group", None) is None or _finalizing() or _mpi_finalized():
             return
         global _LEAKED, _LIVE
         _LEAKED += 1

@@ -313,12 +313,14 @@ class TorchAdapter:
     def host_numpy(x: Any) -> np.ndarray | None:
         if not _is_host_torch(x):
             return None
+        x = x.detach()
         try:
-            return x.detach().numpy()
-        except TypeError:  # a dtype numpy does not have
-            return None
-        except RuntimeError:  # a lazy conjugate / negative view: resolved first (a copy)
-            return x.detach().resolve_conj().resolve_neg().numpy()
+            return np.from_dlpack(x)  # not x.numpy() (see _shared_numpy), inline: the per-call path
+        except (BufferError, RuntimeError, TypeError):
+            pass
+        if x.is_conj() or x.is_neg():  # a lazy conjugate / negative view: resolved first (a copy)
+            return _shared_numpy(x.resolve_conj().resolve_neg())
+        return None  # a dtype numpy does not have
 
     @staticmethod
     def from_host_numpy(like: Any, y: np.ndarray) -> Any:
@@ -332,10 +334,13 @@ class TorchAdapter:
         if typed is False:
             typed = _numpy_dtype(x.dtype)
         if typed is not None:  # numpy's own views: one torch call, not four (the per-call fast path)
-            flat = x.detach().numpy().reshape(-1)
-            if flat.flags.c_contiguous:
+            try:
+                flat = np.from_dlpack(x.detach()).reshape(-1)  # not x.numpy() (see _shared_numpy), inline: per call
+            except (BufferError, RuntimeError):  # a lazy conjugate or negative view: as below (which raises)
+                flat = None
+            if flat is not None and flat.flags.c_contiguous:
                 return flat.view(np.uint8)
-        return _torch_bytes(x.detach()).numpy()
+        return _shared_numpy(_torch_bytes(x.detach()))
 
     @staticmethod
     def pooled_empty(like: Any, shape: tuple[int, ...]) -> Any:
@@ -418,6 +423,22 @@ def _numpy_dtype(dtype: Any) -> Any:
                      "uint8", "bool"):
             _NUMPY_DTYPES[getattr(torch, name)] = np.dtype(name)
     return _NUMPY_DTYPES.setdefault(dtype, None)
+
+
+def _shared_numpy(x: Any) -> np.ndarray:
+    """numpy's view of the host tensor ``x`` (no grad; shares memory and keeps ``x`` alive) through DLPack.
+
+    Not ``x.numpy()``: torch marks the storage of a tensor it hands numpy unresizable for good, and a user's
+    tensor that went through a collective must stay what it was (FSDP2 frees and regathers its parameters'
+    storage; ``resize_`` refuses such a storage). Raises TypeError for a dtype numpy lacks (bfloat16), as
+    ``numpy()`` does, and RuntimeError for a lazy conjugate or negative view.
+    """
+    if x.is_conj() or x.is_neg():
+        raise RuntimeError("a lazy conjugate or negative view")
+    try:
+        return np.from_dlpack(x)
+    except (BufferError, RuntimeError) as exc:  # torch exports no bfloat16 (numpy has none either)
+        raise TypeError(str(exc)) from None
 
 
 def _torch_bytes(x: Any) -> Any:

@@ -1,0 +1,53 @@
+"""A user's tensor that went through credit_mpi's host path keeps a resizable storage.
+
+torch marks the storage of a tensor it hands numpy (``Tensor.numpy()``) unresizable for good; the transport takes
+numpy's view through DLPack instead, so a tensor that was gathered, sharded, exchanged or reduced can still be
+resized (FSDP2 frees and regathers its parameters' storage).
+"""
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import credit_mpi
+from credit_mpi.transport import arrays
+
+
+def _resizable(t: torch.Tensor) -> bool:
+    try:
+        t.detach().resize_(t.numel() + 7)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.complex64])
+def test_host_views_leave_the_storage_resizable(dtype):
+    t = torch.ones(3, 4, dtype=dtype)
+    view = arrays.host_bytes(t)
+    view[:] = 0  # shares memory
+    assert not t.any()
+    assert _resizable(t)
+    if arrays.host_numpy(t) is not None:
+        assert _resizable(t)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_collectives_leave_a_users_tensor_resizable():
+    """shard_tensor's input, gather_tensor's input and a reduced gradient stay resizable."""
+    world = MPI.COMM_WORLD
+    with credit_mpi.DomainParallelManager(None, world.Get_size()) as manager:
+        _round_trip(manager, world.Get_size())
+
+
+def _round_trip(manager, n):
+    x = torch.arange(2 * 3 * 5 * n, dtype=torch.float64).reshape(2, 3, 5 * n)
+    band = credit_mpi.shard_tensor(x, -1, manager)
+    whole = credit_mpi.gather_tensor(band, -1, manager)
+    assert torch.equal(whole, x)
+    grad = torch.ones(4, dtype=torch.float32)
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = grad
+    credit_mpi.reduce_gradients([p], manager)
+    # what the user handed in (a gathered result lives in the transport's pooled numpy memory, as from_numpy's does)
+    assert _resizable(x) and _resizable(band) and _resizable(p.grad)
