@@ -51,3 +51,15 @@ def _round_trip(manager, n):
     credit_mpi.reduce_gradients([p], manager)
     # what the user handed in (a gathered result lives in the transport's pooled numpy memory, as from_numpy's does)
     assert _resizable(x) and _resizable(band) and _resizable(p.grad)
+
+
+def test_lazy_views_are_never_exported_raw():
+    """DLPack exports a negative view's raw data with its sign bit dropped: the views resolve it, or raise."""
+    x = torch.tensor([1.0, 2.0])
+    neg = torch._neg_view(x)
+    assert arrays.host_numpy(neg).tolist() == [-1.0, -2.0]
+    conj = torch.tensor([1 + 1j]).conj()
+    assert arrays.host_numpy(conj).tolist() == [1 - 1j]
+    for lazy in (neg, conj):
+        with pytest.raises(RuntimeError):
+            arrays.host_bytes(lazy)

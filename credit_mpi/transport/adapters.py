@@ -314,13 +314,12 @@ class TorchAdapter:
         if not _is_host_torch(x):
             return None
         x = x.detach()
+        if x.is_conj() or x.is_neg():  # a lazy conjugate / negative view: resolved first (a copy; DLPack would
+            return _shared_numpy(x.resolve_conj().resolve_neg())  # export a negative view's raw data, unnegated)
         try:
             return np.from_dlpack(x)  # not x.numpy() (see _shared_numpy), inline: the per-call path
         except (BufferError, RuntimeError, TypeError):
-            pass
-        if x.is_conj() or x.is_neg():  # a lazy conjugate / negative view: resolved first (a copy)
-            return _shared_numpy(x.resolve_conj().resolve_neg())
-        return None  # a dtype numpy does not have
+            return None  # a dtype numpy does not have
 
     @staticmethod
     def from_host_numpy(like: Any, y: np.ndarray) -> Any:
@@ -333,12 +332,9 @@ class TorchAdapter:
         typed = _NUMPY_DTYPES.get(x.dtype, False)
         if typed is False:
             typed = _numpy_dtype(x.dtype)
-        if typed is not None:  # numpy's own views: one torch call, not four (the per-call fast path)
-            try:
-                flat = np.from_dlpack(x.detach()).reshape(-1)  # not x.numpy() (see _shared_numpy), inline: per call
-            except (BufferError, RuntimeError):  # a lazy conjugate or negative view: as below (which raises)
-                flat = None
-            if flat is not None and flat.flags.c_contiguous:
+        if typed is not None and not (x.is_conj() or x.is_neg()):  # numpy's own views: the per-call fast path
+            flat = np.from_dlpack(x.detach()).reshape(-1)  # not x.numpy() (see _shared_numpy), inline: per call
+            if flat.flags.c_contiguous:
                 return flat.view(np.uint8)
         return _shared_numpy(_torch_bytes(x.detach()))
 
@@ -433,7 +429,7 @@ def _shared_numpy(x: Any) -> np.ndarray:
     storage; ``resize_`` refuses such a storage). Raises TypeError for a dtype numpy lacks (bfloat16), as
     ``numpy()`` does, and RuntimeError for a lazy conjugate or negative view.
     """
-    if x.is_conj() or x.is_neg():
+    if x.is_conj() or x.is_neg():  # checked here: DLPack exports a negative view's raw data, unnegated
         raise RuntimeError("a lazy conjugate or negative view")
     try:
         return np.from_dlpack(x)
