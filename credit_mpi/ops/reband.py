@@ -130,7 +130,6 @@ def rebanded(t: torch.Tensor, dim: int, comm: MPI.Comm, window: int, path: str =
     repeat inside a converted forward whose inputs are the last one's skips the agreement and returns ``t`` itself
     (:func:`credit_mpi.agreement.quiet_forward`).
     """
-
     key = (path, "whole windows", dim, window, tuple(t.shape), str(t.dtype), t.device.type, records_grad(t))
     known = quiet_known(comm, key) if quiet is not None else None
     if known is not None:
@@ -177,14 +176,6 @@ def _rows_key(rows: list[int], tensors: list[torch.Tensor], dim: int, path: str)
     return path, dim, tuple(rows), described
 
 
-def known_rows(rows: list[int], tensors: list[torch.Tensor], dim: int, comm: MPI.Comm, path: str) -> list | None:
-    """:func:`agree_rows`' answer (with a ``quiet``) where this converted forward may skip its agreements and the
-    call was remembered (:func:`credit_mpi.agreement.quiet_known`), else None: no MPI call, no graph break."""
-    known = quiet_known(comm, _rows_key(rows, tensors, dim, path))
-    return None if known is None else known[0]
-
-
-@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
 def agree_rows(rows: list[int], tensors: list[torch.Tensor], dim: int, comm: MPI.Comm, path: str,
                quiet: Any = None) -> list[tuple[int, ...]]:
     """Every rank's ``rows`` (a few row counts of this rank's bands), agreed with ``tensors``' other dims, dtypes,
@@ -194,9 +185,20 @@ def agree_rows(rows: list[int], tensors: list[torch.Tensor], dim: int, comm: MPI
     ``Allgather`` of the header per agreement (:func:`credit_mpi.agreement.agree_cached`). Returns, per
     count, every rank's value. ``quiet(counts)``: True when the caller makes no MPI call with these
     (agreed) counts; then a repeat inside a converted forward whose inputs are the last one's skips the
-    agreements (:func:`credit_mpi.agreement.quiet_forward`).
+    agreements (:func:`credit_mpi.agreement.quiet_forward`): answered here, eagerly, without the graph
+    break's wrapper (a WXFormer forward makes ~110 such repeats, 23 us each through the wrapper).
     """
+    if quiet is not None and not torch.compiler.is_compiling():
+        known = quiet_known(comm, _rows_key(rows, tensors, dim, path))
+        if known is not None:
+            return known[0]
+    return _agreed_rows(rows, tensors, dim, comm, path, quiet)
 
+
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
+def _agreed_rows(rows: list[int], tensors: list[torch.Tensor], dim: int, comm: MPI.Comm, path: str,
+                 quiet: Any) -> list[tuple[int, ...]]:
+    """:func:`agree_rows` (its quiet repeats too, under torch.compile)."""
     from ..validation import agree_cached  # looked up per call (tests count the agreements)
 
     whole = _rows_key(rows, tensors, dim, path)
@@ -227,6 +229,5 @@ def join_moved(t: torch.Tensor, dim: int, comm: MPI.Comm, counts: tuple[int, ...
                path: str, transport: Any = "mpi") -> torch.Tensor:
     """This rank's band of ``t`` (every rank's rows: ``counts``, agreed by :func:`join_layouts`) in the layout ``sizes``
     (``transport``: what the rows move on, as :func:`reband`'s; the same on every rank: a converted model's data path)."""
-
     return run_agreed(MOVE_ROWS, t, comm, list(counts), dim=dim, map="reband",
                       params=(("target", _target_of(sizes, None, None)),), path=f"{path}: re-band to join", transport=transport)

@@ -48,7 +48,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from ... import watchdog
-from ...ops.reband import agree_rows, known_rows
+from ...ops.reband import agree_rows
 from .registry import Refusal, op_name
 from .tracker import Extent, Sharded, Tracker, tracked_columns
 
@@ -138,10 +138,7 @@ def band_layout(tr: Tracker, t: torch.Tensor, p: Sharded) -> tuple[int, ...]:
     comm = getattr(tr.manager, "grid_group", None) or tr.manager.domain_group
     whole = of is None
     with torch._C.DisableTorchFunction():  # the agreement's own tensor calls are not the model's
-        # a repeat of the last forward: remembered (no graph break, no agreement), else agreed
-        sizes = known_rows([rows], [t] if whole else [], p.dim, comm, path)
-        (sizes,) = sizes if sizes is not None else agree_rows([rows], [t] if whole else [], p.dim, comm, path,
-                                                              quiet=_always)
+        (sizes,) = agree_rows([rows], [t] if whole else [], p.dim, comm, path, quiet=_always)
     made = watchdog.STATE.seq - seq  # moves no data (a module running a phantom window may make it)
     tr.size_agreements += made
     owner = getattr(tr, "_owner", None)
