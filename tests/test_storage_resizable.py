@@ -10,6 +10,8 @@ import torch
 from mpi4py import MPI
 
 import credit_mpi
+from credit_mpi.nn import latitude_weights
+from credit_mpi.ops.statistics import gather_statistics
 from credit_mpi.transport import arrays
 
 
@@ -34,7 +36,7 @@ def test_host_views_leave_the_storage_resizable(dtype):
 
 @pytest.mark.mpi(min_size=1)
 def test_collectives_leave_a_users_tensor_resizable():
-    """shard_tensor's input, gather_tensor's input and a reduced gradient stay resizable."""
+    """shard_tensor's and gather_tensor's inputs, a reduced gradient, gathered statistics and latitudes stay resizable."""
     world = MPI.COMM_WORLD
     with credit_mpi.DomainParallelManager(None, world.Get_size()) as manager:
         _round_trip(manager, world.Get_size())
@@ -49,8 +51,13 @@ def _round_trip(manager, n):
     p = torch.nn.Parameter(torch.zeros(4))
     p.grad = grad
     credit_mpi.reduce_gradients([p], manager)
+    stats = torch.full((3,), float(manager.domain_rank))
+    assert gather_statistics(stats, manager.domain_group)[:, 0].tolist() == list(range(manager.domain_parallel_size))
+    latitudes = torch.linspace(90.0, -90.0, 4 * n, dtype=torch.float64)
+    latitude_weights(latitudes, manager)
     # what the user handed in (a gathered result lives in the transport's pooled numpy memory, as from_numpy's does)
     assert _resizable(x) and _resizable(band) and _resizable(p.grad)
+    assert _resizable(stats) and _resizable(latitudes)
 
 
 def test_lazy_views_are_never_exported_raw():

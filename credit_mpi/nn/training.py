@@ -166,8 +166,8 @@ def _global_latitudes(latitudes: Any) -> np.ndarray:
     if isinstance(latitudes, numbers.Integral):
         nlat = check_int("latitude_weights: the latitude count", latitudes, minimum=2)
         return np.linspace(90.0, -90.0, nlat)
-    if isinstance(latitudes, torch.Tensor):
-        latitudes = latitudes.detach().cpu().numpy()
+    if isinstance(latitudes, torch.Tensor):  # a copy: numpy's view would make the caller's storage unresizable
+        latitudes = latitudes.detach().cpu().clone().numpy()
     try:
         lat = np.asarray(latitudes)
     except Exception as exc:  # noqa: BLE001 - re-raised as a TypeError naming the value

@@ -32,7 +32,7 @@ from mpi4py import MPI
 
 from ..agreement import Local
 from ..engine import Op, run, run_agreed
-from ..transport.arrays import in_host_memory
+from ..transport.arrays import host_numpy
 from ..transport.moves import transport_of
 from .allreduce import reduce_scatter
 
@@ -79,15 +79,16 @@ class Statistics(Op):
 
     def kernel(self, t: Any, p: _Plan) -> Any:
         send = t.detach().contiguous()
-        host = in_host_memory(send)
-        if host:  # numpy views, which the transports take as they are (MPI: no staging context, the per-call path)
-            send = send.numpy()
-            recv = np.empty((p.size,) + send.shape, send.dtype)
+        # numpy views of host memory (the transport's, which leave a caller's tensor resizable), which the transports
+        # take as they are (MPI: no staging context, the per-call path)
+        host = host_numpy(send)
+        if host is not None:
+            send, recv = host, np.empty((p.size,) + host.shape, host.dtype)
         else:
             recv = torch.empty((p.size,) + tuple(send.shape), dtype=send.dtype, device=send.device)
         nbytes = send.nbytes
         p.moves.allgatherv(send, recv, [nbytes] * p.size, [r * nbytes for r in range(p.size)])
-        return torch.from_numpy(recv) if host else recv
+        return recv if host is None else torch.from_numpy(recv)
 
     def adjoint(self, grad: Any, p: _Plan) -> Any:
         g = grad.detach().contiguous()
