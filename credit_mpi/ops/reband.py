@@ -120,7 +120,6 @@ def _target_of(sizes: Any, window: Any, back: Any) -> tuple:
     return sizes, window, back
 
 
-@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
 def rebanded(t: torch.Tensor, dim: int, comm: MPI.Comm, window: int, path: str = "reband", *,
              transport: Any = "mpi", quiet: Any = None) -> tuple:
     """:func:`reband` to whole windows; returns ``(band, sizes before, sizes after)`` (``back=`` takes the two layouts).
@@ -128,9 +127,24 @@ def rebanded(t: torch.Tensor, dim: int, comm: MPI.Comm, window: int, path: str =
     The layouts are those of the agreed plan (:func:`credit_mpi.engine.run_planned`). ``quiet(before, after)``
     (as :func:`agree_rows`' ``quiet``): True when the caller makes no MPI call with these (agreed) layouts; then a
     repeat inside a converted forward whose inputs are the last one's skips the agreement and returns ``t`` itself
-    (:func:`credit_mpi.agreement.quiet_forward`).
+    (:func:`credit_mpi.agreement.quiet_forward`), answered here, eagerly, as :func:`agree_rows` answers its own.
     """
-    key = (path, "whole windows", dim, window, tuple(t.shape), str(t.dtype), t.device.type, records_grad(t))
+    if quiet is not None and not torch.compiler.is_compiling():
+        known = quiet_known(comm, _windows_key(t, dim, window, path))
+        if known is not None:
+            return (t, *known[0])
+    return _rebanded(t, dim, comm, window, path, transport, quiet)
+
+
+def _windows_key(t: torch.Tensor, dim: int, window: int, path: str) -> tuple:
+    """What decides :func:`rebanded`'s layouts on this rank: the key a quiet repeat is remembered by."""
+    return path, "whole windows", dim, window, tuple(t.shape), str(t.dtype), t.device.type, records_grad(t)
+
+
+@torch.compiler.disable(recursive=True)  # under torch.compile: a graph break, the collective eager (see nn._comm._eager)
+def _rebanded(t: torch.Tensor, dim: int, comm: MPI.Comm, window: int, path: str, transport: Any, quiet: Any) -> tuple:
+    """:func:`rebanded` (its quiet repeats too, under torch.compile)."""
+    key = _windows_key(t, dim, window, path)
     known = quiet_known(comm, key) if quiet is not None else None
     if known is not None:
         return (t, *known[0])
